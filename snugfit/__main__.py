@@ -1,0 +1,5 @@
+import sys
+
+from snugfit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,80 @@
+"""`snugfit <command>`: every module in snugfit/commands with add_parser/run is a subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import pkgutil
+import sys
+import warnings
+
+import snugfit.commands
+from snugfit.errors import SnugfitError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad command lines end with one line naming the problem, not a usage dump."""
+
+    def error(self, message: str) -> None:
+        sys.stderr.write(f"error: {message}; see `{self.prog} --help`\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="snugfit",
+        description="Plan and run LLM training on the GPUs you have: profile the model, choose sharding, "
+        "offload, recomputation and pipeline stages with a memory and time model, explain the choice, run it.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for info in sorted(pkgutil.iter_modules(snugfit.commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"snugfit.commands.{info.name}")
+        if hasattr(module, "add_parser"):
+            module.add_parser(sub).set_defaults(run=module.run)
+    return parser
+
+
+def _setup_logging(rank: int) -> None:
+    """snugfit's own messages on rank 0; libraries stay quiet."""
+    logger = logging.getLogger("snugfit")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("snugfit: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # DCP warns on every single-process save/load that it is single-process; that is intended here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    _setup_logging(rank)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    try:
+        if unknown:
+            _refuse_unknown(unknown, args.command)
+        return args.run(args) or 0
+    except SnugfitError as e:
+        prefix = f"rank {rank}: " if "RANK" in os.environ and rank else ""
+        sys.stderr.write(f"error: {prefix}{e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted; the last committed checkpoint is intact\n")
+        return 130
+
+
+def _refuse_unknown(unknown: list[str], command: str) -> None:
+    """Name the first unknown option; for `train`, with close matches among the config keys."""
+    from snugfit.config import resolve_key
+
+    option = next((u for u in unknown if u.startswith("-")), unknown[0])
+    if command == "train" and option.startswith("--"):
+        resolve_key(option[2:].split("=")[0].replace("-", "_"))  # raises with suggestions when unknown
+    raise SnugfitError(f"unexpected argument {option!r}; see `snugfit {command} --help`")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

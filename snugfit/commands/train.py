@@ -1,0 +1,51 @@
+"""`snugfit train`: train under a plan, locally or on N ranks through torchrun's launcher."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from snugfit.config import RunConfig, all_keys, build_config
+
+
+def _flag(key: str) -> str:
+    return "--" + key.split(".", 1)[1].replace("_", "-")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    keys, defaults = all_keys(), RunConfig()
+    short_names = [k.split(".", 1)[1] for k in keys]
+    p = sub.add_parser(
+        "train",
+        help="train a model (defaults: a small model on the embedded corpus)",
+        description="Train a model. Settings come from defaults, then --config FILE (TOML with sections "
+        "[model] [data] [train] [parallel]), then --key value overrides. Every key is --section.key; "
+        "keys unique across sections also take the short form shown.",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file with [model] [data] [train] [parallel] sections")
+    for key, (section, tp) in keys.items():
+        names = [f"--{key}"]
+        if short_names.count(key.split(".", 1)[1]) == 1:
+            names.insert(0, _flag(key))
+        default = getattr(getattr(defaults, section), key.split(".", 1)[1])
+        kwargs = {"dest": key, "metavar": "V", "default": argparse.SUPPRESS, "help": f"[{section}] default: {default!r}"}
+        if tp is bool:
+            kwargs.update(nargs="?", const="true")
+        p.add_argument(*names, **kwargs)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in vars(args).items() if "." in k}
+    cfg = build_config(args.config, overrides)
+    under_launcher = "RANK" in os.environ
+    if not under_launcher and (cfg.parallel.nproc > 1 or cfg.parallel.nnodes > 1):
+        from snugfit.runtime.launch import launch
+
+        return launch(sys.argv[sys.argv.index("train") + 1 :] if "train" in sys.argv else [], cfg.parallel)
+    from snugfit.train.loop import train
+
+    train(cfg)
+    return 0
+

@@ -1,0 +1,233 @@
+"""Run configuration: defaults < TOML file < command-line overrides, validated with one-line errors.
+
+Sections and keys are the fields of the dataclasses below; `snugfit train --help`
+lists them all. A key is written `--section.key value`, or `--key value` when
+the key name is unique across sections.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+
+from snugfit.errors import SnugfitError
+from snugfit.model import ModelConfig
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # file or folder; empty: the embedded corpus (Python's standard library source)
+    format: str = "auto"  # auto | text | jsonl | bin
+    tokenizer: str = "byte"  # 'byte' or a local tokenizer.json (or its folder)
+    text_field: str = "text"  # field of each .jsonl line
+    bin_dtype: str = "uint16"  # uint16 | uint32, for pre-tokenized .bin files
+    val_fraction: float = 0.05  # the last part of the stream held out for validation
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seq_len: int = 128
+    batch_size: int = 16  # global batch, in sequences
+    micro_batch_size: int = 0  # 0: the whole per-rank batch at once (no accumulation)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    dtype: str = "float32"  # float32 | bfloat16 (autocast / mixed precision)
+    seed: int = 0
+    eval_every: int = 100  # steps between validation losses; 0: only at start and end
+    eval_batches: int = 4
+    log_every: int = 10
+    checkpoint_every: int = 100  # 0: only at the end
+    keep_checkpoints: int = 2
+    out_dir: str = "runs/default"
+    resume: bool = False  # continue from the newest checkpoint in out_dir
+    progress: bool = True  # progress bar on rank 0
+    plot: bool = True  # loss-curve PNG at the end
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 1  # local ranks to start (through torchrun's launcher)
+    plan: str = ""  # a plan JSON to run as is; empty: data parallel over all ranks
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""  # host:port of node 0, for multi-node runs
+    timeout_s: float = 300.0  # a collective or transfer that waits longer fails the step
+
+
+DEFAULT_MODEL = ModelConfig(dim=192, n_layers=4, n_heads=6, max_seq_len=128)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(**asdict(DEFAULT_MODEL)))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in fields(RunConfig)}
+CHOICES = {
+    "data.format": ("auto", "text", "jsonl", "bin"),
+    "data.bin_dtype": ("uint16", "uint32"),
+    "train.dtype": ("float32", "bfloat16"),
+    "model.arch": ("llama", "gpt2"),
+    "model.attention": ("sdpa", "eager"),
+}
+POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
+            "train.keep_checkpoints", "parallel.nproc", "parallel.nnodes"}
+NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
+                "train.grad_clip", "train.weight_decay", "parallel.node_rank"}
+
+
+def section_classes() -> dict[str, type]:
+    return {f.name: type(getattr(RunConfig(), f.name)) for f in fields(RunConfig)}
+
+
+def all_keys() -> dict[str, tuple[str, type]]:
+    """'section.key' -> (section, python type) for every configurable key."""
+    out = {}
+    for sec, cls in section_classes().items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            out[f"{sec}.{f.name}"] = (sec, hints[f.name])
+    return out
+
+
+def _base_type(tp) -> type:
+    """int | None -> int, so optional keys coerce like their type."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def coerce(key: str, value, tp) -> object:
+    """Turn a TOML value or command-line string into the key's type, or raise a one-line error."""
+    base = _base_type(tp)
+    if value is None or (isinstance(value, str) and value.lower() == "none" and base is not str):
+        if base is not tp:
+            return None
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if base is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except ValueError:
+        pass
+    raise SnugfitError(f"{key} must be {_describe(base)}, got {value!r}")
+
+
+def _describe(tp: type) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def resolve_key(name: str) -> str:
+    """'steps' or 'train.steps' -> 'train.steps'; unknown keys get close matches."""
+    keys = all_keys()
+    if name in keys:
+        return name
+    short = [k for k in keys if k.split(".", 1)[1] == name]
+    if len(short) == 1:
+        return short[0]
+    if len(short) > 1:
+        raise SnugfitError(f"key {name!r} is ambiguous: write one of {', '.join(short)}")
+    close = difflib.get_close_matches(name, list(keys) + [k.split(".", 1)[1] for k in keys], n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see `snugfit train --help` for all keys"
+    raise SnugfitError(f"unknown config key {name!r}{hint}")
+
+
+def load_toml(path: str) -> dict[str, object]:
+    """A TOML file as {'section.key': value}."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise SnugfitError(f"config file {path!r} not found; pass an existing TOML file to --config") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SnugfitError(f"config file {path} is not valid TOML: {e}; fix the file") from None
+    flat = {}
+    for sec, body in doc.items():
+        if sec not in SECTIONS:
+            close = difflib.get_close_matches(sec, list(SECTIONS), n=1)
+            hint = f"; did you mean [{close[0]}]?" if close else f"; sections are {', '.join(SECTIONS)}"
+            raise SnugfitError(f"{path}: unknown section [{sec}]{hint}")
+        if not isinstance(body, dict):
+            raise SnugfitError(f"{path}: {sec} must be a [section] table, got {body!r}")
+        for key, value in body.items():
+            flat[resolve_key(f"{sec}.{key}")] = value
+    return flat
+
+
+def build_config(file: str | None = None, overrides: dict[str, object] | None = None) -> RunConfig:
+    """Defaults, then the TOML file, then overrides ({'key' or 'section.key': value}); validated."""
+    values = load_toml(file) if file else {}
+    for name, value in (overrides or {}).items():
+        values[resolve_key(name)] = value
+    cfg = RunConfig()
+    keys = all_keys()
+    for key, value in values.items():
+        sec, tp = keys[key]
+        setattr(getattr(cfg, sec), key.split(".", 1)[1], coerce(key, value, tp))
+    model_fields = asdict(cfg.model)
+    if "model.ffn_dim" not in values and "model.dim" in values:
+        model_fields["ffn_dim"] = None  # re-derive from the new width
+    cfg.model = ModelConfig(**model_fields)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    for key, (sec, _) in all_keys().items():
+        value = getattr(getattr(cfg, sec), key.split(".", 1)[1])
+        if key in CHOICES and value not in CHOICES[key]:
+            raise SnugfitError(f"{key} must be one of {', '.join(CHOICES[key])}, got {value!r}")
+        if key in POSITIVE and value <= 0:
+            raise SnugfitError(f"{key} must be positive, got {value}")
+        if key in NON_NEGATIVE and value < 0:
+            raise SnugfitError(f"{key} must be zero or positive, got {value}")
+    try:
+        cfg.model.validate()
+    except ValueError as e:
+        raise SnugfitError(f"{e}; fix the [model] section") from None
+    t = cfg.train
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise SnugfitError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
+    if t.lr <= 0:
+        raise SnugfitError(f"train.lr must be positive, got {t.lr}")
+    if t.seq_len > cfg.model.max_seq_len:
+        raise SnugfitError(
+            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}); lower one or raise the other"
+        )
+    if t.micro_batch_size and t.batch_size % t.micro_batch_size:
+        raise SnugfitError(
+            f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({t.micro_batch_size})"
+        )

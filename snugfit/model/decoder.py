@@ -1,0 +1,263 @@
+"""The built-in decoder: LLaMA-style or GPT-2-style from one config.
+
+Structure, which planner and runtime rely on:
+    model.embed   token (+ learned position) embedding      -- the first piece
+    model.blocks  nn.ModuleDict {"0": Block, "1": Block, ...} -- the repeated blocks
+    model.norm    final norm                                  -- part of the last piece
+    model.head    output projection                          -- part of the last piece
+
+Blocks live in a ModuleDict keyed by their index so that a pipeline stage that
+deletes the blocks it does not run keeps the same parameter names (checkpoints
+then load under any split). Pieces a stage does not own are set to None and
+skipped by forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ARCHS = ("llama", "gpt2")
+ATTENTIONS = ("sdpa", "eager")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention when < n_heads
+    ffn_dim: int | None = None  # default: llama 8/3*dim rounded up to 32, gpt2 4*dim
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    attention: str = "sdpa"  # "eager" materialises the s*s scores (profiling, tests)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_dim is None:
+            if self.arch == "llama":
+                self.ffn_dim = 32 * math.ceil(int(8 * self.dim / 3) / 32)
+            else:
+                self.ffn_dim = 4 * self.dim
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field and what is allowed."""
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"model.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
+        if self.arch == "llama" and (self.dim // self.n_heads) % 2:
+            raise ValueError("model.dim / model.n_heads must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    # -- analytic counts, used by the profiler and checked against the instantiated model --
+    def block_params(self) -> int:
+        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        attn = d * d + 2 * d * kv + d * d  # q, k, v, o
+        if self.arch == "llama":
+            return attn + 3 * d * self.ffn_dim + 2 * d  # gate/up/down, two RMSNorm weights
+        biases = 2 * d + 2 * kv + self.ffn_dim + d
+        return attn + 2 * d * self.ffn_dim + biases + 4 * d  # two LayerNorms with bias
+
+    def embed_params(self) -> int:
+        pos = self.max_seq_len * self.dim if self.arch == "gpt2" else 0
+        return self.vocab_size * self.dim + pos
+
+    def head_params(self) -> int:
+        norm = self.dim if self.arch == "llama" else 2 * self.dim
+        return norm + (0 if self.tie_embeddings else self.vocab_size * self.dim)
+
+    def num_params(self) -> int:
+        return self.embed_params() + self.n_layers * self.block_params() + self.head_params()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention."""
+        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        per_block = 2 * (2 * d * d + 2 * d * kv) + 2 * (2 * seq_len * d) / 2  # projections + causal attention
+        per_block += 2 * (3 if self.arch == "llama" else 2) * d * self.ffn_dim
+        forward = self.n_layers * per_block + 2 * d * self.vocab_size
+        return 3 * forward
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.dim, cfg.norm_eps) if cfg.arch == "llama" else nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+
+def rope_table(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin table of shape (max_seq_len, head_dim/2, 2)."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, heads, seq, head_dim)."""
+    seq = x.shape[2]
+    cos, sin = table[:seq, :, 0].to(x.dtype), table[:seq, :, 1].to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        bias = cfg.arch == "gpt2"
+        kv = cfg.n_kv_heads * cfg.head_dim
+        self.q = nn.Linear(cfg.dim, cfg.dim, bias=bias)
+        self.k = nn.Linear(cfg.dim, kv, bias=bias)
+        self.v = nn.Linear(cfg.dim, kv, bias=bias)
+        self.o = nn.Linear(cfg.dim, cfg.dim, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        cfg = self.cfg
+        q = self.q(x).view(b, s, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if cfg.n_kv_heads != cfg.n_heads:
+            repeat = cfg.n_heads // cfg.n_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if cfg.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(cfg.head_dim)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+        return self.o(y.transpose(1, 2).reshape(b, s, cfg.dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.arch == "llama"
+        bias = not self.swiglu
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=bias)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=bias)
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.positions = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.arch == "gpt2" else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(tokens)
+        if self.positions is not None:
+            h = h + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        return h
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed: Embedding | None = Embedding(cfg)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = make_norm(cfg)
+        self.head: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.tokens.weight
+        # Not persistent: derived from the config, rebuilt by init_weights after meta init.
+        self.register_buffer("rope", rope_table(cfg) if cfg.arch == "llama" else None, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """GPT-2 style init; output projections scaled by depth. Also fills buffers (meta init)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+        if self.cfg.arch == "llama" and self.rope is not None and not self.rope.is_meta:
+            self.rope.copy_(rope_table(self.cfg, self.rope.device))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens -> logits, or the mean cross-entropy loss when targets are given.
+
+        A pipeline stage without the embedding takes hidden states as `tokens`;
+        one without the head returns hidden states.
+        """
+        h = self.embed(tokens) if self.embed is not None else tokens
+        for block in self.blocks.values():
+            h = block(h, self.rope)
+        if self.head is None:
+            return h
+        logits = self.head(self.norm(h))
+        if targets is None:
+            return logits
+        return cross_entropy(logits, targets)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token loss in fp32; targets of -100 are ignored (masked prompts)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -1,0 +1,194 @@
+"""The Plan: the one contract between planner and runtime.
+
+Plain, JSON-serialisable data. The planner fills it (and its predictions); the
+runtime executes exactly what it says and never re-decides. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+ZERO_STAGES = (0, 1, 2, 3)  # 0 replicate, 1 shard optimizer states, 2 + gradients, 3 + parameters
+ACTIVATION_POLICIES = ("keep", "recompute", "selective", "offload")
+SCHEDULES = ("none", "1f1b", "interleaved", "bpipe")  # "none": pp == 1, plain gradient accumulation
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class PlanError(ValueError):
+    """A plan that cannot run as written; the message names the field and the fix."""
+
+
+@dataclass
+class BlockPlan:
+    """Decisions for one block (or for the root piece: embedding + final norm + head)."""
+
+    zero: int = 0
+    offload_optimizer: bool = False  # fp32 master weights + optimizer states on host, compute params on device
+    offload_params: bool = False  # parameters on host between uses (FSDP2 CPUOffloadPolicy); needs zero 3
+    activations: str = "keep"  # what happens to the block's saved activations
+
+    def check(self, where: str) -> None:
+        if self.zero not in ZERO_STAGES:
+            raise PlanError(f"{where}.zero must be one of {ZERO_STAGES}, got {self.zero}")
+        if self.activations not in ACTIVATION_POLICIES:
+            raise PlanError(f"{where}.activations must be one of {ACTIVATION_POLICIES}, got {self.activations!r}")
+        if self.offload_params and self.zero != 3:
+            raise PlanError(f"{where}: offload_params needs zero 3 (parameters are offloaded as shards); set zero=3")
+        if self.offload_params and self.offload_optimizer:
+            raise PlanError(f"{where}: offload_params already keeps optimizer states on host; drop offload_optimizer")
+
+
+@dataclass
+class Prediction:
+    """What the memory and time models said about this plan (filled by plan/)."""
+
+    peak_memory_bytes: int = 0  # max over ranks
+    memory_by_rank: list[dict[str, int]] = field(default_factory=list)  # category -> bytes, per rank
+    step_time_s: float = 0.0
+    time_by_phase: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    fits: bool = True
+    memory_budget_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    world_size: int = 1
+    dp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 1
+    num_microbatches: int = 1  # per data-parallel rank per optimizer step
+    seq_len: int = 128
+    schedule: str = "none"
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved 1F1B)
+    stage_blocks: list[int] = field(default_factory=list)  # blocks per stage, in order; len = pp * virtual_stages
+    evict_bound: int | None = None  # BPipe: most microbatches' activations resident on one stage
+    compute_dtype: str = "float32"  # dtype of parameters in forward/backward
+    reduce_dtype: str = "float32"  # dtype of gradient reduction
+    root: BlockPlan = field(default_factory=BlockPlan)  # embedding, final norm, head
+    blocks: list[BlockPlan] = field(default_factory=list)
+    predicted: Prediction | None = None
+
+    # -- derived --
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def stage_ranges(self) -> list[range]:
+        """Block indices of each stage, in stage order (stage k runs on pipeline rank k % pp)."""
+        out, start = [], 0
+        for n in self.stage_blocks:
+            out.append(range(start, start + n))
+            start += n
+        return out
+
+    def bpipe_bound(self) -> int:
+        return self.evict_bound if self.evict_bound is not None else math.ceil((self.pp + 2) / 2)
+
+    # -- construction --
+    @classmethod
+    def uniform(
+        cls,
+        n_blocks: int,
+        *,
+        dp: int = 1,
+        pp: int = 1,
+        block: BlockPlan | None = None,
+        root: BlockPlan | None = None,
+        schedule: str | None = None,
+        virtual_stages: int = 1,
+        **kw,
+    ) -> "Plan":
+        """Every block decided alike; stages split as evenly as possible (earlier stages get fewer)."""
+        block = block or BlockPlan()
+        n_stages = pp * virtual_stages
+        base, extra = divmod(n_blocks, n_stages)
+        stage_blocks = [base + (1 if i >= n_stages - extra else 0) for i in range(n_stages)]
+        return cls(
+            world_size=dp * pp,
+            dp=dp,
+            pp=pp,
+            schedule=schedule or ("none" if pp == 1 else "1f1b"),
+            virtual_stages=virtual_stages,
+            stage_blocks=stage_blocks,
+            root=root or BlockPlan(**asdict(block)),
+            blocks=[BlockPlan(**asdict(block)) for _ in range(n_blocks)],
+            **kw,
+        )
+
+    # -- checks --
+    def validate(self, n_blocks: int | None = None, world_size: int | None = None) -> None:
+        """Refuse a plan that contradicts itself, the model or the launch."""
+        for name in ("world_size", "dp", "pp", "micro_batch_size", "num_microbatches", "seq_len", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"plan.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp * self.pp != self.world_size:
+            raise PlanError(f"plan: dp ({self.dp}) x pp ({self.pp}) must equal world_size ({self.world_size})")
+        if world_size is not None and world_size != self.world_size:
+            raise PlanError(
+                f"plan is for {self.world_size} ranks but {world_size} were launched; "
+                f"launch with --nproc {self.world_size} or re-plan"
+            )
+        if n_blocks is not None and len(self.blocks) != n_blocks:
+            raise PlanError(f"plan has {len(self.blocks)} block decisions but the model has {n_blocks} blocks; re-plan")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if (self.pp == 1) != (self.schedule == "none"):
+            raise PlanError(f"plan.schedule {self.schedule!r} does not fit pp={self.pp}: use 'none' iff pp == 1")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise PlanError("plan.virtual_stages > 1 needs schedule 'interleaved'")
+        if len(self.stage_blocks) != self.pp * self.virtual_stages:
+            raise PlanError(
+                f"plan.stage_blocks has {len(self.stage_blocks)} stages, expected pp x virtual_stages = "
+                f"{self.pp * self.virtual_stages}"
+            )
+        if any(n < 1 for n in self.stage_blocks) or sum(self.stage_blocks) != len(self.blocks):
+            raise PlanError(
+                f"plan.stage_blocks {self.stage_blocks} must be positive and sum to the {len(self.blocks)} blocks"
+            )
+        if self.pp > 1 and self.num_microbatches < self.pp:
+            raise PlanError(
+                f"plan.num_microbatches ({self.num_microbatches}) must be >= pp ({self.pp}) for a pipeline schedule"
+            )
+        if self.schedule == "interleaved" and self.num_microbatches % self.pp:
+            raise PlanError(f"interleaved 1F1B needs num_microbatches divisible by pp ({self.pp})")
+        if self.evict_bound is not None and self.schedule != "bpipe":
+            raise PlanError("plan.evict_bound is only meaningful with schedule 'bpipe'")
+        for name in ("compute_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise PlanError(f"plan.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        self.root.check("plan.root")
+        for i, b in enumerate(self.blocks):
+            b.check(f"plan.blocks[{i}]")
+
+    # -- serialisation --
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise PlanError(f"plan has unknown fields {sorted(unknown)}; allowed: {sorted(known)}")
+        d = dict(d)
+        d["root"] = BlockPlan(**d.get("root", {}))
+        d["blocks"] = [BlockPlan(**b) for b in d.get("blocks", [])]
+        if d.get("predicted") is not None:
+            d["predicted"] = Prediction(**d["predicted"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,48 @@
+"""Process-group setup from torchrun's environment; one process without it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """The local accelerator (CUDA, ROCm, XPU, ...) by local rank, else the CPU."""
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator().type
+        torch.accelerator.set_device_index(local_rank)
+        return torch.device(kind, local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 300.0) -> DistEnv:
+    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU).
+
+    The timeout bounds every collective and point-to-point transfer, so a dead
+    peer ends the step with an error instead of a silent hang.
+    """
+    if "RANK" not in os.environ:
+        return DistEnv()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(local_rank)
+    if not dist.is_initialized():
+        backend = "cpu:gloo" if device.type == "cpu" else f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=None if device.type == "cpu" else device)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)

@@ -1,0 +1,126 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP), committed atomically.
+
+Layout: <out_dir>/checkpoints/step_00000100/ holding DCP shards (model and
+optimizer keyed by parameter name, so a checkpoint loads under another plan or
+world size), trainer.json (step, data position, config, plan) and one
+rng_rank<r>.safetensors per rank. Every rank writes into `step_N.tmp`; rank 0
+renames it once all ranks are done, so a half-written checkpoint never has a
+name that `latest()` picks up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from snugfit.errors import SnugfitError
+from snugfit.runtime.dist import DistEnv
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.accelerator.is_available():
+        state["accelerator"] = torch.get_device_module(torch.accelerator.current_accelerator()).get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "accelerator" in state and torch.accelerator.is_available():
+        torch.get_device_module(torch.accelerator.current_accelerator()).set_rng_state(state["accelerator"])
+
+
+class Checkpoints:
+    def __init__(self, root: Path, keep: int, env: DistEnv):
+        self.root, self.keep, self.env = root, keep, env
+
+    def committed(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+    def latest(self) -> Path | None:
+        found = self.committed()
+        return found[-1] if found else None
+
+    def save(self, step: int, engine_state: dict, trainer_state: dict) -> Path:
+        final = self.root / f"step_{step:08d}"
+        if final.exists():  # already saved (e.g. the last step coincides with an interval): never overwrite
+            return final
+        tmp = final.with_name(final.name + ".tmp")
+        if self.env.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # leftover of a crashed save: never committed, safe to drop
+        _barrier()
+        try:
+            dcp.save(engine_state, checkpoint_id=str(tmp))
+            save_file(rng_state(), str(tmp / f"rng_rank{self.env.rank}.safetensors"))
+            if self.env.is_main:
+                _write_json(tmp / "trainer.json", {"step": step, **trainer_state})
+        except OSError as e:
+            raise SnugfitError(
+                f"writing checkpoint {tmp} failed ({e.strerror or e}); free disk space or change train.out_dir — "
+                "earlier checkpoints are untouched"
+            ) from e
+        _barrier()
+        if self.env.is_main:
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            for old in self.committed()[: -self.keep]:
+                shutil.rmtree(old)
+        _barrier()
+        return final
+
+    def load(self, path: Path, engine_state: dict, model_config: dict) -> dict:
+        """Fill engine_state in place from path; return the trainer state saved with it."""
+        meta = path / "trainer.json"
+        if not meta.is_file():
+            raise SnugfitError(f"{path} is not a snugfit checkpoint (no trainer.json); pass a step_* folder")
+        try:
+            trainer_state = json.loads(meta.read_text())
+            if trainer_state.get("model") != model_config:
+                raise SnugfitError(
+                    f"checkpoint {path} is of another model (its [model] differs); resume with the same [model] settings"
+                )
+            dcp.load(engine_state, checkpoint_id=str(path))
+        except (json.JSONDecodeError, RuntimeError, ValueError, KeyError, OSError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SnugfitError(
+                f"checkpoint {path} cannot be loaded ({first[:200]}); it is corrupt or from another model — "
+                "resume from another checkpoint or start a new out_dir"
+            ) from e
+        rng = path / f"rng_rank{self.env.rank}.safetensors"
+        if rng.is_file():  # absent when resuming at a larger world size: those ranks start fresh RNGs
+            set_rng_state(load_file(str(rng)))
+        return trainer_state
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,209 @@
+"""The training loop: data, plan, engine, checkpoints, metrics. nanoGPT-plain on purpose."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from snugfit.config import RunConfig
+from snugfit.data import BatchSampler, eval_batches, load_tokenizer, load_tokens, split
+from snugfit.errors import SnugfitError
+from snugfit.model import Decoder, ModelConfig
+from snugfit.plan import Plan, PlanError
+from snugfit.runtime.apply import build_engine
+from snugfit.runtime.dist import DistEnv, init_distributed
+from snugfit.runtime.engine import Engine, OptimConfig
+from snugfit.train.checkpoint import Checkpoints
+from snugfit.train.metrics import MetricsLog, plot_losses
+
+log = logging.getLogger("snugfit")
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    last_step: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> training loss
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss (step 0: before training)
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio at the last step."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def resolve_plan(cfg: RunConfig, model_cfg: ModelConfig, env: DistEnv) -> Plan:
+    """The plan file as written, or plain data parallelism over every launched rank."""
+    t = cfg.train
+    if cfg.parallel.plan:
+        try:
+            plan = Plan.from_json(Path(cfg.parallel.plan).read_text())
+        except OSError as e:
+            raise SnugfitError(f"cannot read plan {cfg.parallel.plan}: {e.strerror}; pass an existing plan JSON") from None
+        except (ValueError, TypeError) as e:
+            raise SnugfitError(f"plan {cfg.parallel.plan} is not a valid plan: {e}") from None
+        if (plan.global_batch, plan.seq_len) != (t.batch_size, t.seq_len):
+            raise SnugfitError(
+                f"plan {cfg.parallel.plan} is for batch {plan.global_batch} x seq {plan.seq_len}, the run asks "
+                f"{t.batch_size} x {t.seq_len}; set --batch-size {plan.global_batch} --seq-len {plan.seq_len}"
+            )
+        return plan
+    if t.batch_size % env.world_size:
+        raise SnugfitError(f"train.batch_size ({t.batch_size}) must be divisible by the {env.world_size} ranks")
+    per_rank = t.batch_size // env.world_size
+    micro = t.micro_batch_size or per_rank
+    if per_rank % micro:
+        raise SnugfitError(
+            f"per-rank batch ({per_rank}) must be a multiple of train.micro_batch_size ({micro}); change either"
+        )
+    return Plan.uniform(
+        model_cfg.n_layers, dp=env.world_size, micro_batch_size=micro, num_microbatches=per_rank // micro,
+        seq_len=t.seq_len, compute_dtype=t.dtype,
+    )
+
+
+def train(cfg: RunConfig) -> TrainResult:
+    env = init_distributed(cfg.parallel.timeout_s)
+    try:
+        return _train(cfg, env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
+    t = cfg.train
+    out = Path(t.out_dir)
+    checkpoints = Checkpoints(out / "checkpoints", t.keep_checkpoints, env)
+    resume_from = checkpoints.latest() if t.resume else None
+    if t.resume and resume_from is None:
+        raise SnugfitError(f"--resume: no checkpoint in {out / 'checkpoints'}; drop --resume to start a new run")
+    if not t.resume and checkpoints.committed():
+        raise SnugfitError(
+            f"{out} already holds checkpoints of another run; pass --resume to continue it or choose another --out-dir"
+        )
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokens = load_tokens(cfg.data.path, cfg.data.format, tokenizer, cfg.data.text_field, cfg.data.bin_dtype)
+    data = split(tokens, t.seq_len, cfg.data.val_fraction, cfg.model.vocab_size)
+
+    torch.manual_seed(t.seed)
+    model = Decoder(cfg.model)
+    plan = resolve_plan(cfg, cfg.model, env)
+    try:
+        engine = build_engine(model, plan, OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip), env)
+    except PlanError as e:
+        raise SnugfitError(str(e)) from None
+    dp_rank = env.rank % plan.dp
+    sampler = BatchSampler(data.train, t.seq_len, plan.global_batch, t.seed, dp_rank, plan.dp)
+
+    start = 0
+    if resume_from is not None:
+        start = _resume(checkpoints, resume_from, engine, sampler, cfg)
+    elif env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    if env.is_main:
+        (out / "plan.json").write_text(plan.to_json())
+        log.info(
+            "model %.2fM params, plan dp=%d pp=%d micro-batch %d x %d, %d tokens/step, %s",
+            cfg.model.num_params() / 1e6, plan.dp, plan.pp, plan.micro_batch_size, plan.num_microbatches,
+            plan.tokens_per_step, f"resuming at step {start}" if start else "starting",
+        )
+
+    metrics = MetricsLog(out / "metrics.jsonl", env.is_main)
+    result = TrainResult(out_dir=out, last_step=start)
+    val = eval_batches(data.val, t.seq_len, plan.micro_batch_size * plan.num_microbatches, t.eval_batches)
+
+    def evaluate(step: int) -> None:
+        if val:
+            loss = sum(engine.eval_loss(b) for b in val) / len(val)
+            result.val_losses[step] = loss
+            metrics.write({"kind": "eval", "step": step, "val_loss": loss})
+            if env.is_main:
+                _say(f"step {step}: validation loss {loss:.4f}", bar)
+
+    bar = _progress(start, t.steps) if env.is_main and t.progress else None
+    if start == 0:
+        evaluate(0)
+    window_t, window_tokens = time.perf_counter(), 0
+    for step in range(start, t.steps):
+        lr = lr_at(step, cfg)
+        engine.set_lr(lr)
+        res = engine.train_step(sampler.next_batch())
+        done = step + 1
+        result.losses[done] = res.loss
+        result.last_step = done
+        window_tokens += plan.tokens_per_step
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
+        if done % t.log_every == 0 or done == t.steps:
+            elapsed = time.perf_counter() - window_t
+            metrics.write({
+                "kind": "train", "step": done, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
+                "skipped": res.skipped, "tokens_per_s": window_tokens / elapsed, "step_time_s": elapsed * plan.tokens_per_step / window_tokens,
+            })
+            window_t, window_tokens = time.perf_counter(), 0
+        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            evaluate(done)
+        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
+            checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan))
+    if bar is not None:
+        bar.close()
+    if env.is_main:
+        _report(cfg, out, result, checkpoints)
+    return result
+
+
+def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler: BatchSampler, cfg: RunConfig) -> int:
+    state = engine.state_dict()
+    trainer_state = checkpoints.load(path, state, cfg.model.to_dict())
+    engine.load_state_dict(state)
+    sampler.load_state_dict(trainer_state["sampler"])
+    if trainer_state["step"] >= cfg.train.steps:
+        raise SnugfitError(
+            f"checkpoint {path} is at step {trainer_state['step']}, not before train.steps ({cfg.train.steps}); "
+            "raise --steps to train further"
+        )
+    return trainer_state["step"]
+
+
+def _trainer_state(sampler: BatchSampler, cfg: RunConfig, plan: Plan) -> dict:
+    return {"sampler": sampler.state_dict(), "model": cfg.model.to_dict(), "plan": plan.to_dict()}
+
+
+def _progress(start: int, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _say(text: str, bar) -> None:
+    if bar is not None:
+        bar.write(text)
+    else:
+        log.info(text)
+
+
+def _report(cfg: RunConfig, out: Path, result: TrainResult, checkpoints: Checkpoints) -> None:
+    plot = plot_losses(out / "metrics.jsonl", out / "loss.png") if cfg.train.plot else None
+    first = result.val_losses.get(0)
+    last = result.val_losses.get(result.last_step)
+    if first is not None and last is not None:
+        log.info("validation loss %.4f -> %.4f (%.0f%% lower)", first, last, 100 * (1 - last / first))
+    log.info("metrics: %s", out / "metrics.jsonl")
+    if plot:
+        log.info("loss curve: %s", plot)
+    log.info("checkpoint: %s", checkpoints.latest())
