@@ -8,7 +8,6 @@ import logging
 import os
 import pkgutil
 import sys
-import warnings
 
 import snugfit.commands
 from snugfit.errors import SnugfitError
@@ -44,8 +43,6 @@ def _setup_logging(rank: int) -> None:
         handler.setFormatter(logging.Formatter("snugfit: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    # DCP warns on every single-process save/load that it is single-process; that is intended here.
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ class TrainConfig:
     warmup_steps: int = 30
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    max_bad_steps: int = 5  # non-finite loss or gradient this many steps in a row stops the run
     dtype: str = "float32"  # float32 | bfloat16 (autocast / mixed precision)
     seed: int = 0
     eval_every: int = 100  # steps between validation losses; 0: only at start and end
@@ -65,12 +66,12 @@ class ParallelConfig:
     timeout_s: float = 300.0  # a collective or transfer that waits longer fails the step
 
 
-DEFAULT_MODEL = ModelConfig(dim=192, n_layers=4, n_heads=6, max_seq_len=128)
+DEFAULT_MODEL = {"dim": 192, "n_layers": 4, "n_heads": 6, "max_seq_len": 128}  # ~1.9M parameters
 
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(**asdict(DEFAULT_MODEL)))
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -88,7 +89,7 @@ CHOICES = {
     "model.attention": ("sdpa", "eager"),
 }
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
-            "train.keep_checkpoints", "parallel.nproc", "parallel.nnodes"}
+            "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes"}
 NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
                 "train.grad_clip", "train.weight_decay", "parallel.node_rank"}
 
@@ -194,13 +195,15 @@ def build_config(file: str | None = None, overrides: dict[str, object] | None = 
         values[resolve_key(name)] = value
     cfg = RunConfig()
     keys = all_keys()
+    model_fields = dict(DEFAULT_MODEL)
     for key, value in values.items():
         sec, tp = keys[key]
-        setattr(getattr(cfg, sec), key.split(".", 1)[1], coerce(key, value, tp))
-    model_fields = asdict(cfg.model)
-    if "model.ffn_dim" not in values and "model.dim" in values:
-        model_fields["ffn_dim"] = None  # re-derive from the new width
-    cfg.model = ModelConfig(**model_fields)
+        name = key.split(".", 1)[1]
+        if sec == "model":
+            model_fields[name] = coerce(key, value, tp)
+        else:
+            setattr(getattr(cfg, sec), name, coerce(key, value, tp))
+    cfg.model = ModelConfig(**model_fields)  # derived fields (ffn_dim, n_kv_heads) follow the given ones
     validate(cfg)
     return cfg
 

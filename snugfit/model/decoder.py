@@ -129,11 +129,14 @@ def rope_table(cfg: ModelConfig, device: torch.device | None = None) -> torch.Te
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, heads, seq, head_dim)."""
-    seq = x.shape[2]
+    """Rotate x: (batch, heads, seq, head_dim) by position, pairing dimension i with i + head_dim/2.
+
+    The half-split pairing is Hugging Face Llama's, so exported weights load there unchanged.
+    """
+    seq, half = x.shape[2], x.shape[-1] // 2
     cos, sin = table[:seq, :, 0].to(x.dtype), table[:seq, :, 1].to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class Attention(nn.Module):

@@ -14,6 +14,8 @@ import json
 import os
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,9 +24,18 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from snugfit.errors import SnugfitError
+from snugfit.model import Decoder, ModelConfig
 from snugfit.runtime.dist import DistEnv
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+@contextmanager
+def _dcp_quiet():
+    """DCP warns at every single-process save and load that it is single-process; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _barrier() -> None:
@@ -69,7 +80,8 @@ class Checkpoints:
                 shutil.rmtree(tmp)  # leftover of a crashed save: never committed, safe to drop
         _barrier()
         try:
-            dcp.save(engine_state, checkpoint_id=str(tmp))
+            with _dcp_quiet():
+                dcp.save(engine_state, checkpoint_id=str(tmp))
             save_file(rng_state(), str(tmp / f"rng_rank{self.env.rank}.safetensors"))
             if self.env.is_main:
                 _write_json(tmp / "trainer.json", {"step": step, **trainer_state})
@@ -98,7 +110,8 @@ class Checkpoints:
                 raise SnugfitError(
                     f"checkpoint {path} is of another model (its [model] differs); resume with the same [model] settings"
                 )
-            dcp.load(engine_state, checkpoint_id=str(path))
+            with _dcp_quiet():
+                dcp.load(engine_state, checkpoint_id=str(path))
         except (json.JSONDecodeError, RuntimeError, ValueError, KeyError, OSError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SnugfitError(
@@ -124,3 +137,18 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def model_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The full (unsharded) model weights of a checkpoint, read in this one process, whatever plan saved it."""
+    meta = path / "trainer.json"
+    if not meta.is_file():
+        raise SnugfitError(f"{path} is not a snugfit checkpoint (no trainer.json); pass a step_* folder")
+    cfg = ModelConfig.from_dict(json.loads(meta.read_text())["model"])
+    state = {"model": Decoder(cfg).state_dict()}
+    try:
+        with _dcp_quiet():
+            dcp.load(state, checkpoint_id=str(path))
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        raise SnugfitError(f"checkpoint {path} cannot be read ({str(e).strip()[:200]}); it is corrupt") from e
+    return cfg, state["model"]

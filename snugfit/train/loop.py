@@ -138,6 +138,7 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     if start == 0:
         evaluate(0)
     window_t, window_tokens = time.perf_counter(), 0
+    bad_in_a_row, skipped_total = 0, 0
     for step in range(start, t.steps):
         lr = lr_at(step, cfg)
         engine.set_lr(lr)
@@ -145,6 +146,15 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
         done = step + 1
         result.losses[done] = res.loss
         result.last_step = done
+        bad_in_a_row = bad_in_a_row + 1 if res.skipped else 0
+        skipped_total += res.skipped
+        if bad_in_a_row >= t.max_bad_steps:
+            # Skipped steps left weights and optimizer untouched: what is saved is the last good state.
+            saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan))
+            raise SnugfitError(
+                f"loss or gradients were not finite for {bad_in_a_row} steps in a row (up to step {done}); "
+                f"the last good state is saved in {saved}; lower train.lr or check the data, then --resume"
+            )
         window_tokens += plan.tokens_per_step
         if bar is not None:
             bar.update(1)
@@ -153,7 +163,7 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
             elapsed = time.perf_counter() - window_t
             metrics.write({
                 "kind": "train", "step": done, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
-                "skipped": res.skipped, "tokens_per_s": window_tokens / elapsed, "step_time_s": elapsed * plan.tokens_per_step / window_tokens,
+                "skipped": res.skipped, "skipped_total": skipped_total, "tokens_per_s": window_tokens / elapsed, "step_time_s": elapsed * plan.tokens_per_step / window_tokens,
             })
             window_t, window_tokens = time.perf_counter(), 0
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:

@@ -1,0 +1,38 @@
+"""`snugfit export`: a checkpoint as safetensors + config (Hugging Face layout where the architecture has a twin)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from snugfit.errors import SnugfitError
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", help="write a checkpoint's model as safetensors + config",
+                       description="Write the model of a checkpoint (any plan, any world size) as model.safetensors, "
+                       "snugfit.json and, for llama or tied gpt2 shapes, a config.json that transformers loads.")
+    p.add_argument("checkpoint", help="a run folder (its newest checkpoint is used) or a step_* checkpoint folder")
+    p.add_argument("--out", help="output folder (default: <run>/model)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from snugfit.model.export import save_model
+    from snugfit.runtime.dist import DistEnv
+    from snugfit.train.checkpoint import Checkpoints, model_weights
+
+    path = Path(args.checkpoint)
+    if (path / "checkpoints").is_dir():
+        latest = Checkpoints(path / "checkpoints", 1, DistEnv()).latest()
+        if latest is None:
+            raise SnugfitError(f"run folder {path} has no committed checkpoint; train first or pass a step_* folder")
+        run_dir, path = Path(args.checkpoint), latest
+    elif path.is_dir():
+        run_dir = path.parent.parent
+    else:
+        raise SnugfitError(f"{path} is not a folder; pass a run folder or a step_* checkpoint folder")
+    cfg, weights = model_weights(path)
+    out = save_model(weights, cfg, Path(args.out) if args.out else run_dir / "model")
+    print(f"exported {path} -> {out}")
+    return 0

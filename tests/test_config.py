@@ -1,0 +1,51 @@
+"""Config: defaults < TOML < overrides; every bad input is a one-line SnugfitError naming the key."""
+
+import pytest
+
+from snugfit.config import build_config
+from snugfit.errors import SnugfitError
+
+
+def test_layers_and_short_keys(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text("[train]\nsteps = 7\nlr = 0.01\n[model]\ndim = 64\nn_heads = 4\n")
+    cfg = build_config(str(f), {"steps": "9", "model.n_layers": "3", "resume": "true"})
+    assert (cfg.train.steps, cfg.train.lr, cfg.model.dim, cfg.model.n_layers, cfg.train.resume) == (9, 0.01, 64, 3, True)
+    assert cfg.model.ffn_dim == 192  # re-derived for the new width
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"stepz": 3}, "unknown config key 'stepz'; did you mean steps"),
+        ({"steps": "abc"}, "train.steps must be an integer"),
+        ({"steps": 0}, "train.steps must be positive"),
+        ({"lr": -1}, "train.lr must be positive"),
+        ({"dtype": "fp8"}, "train.dtype must be one of"),
+        ({"val_fraction": 1.5}, "val_fraction"),
+        ({"batch_size": 10, "micro_batch_size": 4}, "multiple of train.micro_batch_size"),
+        ({"seq_len": 4096}, "exceeds model.max_seq_len"),
+        ({"model.n_heads": 5}, "divisible by model.n_heads"),
+        ({"resume": "maybe"}, "true or false"),
+    ],
+)
+def test_bad_values(overrides, match):
+    with pytest.raises(SnugfitError, match=match):
+        build_config(None, overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(SnugfitError, match="not found"):
+        build_config(str(tmp_path / "none.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps=1")
+    with pytest.raises(SnugfitError, match="not valid TOML"):
+        build_config(str(bad))
+    sec = tmp_path / "sec.toml"
+    sec.write_text("[trian]\nsteps=1\n")
+    with pytest.raises(SnugfitError, match=r"did you mean \[train\]"):
+        build_config(str(sec))
+    typ = tmp_path / "typ.toml"
+    typ.write_text("[train]\nsteps = 1.5\n")
+    with pytest.raises(SnugfitError, match="train.steps must be an integer, got 1.5"):
+        build_config(str(typ))

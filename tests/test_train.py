@@ -1,0 +1,87 @@
+"""The single-process trainer: loss falls, resume is bit-exact, bad input is one clear line."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from snugfit.config import build_config
+from snugfit.data.dataset import BatchSampler
+from snugfit.train.loop import train
+
+TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32, "max_seq_len": 32, "batch_size": 4,
+        "steps": 12, "warmup_steps": 2, "eval_every": 6, "eval_batches": 2, "log_every": 3,
+        "checkpoint_every": 6, "progress": False, "plot": False}
+
+
+def tiny(out, **kw):
+    return build_config(None, {**TINY, "out_dir": str(out), **kw})
+
+
+def test_loss_falls_and_outputs_are_written(tmp_path):
+    result = train(tiny(tmp_path, steps=30, lr=0.01, plot=True, micro_batch_size=2))
+    assert result.val_losses[30] < 0.8 * result.val_losses[0]
+    for name in ("metrics.jsonl", "loss.png", "plan.json", "config.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000024", "step_00000030"]
+
+
+def test_resume_after_crash_is_bit_exact(tmp_path, monkeypatch):
+    reference = train(tiny(tmp_path / "a"))
+
+    real_next = BatchSampler.next_batch
+    calls = {"n": 0}
+
+    def crash_after_eight(self):
+        calls["n"] += 1
+        if calls["n"] > 8:
+            raise RuntimeError("simulated crash")
+        return real_next(self)
+
+    monkeypatch.setattr(BatchSampler, "next_batch", crash_after_eight)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny(tmp_path / "b"))
+    monkeypatch.setattr(BatchSampler, "next_batch", real_next)
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step_00000006"]
+
+    resumed = train(tiny(tmp_path / "b", resume=True))
+    assert list(resumed.losses) == list(range(7, 13))
+    for step in range(7, 13):
+        assert resumed.losses[step] == reference.losses[step]  # bit-exact on CPU
+    assert resumed.val_losses[12] == reference.val_losses[12]
+
+
+def run_cli(*args, cwd):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "snugfit", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--stepz", "3"], "unknown config key 'stepz'; did you mean steps"),
+        (["--steps", "many"], "train.steps must be an integer"),
+        (["--path", "no/such/file.txt"], "does not exist"),
+        (["--path", "empty.txt"], "too few for one training sequence"),
+        (["--config", "broken.toml"], "not valid TOML"),
+    ],
+)
+def test_cli_bad_input_is_one_line(tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "broken.toml").write_text("[train\n")
+    proc = run_cli("train", "--steps", "2", *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+
+
+def test_existing_checkpoints_are_never_overwritten(tmp_path):
+    train(tiny(tmp_path, steps=6))
+    ckpt = tmp_path / "checkpoints" / "step_00000006"
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    proc = run_cli("train", *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in TINY.items()), []),
+                   "--out-dir", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
