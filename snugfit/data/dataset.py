@@ -90,6 +90,8 @@ def load_tokens(path: str, fmt: str, tokenizer: Tokenizer, text_field: str = "te
     if fmt == "bin":
         if p.stat().st_size == 0:
             raise SnugfitError(f"data file {path} is empty; pass a file with tokens")
+        if p.stat().st_size % np.dtype(bin_dtype).itemsize:
+            raise SnugfitError(f"data file {path} is not a whole number of {bin_dtype} tokens; set data.bin_dtype to the dtype it was written in")
         return np.memmap(p, dtype=bin_dtype, mode="r")
     try:
         return tokenize(_read_documents(p, fmt, text_field), tokenizer)

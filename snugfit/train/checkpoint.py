@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file, save_file
 
 from snugfit.errors import SnugfitError
@@ -85,9 +86,11 @@ class Checkpoints:
             save_file(rng_state(), str(tmp / f"rng_rank{self.env.rank}.safetensors"))
             if self.env.is_main:
                 _write_json(tmp / "trainer.json", {"step": step, **trainer_state})
-        except OSError as e:
+        except (OSError, CheckpointException) as e:
+            if self.env.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)  # never committed; frees what it took
             raise SnugfitError(
-                f"writing checkpoint {tmp} failed ({e.strerror or e}); free disk space or change train.out_dir — "
+                f"writing checkpoint {final.name} failed ({_root_cause(e)}); free disk space or change train.out_dir — "
                 "earlier checkpoints are untouched"
             ) from e
         _barrier()
@@ -112,16 +115,29 @@ class Checkpoints:
                 )
             with _dcp_quiet():
                 dcp.load(engine_state, checkpoint_id=str(path))
-        except (json.JSONDecodeError, RuntimeError, ValueError, KeyError, OSError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except (json.JSONDecodeError, RuntimeError, ValueError, KeyError, OSError, CheckpointException) as e:
             raise SnugfitError(
-                f"checkpoint {path} cannot be loaded ({first[:200]}); it is corrupt or from another model — "
+                f"checkpoint {path} cannot be loaded ({_root_cause(e)}); it is corrupt or from another model — "
                 "resume from another checkpoint or start a new out_dir"
             ) from e
         rng = path / f"rng_rank{self.env.rank}.safetensors"
         if rng.is_file():  # absent when resuming at a larger world size: those ranks start fresh RNGs
             set_rng_state(load_file(str(rng)))
         return trainer_state
+
+
+def _root_cause(e: BaseException) -> str:
+    """DCP wraps each rank's failure; name the first underlying one."""
+    if isinstance(e, CheckpointException):
+        rank, failure = next(iter(e.failures.items()))
+        inner = getattr(failure, "exception", failure)
+        return f"rank {rank}: {_first_line(getattr(inner, 'strerror', None) or inner)}"
+    return _first_line(getattr(e, "strerror", None) or e)
+
+
+def _first_line(e: object) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -149,6 +165,6 @@ def model_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     try:
         with _dcp_quiet():
             dcp.load(state, checkpoint_id=str(path))
-    except (RuntimeError, ValueError, KeyError, OSError) as e:
-        raise SnugfitError(f"checkpoint {path} cannot be read ({str(e).strip()[:200]}); it is corrupt") from e
+    except (RuntimeError, ValueError, KeyError, OSError, CheckpointException) as e:
+        raise SnugfitError(f"checkpoint {path} cannot be read ({_root_cause(e)}); it is corrupt") from e
     return cfg, state["model"]

@@ -58,6 +58,10 @@ def resolve_plan(cfg: RunConfig, model_cfg: ModelConfig, env: DistEnv) -> Plan:
                 f"plan {cfg.parallel.plan} is for batch {plan.global_batch} x seq {plan.seq_len}, the run asks "
                 f"{t.batch_size} x {t.seq_len}; set --batch-size {plan.global_batch} --seq-len {plan.seq_len}"
             )
+        try:
+            plan.validate(n_blocks=model_cfg.n_layers, world_size=env.world_size)
+        except PlanError as e:
+            raise SnugfitError(f"plan {cfg.parallel.plan}: {e}") from None
         return plan
     if t.batch_size % env.world_size:
         raise SnugfitError(f"train.batch_size ({t.batch_size}) must be divisible by the {env.world_size} ranks")
@@ -85,6 +89,11 @@ def train(cfg: RunConfig) -> TrainResult:
 def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     t = cfg.train
     out = Path(t.out_dir)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokens = load_tokens(cfg.data.path, cfg.data.format, tokenizer, cfg.data.text_field, cfg.data.bin_dtype)
+    data = split(tokens, t.seq_len, cfg.data.val_fraction, cfg.model.vocab_size)
+    plan = resolve_plan(cfg, cfg.model, env)
+
     checkpoints = Checkpoints(out / "checkpoints", t.keep_checkpoints, env)
     resume_from = checkpoints.latest() if t.resume else None
     if t.resume and resume_from is None:
@@ -94,13 +103,8 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
             f"{out} already holds checkpoints of another run; pass --resume to continue it or choose another --out-dir"
         )
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    tokens = load_tokens(cfg.data.path, cfg.data.format, tokenizer, cfg.data.text_field, cfg.data.bin_dtype)
-    data = split(tokens, t.seq_len, cfg.data.val_fraction, cfg.model.vocab_size)
-
     torch.manual_seed(t.seed)
     model = Decoder(cfg.model)
-    plan = resolve_plan(cfg, cfg.model, env)
     try:
         engine = build_engine(model, plan, OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip), env)
     except PlanError as e:

@@ -1,0 +1,124 @@
+"""Every bad input: one line `error: ...` naming problem and fix, exit status 2, no checkpoint touched.
+
+Each case runs the real CLI entry in this process against a run folder that
+already holds a checkpoint, and checks that folder is byte-for-byte as before.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from snugfit.cli import main
+from tests.test_train import TINY
+
+TINY_ARGS = sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in TINY.items()), [])
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished 2-step run with its checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", *TINY_ARGS, "--steps", "2", "--out-dir", str(out)]) == 0
+    return out
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def files(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "broken.toml").write_text("[train\nsteps = 1\n")
+    (tmp_path / "section.toml").write_text("[trainer]\nsteps = 1\n")
+    (tmp_path / "typed.toml").write_text("[train]\nsteps = '10'x\n")
+    (tmp_path / "bad.jsonl").write_text('{"txt": "hello"}\n')
+    np.full(4000, 999, dtype=np.uint16).tofile(tmp_path / "big_ids.bin")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    (tmp_path / "tok.json").write_text("{not json")
+    (tmp_path / "plan_bad.json").write_text("{")
+    plan = {"world_size": 2, "dp": 1, "pp": 1, "seq_len": 32, "micro_batch_size": 4, "stage_blocks": [2],
+            "blocks": [{}, {}]}
+    (tmp_path / "plan_world.json").write_text(json.dumps(plan))
+    (tmp_path / "plan_field.json").write_text(json.dumps({**plan, "world_size": 1, "shard": 3}))
+    (tmp_path / "plan_batch.json").write_text(json.dumps({**plan, "world_size": 1, "micro_batch_size": 2}))
+    (tmp_path / "plan_offload.json").write_text(
+        json.dumps({**plan, "world_size": 1, "blocks": [{"offload_params": True}, {}]}))
+
+
+CASES = [
+    # (id, extra args, expected fragment of the message)
+    ("malformed-toml", ["--config", "{t}/broken.toml"], "not valid TOML"),
+    ("unknown-section", ["--config", "{t}/section.toml"], "unknown section [trainer]"),
+    ("unknown-key", ["--setps", "3"], "unknown config key 'setps'; did you mean steps"),
+    ("wrong-type", ["--lr", "fast"], "train.lr must be a number"),
+    ("zero-steps", ["--steps", "0"], "train.steps must be positive"),
+    ("negative-batch", ["--batch-size", "-4"], "train.batch_size must be positive"),
+    ("bad-choice", ["--dtype", "float8"], "train.dtype must be one of"),
+    ("seq-too-long", ["--seq-len", "64"], "exceeds model.max_seq_len"),
+    ("heads-not-dividing", ["--n-heads", "3"], "divisible by model.n_heads"),
+    ("micro-batch", ["--micro-batch-size", "3"], "multiple of train.micro_batch_size"),
+    ("missing-data", ["--path", "{t}/nothing.txt"], "does not exist"),
+    ("empty-corpus", ["--path", "{t}/empty.txt"], "too few for one training sequence"),
+    ("bad-jsonl", ["--path", "{t}/bad.jsonl"], "bad.jsonl:1: not a JSON object with a 'text'"),
+    ("ids-beyond-vocab", ["--path", "{t}/big_ids.bin"], "token id 999 in the data is beyond"),
+    ("odd-bin-size", ["--path", "{t}/odd.bin"], "not a whole number of uint16 tokens"),
+    ("bad-tokenizer", ["--tokenizer", "{t}/tok.json"], "cannot read tokenizer"),
+    ("missing-tokenizer", ["--tokenizer", "{t}/none.json"], "tokenizer"),
+    ("plan-not-json", ["--plan", "{t}/plan_bad.json"], "is not a valid plan"),
+    ("plan-missing", ["--plan", "{t}/nope.json"], "cannot read plan"),
+    ("plan-unknown-field", ["--plan", "{t}/plan_field.json"], "unknown fields ['shard']"),
+    ("plan-world-size", ["--plan", "{t}/plan_world.json"], "dp (1) x pp (1) must equal world_size (2)"),
+    ("plan-batch-mismatch", ["--plan", "{t}/plan_batch.json"], "set --batch-size 2"),
+    ("plan-contradiction", ["--plan", "{t}/plan_offload.json"], "offload_params needs zero 3"),
+    ("existing-run", [], "already holds checkpoints"),
+    ("resume-past-end", ["--resume", "--steps", "2"], "raise --steps to train further"),
+    ("resume-other-model", ["--resume", "--dim", "32"], "is of another model"),
+]
+
+
+@pytest.mark.parametrize("case, extra, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line(run_dir, tmp_path, capsys, case, extra, message):
+    files(tmp_path)
+    before = snapshot(run_dir)
+    args = [a.replace("{t}", str(tmp_path)) for a in extra]
+    code = main(["train", *TINY_ARGS, "--out-dir", str(run_dir), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert snapshot(run_dir) == before
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    assert main(["train", *TINY_ARGS, "--out-dir", str(tmp_path / "new"), "--resume"]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_is_refused_and_kept(run_dir, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    shard = next((copy / "checkpoints" / "step_00000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    before = snapshot(copy)
+    assert main(["train", *TINY_ARGS, "--steps", "4", "--out-dir", str(copy), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be loaded" in err[0] and "corrupt" in err[0], err
+    assert snapshot(copy) == before
+
+
+def test_disk_full_while_saving_keeps_earlier_checkpoints(run_dir, tmp_path, capsys, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    before = snapshot(copy / "checkpoints")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp_files, "_write_item", disk_full)  # what the filesystem writer calls per item
+    assert main(["train", *TINY_ARGS, "--steps", "4", "--checkpoint-every", "1", "--out-dir", str(copy), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0] and "earlier checkpoints are untouched" in err[0], err
+    assert snapshot(copy / "checkpoints") == before  # nothing new committed, no temporary left behind
