@@ -39,7 +39,7 @@ def _setup_logging(rank: int) -> None:
     """snugfit's own messages on rank 0; libraries stay quiet."""
     logger = logging.getLogger("snugfit")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("snugfit: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)

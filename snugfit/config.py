@@ -24,9 +24,11 @@ except ModuleNotFoundError:  # Python 3.10
 @dataclass
 class DataConfig:
     path: str = ""  # file or folder; empty: the embedded corpus (Python's standard library source)
-    format: str = "auto"  # auto | text | jsonl | bin
+    format: str = "auto"  # auto | text | jsonl | bin | instruct (.jsonl of prompt/response pairs)
     tokenizer: str = "byte"  # 'byte' or a local tokenizer.json (or its folder)
     text_field: str = "text"  # field of each .jsonl line
+    prompt_field: str = "prompt"  # instruct: the loss is masked on the prompt
+    response_field: str = "response"
     bin_dtype: str = "uint16"  # uint16 | uint32, for pre-tokenized .bin files
     val_fraction: float = 0.05  # the last part of the stream held out for validation
 
@@ -57,12 +59,22 @@ class TrainConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank, freeze everything else
+    lora_alpha: float = 0.0  # adapter scale alpha / rank; 0: alpha = rank
+    lora_dropout: float = 0.0
+    lora_targets: str = ""  # comma-separated layer names inside a block; empty: the attention projections
+    freeze: str = ""  # pieces to freeze: embed, norm, head, blocks, blocks:A-B (comma-separated)
+
+
+@dataclass
 class ParallelConfig:
     nproc: int = 1  # local ranks to start (through torchrun's launcher)
     plan: str = ""  # a plan JSON to run as is; empty: data parallel over all ranks
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # host:port of node 0, for multi-node runs
+    max_restarts: int = 0  # torchrun elastic restarts after a rank fails; the run resumes from its last checkpoint
     timeout_s: float = 300.0  # a collective or transfer that waits longer fails the step
 
 
@@ -74,6 +86,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
@@ -82,7 +95,7 @@ class RunConfig:
 
 SECTIONS = {f.name: f.type for f in fields(RunConfig)}
 CHOICES = {
-    "data.format": ("auto", "text", "jsonl", "bin"),
+    "data.format": ("auto", "text", "jsonl", "bin", "instruct"),
     "data.bin_dtype": ("uint16", "uint32"),
     "train.dtype": ("float32", "bfloat16"),
     "model.arch": ("llama", "gpt2"),
@@ -91,7 +104,8 @@ CHOICES = {
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
             "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes"}
 NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
-                "train.grad_clip", "train.weight_decay", "parallel.node_rank"}
+                "train.grad_clip", "train.weight_decay", "parallel.node_rank", "parallel.max_restarts",
+                "finetune.lora_rank", "finetune.lora_alpha", "finetune.lora_dropout"}
 
 
 def section_classes() -> dict[str, type]:
@@ -206,6 +220,11 @@ def build_config(file: str | None = None, overrides: dict[str, object] | None = 
     cfg.model = ModelConfig(**model_fields)  # derived fields (ffn_dim, n_kv_heads) follow the given ones
     validate(cfg)
     return cfg
+
+
+def config_from_dict(d: dict) -> RunConfig:
+    """A RunConfig from its to_dict() form (as saved with every checkpoint)."""
+    return build_config(None, {f"{sec}.{key}": value for sec, body in d.items() for key, value in body.items()})
 
 
 def validate(cfg: RunConfig) -> None:

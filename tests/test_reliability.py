@@ -8,7 +8,7 @@ import torch
 from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
 from snugfit.model.export import load_model, save_model
-from snugfit.train.checkpoint import model_weights
+from snugfit.train.export import load_checkpoint_model
 from snugfit.train.loop import train
 from tests.test_train import tiny
 
@@ -41,11 +41,11 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
 
 def test_too_many_bad_steps_stop_with_last_good_state(tmp_path, monkeypatch):
     clean = train(tiny(tmp_path / "clean", steps=2, checkpoint_every=0))
-    _, good = model_weights(clean.out_dir / "checkpoints" / "step_00000002")
+    good = load_checkpoint_model(clean.out_dir / "checkpoints" / "step_00000002").state_dict()
     poison_steps(monkeypatch, set(range(3, 100)))
     with pytest.raises(SnugfitError, match="not finite for 3 steps in a row.*last good state is saved"):
         train(tiny(tmp_path / "bad", steps=10, max_bad_steps=3, checkpoint_every=0))
-    _, saved = model_weights(tmp_path / "bad" / "checkpoints" / "step_00000005")
+    saved = load_checkpoint_model(tmp_path / "bad" / "checkpoints" / "step_00000005").state_dict()
     for name, tensor in good.items():
         torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
 

@@ -18,9 +18,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from snugfit.model.export import save_model
     from snugfit.runtime.dist import DistEnv
-    from snugfit.train.checkpoint import Checkpoints, model_weights
+    from snugfit.train.checkpoint import Checkpoints
+    from snugfit.train.export import export_checkpoint
 
     path = Path(args.checkpoint)
     if (path / "checkpoints").is_dir():
@@ -32,7 +32,6 @@ def run(args: argparse.Namespace) -> int:
         run_dir = path.parent.parent
     else:
         raise SnugfitError(f"{path} is not a folder; pass a run folder or a step_* checkpoint folder")
-    cfg, weights = model_weights(path)
-    out = save_model(weights, cfg, Path(args.out) if args.out else run_dir / "model")
+    out = export_checkpoint(path, Path(args.out) if args.out else run_dir / "model")
     print(f"exported {path} -> {out}")
     return 0

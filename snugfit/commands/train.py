@@ -39,13 +39,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if "." in k}
     cfg = build_config(args.config, overrides)
-    under_launcher = "RANK" in os.environ
-    if not under_launcher and (cfg.parallel.nproc > 1 or cfg.parallel.nnodes > 1):
+    par = cfg.parallel
+    if "RANK" not in os.environ and (par.nproc > 1 or par.nnodes > 1 or par.max_restarts > 0):
         from snugfit.runtime.launch import launch
 
-        return launch(sys.argv[sys.argv.index("train") + 1 :] if "train" in sys.argv else [], cfg.parallel)
+        # The ranks re-read the same command line; inside torchrun's environment they train instead.
+        return launch(sys.argv[1:], par.nproc, par.nnodes, par.node_rank, par.rdzv_endpoint or None, par.max_restarts)
     from snugfit.train.loop import train
 
     train(cfg)
     return 0
-

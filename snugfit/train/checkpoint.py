@@ -25,14 +25,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file, save_file
 
 from snugfit.errors import SnugfitError
-from snugfit.model import Decoder, ModelConfig
 from snugfit.runtime.dist import DistEnv
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 @contextmanager
-def _dcp_quiet():
+def dcp_quiet():
     """DCP warns at every single-process save and load that it is single-process; that is intended."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -81,7 +80,7 @@ class Checkpoints:
                 shutil.rmtree(tmp)  # leftover of a crashed save: never committed, safe to drop
         _barrier()
         try:
-            with _dcp_quiet():
+            with dcp_quiet():
                 dcp.save(engine_state, checkpoint_id=str(tmp))
             save_file(rng_state(), str(tmp / f"rng_rank{self.env.rank}.safetensors"))
             if self.env.is_main:
@@ -90,7 +89,7 @@ class Checkpoints:
             if self.env.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)  # never committed; frees what it took
             raise SnugfitError(
-                f"writing checkpoint {final.name} failed ({_root_cause(e)}); free disk space or change train.out_dir — "
+                f"writing checkpoint {final.name} failed ({root_cause(e)}); free disk space or change train.out_dir — "
                 "earlier checkpoints are untouched"
             ) from e
         _barrier()
@@ -102,22 +101,22 @@ class Checkpoints:
         _barrier()
         return final
 
-    def load(self, path: Path, engine_state: dict, model_config: dict) -> dict:
+    def load(self, path: Path, engine_state: dict, model_identity: dict) -> dict:
         """Fill engine_state in place from path; return the trainer state saved with it."""
         meta = path / "trainer.json"
         if not meta.is_file():
             raise SnugfitError(f"{path} is not a snugfit checkpoint (no trainer.json); pass a step_* folder")
         try:
             trainer_state = json.loads(meta.read_text())
-            if trainer_state.get("model") != model_config:
+            if trainer_state.get("model") != model_identity:
                 raise SnugfitError(
                     f"checkpoint {path} is of another model (its [model] differs); resume with the same [model] settings"
                 )
-            with _dcp_quiet():
+            with dcp_quiet():
                 dcp.load(engine_state, checkpoint_id=str(path))
         except (json.JSONDecodeError, RuntimeError, ValueError, KeyError, OSError, CheckpointException) as e:
             raise SnugfitError(
-                f"checkpoint {path} cannot be loaded ({_root_cause(e)}); it is corrupt or from another model — "
+                f"checkpoint {path} cannot be loaded ({root_cause(e)}); it is corrupt or from another model — "
                 "resume from another checkpoint or start a new out_dir"
             ) from e
         rng = path / f"rng_rank{self.env.rank}.safetensors"
@@ -126,7 +125,7 @@ class Checkpoints:
         return trainer_state
 
 
-def _root_cause(e: BaseException) -> str:
+def root_cause(e: BaseException) -> str:
     """DCP wraps each rank's failure; name the first underlying one."""
     if isinstance(e, CheckpointException):
         rank, failure = next(iter(e.failures.items()))
@@ -154,17 +153,3 @@ def _fsync_dir(path: Path) -> None:
     finally:
         os.close(fd)
 
-
-def model_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The full (unsharded) model weights of a checkpoint, read in this one process, whatever plan saved it."""
-    meta = path / "trainer.json"
-    if not meta.is_file():
-        raise SnugfitError(f"{path} is not a snugfit checkpoint (no trainer.json); pass a step_* folder")
-    cfg = ModelConfig.from_dict(json.loads(meta.read_text())["model"])
-    state = {"model": Decoder(cfg).state_dict()}
-    try:
-        with _dcp_quiet():
-            dcp.load(state, checkpoint_id=str(path))
-    except (RuntimeError, ValueError, KeyError, OSError, CheckpointException) as e:
-        raise SnugfitError(f"checkpoint {path} cannot be read ({_root_cause(e)}); it is corrupt") from e
-    return cfg, state["model"]

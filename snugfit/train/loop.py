@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from snugfit.config import RunConfig
-from snugfit.data import BatchSampler, eval_batches, load_tokenizer, load_tokens, split
 from snugfit.errors import SnugfitError
-from snugfit.model import Decoder, ModelConfig
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.apply import build_engine
 from snugfit.runtime.dist import DistEnv, init_distributed
 from snugfit.runtime.engine import Engine, OptimConfig
+from snugfit.train.build import build_data, build_model, model_identity
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import MetricsLog, plot_losses
 
@@ -43,7 +42,7 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def resolve_plan(cfg: RunConfig, model_cfg: ModelConfig, env: DistEnv) -> Plan:
+def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
     """The plan file as written, or plain data parallelism over every launched rank."""
     t = cfg.train
     if cfg.parallel.plan:
@@ -89,28 +88,26 @@ def train(cfg: RunConfig) -> TrainResult:
 def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     t = cfg.train
     out = Path(t.out_dir)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    tokens = load_tokens(cfg.data.path, cfg.data.format, tokenizer, cfg.data.text_field, cfg.data.bin_dtype)
-    data = split(tokens, t.seq_len, cfg.data.val_fraction, cfg.model.vocab_size)
-    plan = resolve_plan(cfg, cfg.model, env)
+    model = build_model(cfg)
+    data = build_data(cfg, model.cfg.vocab_size)
+    plan = resolve_plan(cfg, model.cfg, env)
 
     checkpoints = Checkpoints(out / "checkpoints", t.keep_checkpoints, env)
-    resume_from = checkpoints.latest() if t.resume else None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted the ranks
+    resume_from = checkpoints.latest() if t.resume or restarted else None
     if t.resume and resume_from is None:
         raise SnugfitError(f"--resume: no checkpoint in {out / 'checkpoints'}; drop --resume to start a new run")
-    if not t.resume and checkpoints.committed():
+    if not (t.resume or restarted) and checkpoints.committed():
         raise SnugfitError(
             f"{out} already holds checkpoints of another run; pass --resume to continue it or choose another --out-dir"
         )
 
-    torch.manual_seed(t.seed)
-    model = Decoder(cfg.model)
     try:
         engine = build_engine(model, plan, OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip), env)
     except PlanError as e:
         raise SnugfitError(str(e)) from None
     dp_rank = env.rank % plan.dp
-    sampler = BatchSampler(data.train, t.seq_len, plan.global_batch, t.seed, dp_rank, plan.dp)
+    sampler = data.sampler(plan, t.seed, dp_rank)
 
     start = 0
     if resume_from is not None:
@@ -121,14 +118,14 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     if env.is_main:
         (out / "plan.json").write_text(plan.to_json())
         log.info(
-            "model %.2fM params, plan dp=%d pp=%d micro-batch %d x %d, %d tokens/step, %s",
-            cfg.model.num_params() / 1e6, plan.dp, plan.pp, plan.micro_batch_size, plan.num_microbatches,
+            "plan dp=%d pp=%d micro-batch %d x %d, %d tokens/step, %s",
+            plan.dp, plan.pp, plan.micro_batch_size, plan.num_microbatches,
             plan.tokens_per_step, f"resuming at step {start}" if start else "starting",
         )
 
     metrics = MetricsLog(out / "metrics.jsonl", env.is_main)
     result = TrainResult(out_dir=out, last_step=start)
-    val = eval_batches(data.val, t.seq_len, plan.micro_batch_size * plan.num_microbatches, t.eval_batches)
+    val = data.eval_batches(plan, t.eval_batches)
 
     def evaluate(step: int) -> None:
         if val:
@@ -181,9 +178,9 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     return result
 
 
-def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler: BatchSampler, cfg: RunConfig) -> int:
+def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: RunConfig) -> int:
     state = engine.state_dict()
-    trainer_state = checkpoints.load(path, state, cfg.model.to_dict())
+    trainer_state = checkpoints.load(path, state, model_identity(cfg))
     engine.load_state_dict(state)
     sampler.load_state_dict(trainer_state["sampler"])
     if trainer_state["step"] >= cfg.train.steps:
@@ -194,8 +191,8 @@ def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler: Batch
     return trainer_state["step"]
 
 
-def _trainer_state(sampler: BatchSampler, cfg: RunConfig, plan: Plan) -> dict:
-    return {"sampler": sampler.state_dict(), "model": cfg.model.to_dict(), "plan": plan.to_dict()}
+def _trainer_state(sampler, cfg: RunConfig, plan: Plan) -> dict:
+    return {"sampler": sampler.state_dict(), "model": model_identity(cfg), "plan": plan.to_dict(), "config": cfg.to_dict()}
 
 
 def _progress(start: int, total: int):

@@ -1,0 +1,198 @@
+"""`snugfit plan`: evaluate a fully given plan — will it fit, how fast will it run.
+
+The pieces are functions others call: plan_from_options() builds a Plan from the
+command-line choices, evaluate() profiles the model and runs the estimate, and
+format_prediction() renders it. Automatic search (a later issue) fills in the
+options a user leaves out and calls the same evaluate().
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from snugfit.errors import SnugfitError
+from snugfit.hardware.cluster import Cluster, parse_cluster
+from snugfit.model.catalogue import resolve_model
+from snugfit.model.decoder import ModelConfig
+from snugfit.plan.estimate import estimate
+from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, SCHEDULES, BlockPlan, Plan, PlanError, Prediction
+
+_POLICY_ALIASES = {"none": "keep", "off": "keep", "full": "recompute"}
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
+          "tb": 1e12}
+
+
+def parse_bytes(text: str) -> int:
+    """'20GiB', '512MiB', '24GB', '1000' -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise SnugfitError(f"cannot read memory size {text!r}; write e.g. 20GiB, 512MiB, 24GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class PlanOptions:
+    """What the user fixed. None means 'not given' (a later search fills those in)."""
+
+    seq: int
+    micro_batch: int = 1
+    dp: int | None = None
+    pp: int = 1
+    schedule: str | None = None
+    virtual_stages: int = 1
+    num_microbatches: int | None = None
+    global_batch: int | None = None
+    zero: int = 0
+    recompute: str = "keep"
+    offload_optimizer: str | None = None  # "all" or a number of blocks (the first ones)
+    offload_params: bool = False
+    dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    evict_bound: int | None = None
+
+
+def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
+    """A Plan from explicit choices; SnugfitError when they cannot describe a runnable step."""
+    if o.pp < 1 or world_size % o.pp:
+        raise SnugfitError(f"--pp {o.pp} does not divide the cluster's {world_size} GPUs")
+    dp = o.dp if o.dp is not None else world_size // o.pp
+    if dp * o.pp != world_size:
+        raise SnugfitError(f"--dp {dp} x --pp {o.pp} = {dp * o.pp}, but the cluster has {world_size} GPUs")
+    if o.num_microbatches is not None:
+        m = o.num_microbatches
+        if o.global_batch is not None and o.global_batch != o.micro_batch * m * dp:
+            raise SnugfitError(f"--global-batch {o.global_batch} != micro-batch {o.micro_batch} x microbatches {m} "
+                               f"x dp {dp}; drop one of them")
+    elif o.global_batch is not None:
+        per_step = o.micro_batch * dp
+        if o.global_batch % per_step:
+            raise SnugfitError(f"--global-batch {o.global_batch} is not divisible by micro-batch {o.micro_batch} "
+                               f"x dp {dp} = {per_step}")
+        m = o.global_batch // per_step
+    else:
+        m = o.pp if o.pp > 1 else 1
+    policy = _POLICY_ALIASES.get(o.recompute, o.recompute)
+    if policy not in ACTIVATION_POLICIES:
+        raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {o.recompute!r}")
+    if o.offload_params and o.zero != 3:
+        raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
+    if o.offload_optimizer in (None, "", "0", "none"):
+        n_off = 0
+    elif o.offload_optimizer == "all":
+        n_off = n_blocks
+    elif o.offload_optimizer.isdigit() and int(o.offload_optimizer) <= n_blocks:
+        n_off = int(o.offload_optimizer)
+    else:
+        raise SnugfitError(f"--offload-optimizer takes 'all' or a number of blocks <= {n_blocks}, "
+                           f"got {o.offload_optimizer!r}")
+    try:
+        plan = Plan.uniform(
+            n_blocks, dp=dp, pp=o.pp, schedule=o.schedule, virtual_stages=o.virtual_stages,
+            block=BlockPlan(zero=o.zero, offload_params=o.offload_params, activations=policy),
+            root=BlockPlan(zero=o.zero, offload_params=o.offload_params, offload_optimizer=n_off == n_blocks > 0
+                           and not o.offload_params),
+            micro_batch_size=o.micro_batch, num_microbatches=m, seq_len=o.seq, compute_dtype=o.dtype,
+            reduce_dtype=o.reduce_dtype, evict_bound=o.evict_bound,
+        )
+        for b in plan.blocks[:n_off]:
+            b.offload_optimizer = not o.offload_params
+        plan.validate(n_blocks=n_blocks)
+    except PlanError as e:
+        raise SnugfitError(str(e)) from None
+    return plan
+
+
+def evaluate(plan: Plan, model: ModelConfig | dict, cluster: Cluster, *, memory_budget: int | None = None,
+             cache_dir: str | None = None, name: str | None = None) -> Prediction:
+    """Profile the model for the plan's micro-batch, sequence and dtype, then estimate the plan."""
+    from snugfit.profile.profile import profile_model
+
+    if isinstance(model, ModelConfig) and model.max_seq_len < plan.seq_len:
+        model.max_seq_len = plan.seq_len
+    prof = profile_model(model, micro_batch_size=plan.micro_batch_size, seq_len=plan.seq_len,
+                         dtype=plan.compute_dtype, name=name, cache_dir=cache_dir)
+    try:
+        return estimate(plan, prof, cluster, memory_budget)
+    except PlanError as e:
+        raise SnugfitError(str(e)) from None
+
+
+def format_prediction(plan: Plan, pred: Prediction) -> str:
+    gib = 2**30
+    lines = [f"plan: dp {plan.dp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
+             f"{plan.num_microbatches} microbatches, seq {plan.seq_len}, {plan.compute_dtype}; "
+             f"global batch {plan.global_batch}"]
+    lines.append("peak memory per rank (GiB):")
+    cats = sorted({c for m in pred.memory_by_rank for c in m}, key=lambda c: (c.startswith("host:"), c))
+    lines.append("  rank  " + "  ".join(f"{c:>16}" for c in cats) + f"  {'device total':>13}")
+    for r, m in enumerate(pred.memory_by_rank):
+        total = sum(v for k, v in m.items() if not k.startswith("host:"))
+        lines.append(f"  {r:>4}  " + "  ".join(f"{m.get(c, 0) / gib:>16.3f}" for c in cats) + f"  {total / gib:>13.3f}")
+    lines.append("step time by phase (s): " + ", ".join(f"{k} {v:.4g}" for k, v in pred.time_by_phase.items() if v))
+    lines.append(f"step {pred.step_time_s:.4g} s, {pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}")
+    budget = pred.memory_budget_bytes or 0
+    margin = budget - pred.peak_memory_bytes
+    verdict = "fits" if pred.fits else "does NOT fit"
+    lines.append(f"{verdict}: peak {pred.peak_memory_bytes / gib:.2f} GiB of {budget / gib:.2f} GiB "
+                 f"({'headroom' if margin >= 0 else 'over by'} {abs(margin) / gib:.2f} GiB)")
+    lines += [f"note: {n}" for n in pred.notes]
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="predict memory and step time of a training plan")
+    p.add_argument("--model", required=True, help="catalogue name (llama-3-8b, gpt2, ...) or a config.json")
+    p.add_argument("--cluster", default="cpu", help="e.g. 8xH100-80GB, 2x8xA100-80GB, 2xRTX4090+2xRTX3090, file.toml")
+    p.add_argument("--seq", type=int, help="sequence length (default: the plan file's)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--dp", type=int)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank (interleaved)")
+    p.add_argument("--num-microbatches", type=int)
+    p.add_argument("--global-batch", type=int)
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--recompute", default="keep", help="keep|recompute|selective|offload (none=keep, full=recompute)")
+    p.add_argument("--offload-optimizer", metavar="BLOCKS", help="'all' or the number of (first) blocks")
+    p.add_argument("--offload-params", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--reduce-dtype", default="float32", choices=DTYPES)
+    p.add_argument("--evict-bound", type=int, help="BPipe: most microbatches per stage")
+    p.add_argument("--memory-budget", help="per-GPU limit, e.g. 20GiB (default: the GPU's memory)")
+    p.add_argument("--plan-file", help="evaluate this plan JSON instead of building one from options")
+    p.add_argument("--profile-cache", help="directory for cached model profiles")
+    p.add_argument("--json", action="store_true", help="print the plan with its predictions as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    model = resolve_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    n_blocks = model.n_layers if isinstance(model, ModelConfig) else int(model["num_hidden_layers"])
+    if args.plan_file:
+        path = Path(args.plan_file)
+        if not path.exists():
+            raise SnugfitError(f"plan file {path} does not exist")
+        try:
+            plan = Plan.from_json(path.read_text())
+        except (PlanError, json.JSONDecodeError, TypeError) as e:
+            raise SnugfitError(f"cannot read plan file {path}: {e}") from None
+    else:
+        if args.seq is None:
+            raise SnugfitError("--seq is required (or give --plan-file)")
+        opts = PlanOptions(
+            seq=args.seq, micro_batch=args.micro_batch, dp=args.dp, pp=args.pp, schedule=args.schedule,
+            virtual_stages=args.virtual_stages, num_microbatches=args.num_microbatches,
+            global_batch=args.global_batch, zero=args.zero, recompute=args.recompute,
+            offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, dtype=args.dtype,
+            reduce_dtype=args.reduce_dtype, evict_bound=args.evict_bound,
+        )
+        plan = plan_from_options(opts, n_blocks, cluster.world_size)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    pred = evaluate(plan, model, cluster, memory_budget=budget, cache_dir=args.profile_cache, name=args.model)
+    print(plan.to_json() if args.json else format_prediction(plan, pred))
+    return 0

@@ -1,0 +1,98 @@
+"""What a run trains on: the model (built-in or Hugging Face, with LoRA or frozen pieces) and its data."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from snugfit.config import RunConfig
+from snugfit.data import BatchSampler, eval_batches, load_tokenizer, load_tokens, split
+from snugfit.data.instruct import InstructSampler, instruct_eval_batches, load_instruct
+from snugfit.data.tokenizer import Tokenizer
+from snugfit.errors import SnugfitError
+from snugfit.model import Decoder
+from snugfit.model.lora import apply_lora, freeze, trainable_summary
+from snugfit.plan import Plan
+
+log = logging.getLogger("snugfit")
+
+
+def model_identity(cfg: RunConfig) -> dict:
+    """What a checkpoint must match to be resumed by this run."""
+    f = cfg.finetune
+    base = {"hf": cfg.model.name} if cfg.model.name else cfg.model.to_dict()
+    return {**base, "lora_rank": f.lora_rank, "lora_targets": f.lora_targets, "freeze": f.freeze}
+
+
+def build_model(cfg: RunConfig) -> nn.Module:
+    """The model on CPU, identical on every rank (same seed); adapters and frozen pieces applied."""
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.name:
+        from snugfit.model.hf import load_hf
+
+        model = load_hf(cfg.model.name, seed=cfg.train.seed)
+    else:
+        model = Decoder(cfg.model)
+    f = cfg.finetune
+    if f.freeze:
+        freeze(model, f.freeze)
+    if f.lora_rank:
+        targets = [t.strip() for t in f.lora_targets.split(",") if t.strip()] or None
+        apply_lora(model, f.lora_rank, f.lora_alpha or None, targets, f.lora_dropout, seed=cfg.train.seed)
+    counts = trainable_summary(model)["total"]
+    log.info("model %.2fM parameters, %.2fM trainable", (counts["trainable"] + counts["frozen"]) / 1e6, counts["trainable"] / 1e6)
+    return model
+
+
+def run_tokenizer(cfg: RunConfig) -> Tokenizer:
+    """The configured tokenizer; a Hugging Face model folder's own tokenizer.json when left at 'byte'."""
+    spec = cfg.data.tokenizer
+    if spec == "byte" and cfg.model.name and (Path(cfg.model.name) / "tokenizer.json").is_file():
+        spec = str(Path(cfg.model.name) / "tokenizer.json")
+    return load_tokenizer(spec)
+
+
+@dataclass
+class RunData:
+    """Training and validation data of one kind: a token stream, or instruction examples (N, 2, seq+1)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    instruct: bool
+
+    def sampler(self, plan: Plan, seed: int, dp_rank: int) -> BatchSampler | InstructSampler:
+        if self.instruct:
+            return InstructSampler(self.train, plan.global_batch, seed, dp_rank, plan.dp)
+        return BatchSampler(self.train, plan.seq_len, plan.global_batch, seed, dp_rank, plan.dp)
+
+    def eval_batches(self, plan: Plan, count: int) -> list[torch.Tensor]:
+        rows = plan.micro_batch_size * plan.num_microbatches
+        if self.instruct:
+            return instruct_eval_batches(self.val, rows, count)
+        return eval_batches(self.val, plan.seq_len, rows, count)
+
+
+def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
+    d, seq = cfg.data, cfg.train.seq_len
+    tokenizer = run_tokenizer(cfg)
+    if d.format != "bin" and tokenizer.vocab_size > vocab_size:
+        raise SnugfitError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only {vocab_size}; "
+            "raise model.vocab_size or use the model's own tokenizer"
+        )
+    if d.format != "instruct":
+        tokens = load_tokens(d.path, d.format, tokenizer, d.text_field, d.bin_dtype)
+        splits = split(tokens, seq, d.val_fraction, vocab_size)
+        return RunData(splits.train, splits.val, instruct=False)
+    if not d.path:
+        raise SnugfitError("data.format 'instruct' needs data.path: a .jsonl with prompt/response fields")
+    examples = load_instruct(d.path, tokenizer, seq, d.prompt_field, d.response_field)
+    n_val = int(len(examples) * d.val_fraction)
+    if len(examples) - n_val < 1:
+        raise SnugfitError(f"{d.path} has too few examples to hold out {d.val_fraction:.0%} for validation")
+    return RunData(examples[: len(examples) - n_val], examples[len(examples) - n_val :], instruct=True)
