@@ -46,6 +46,8 @@ class Prediction:
 
     peak_memory_bytes: int = 0  # max over ranks
     memory_by_rank: list[dict[str, int]] = field(default_factory=list)  # category -> bytes, per rank
+    # what runtime.memory.MemoryTracker should report as its peak, per rank (its keys: "device.total", ...)
+    tracked_by_rank: list[dict[str, int]] = field(default_factory=list)
     step_time_s: float = 0.0
     time_by_phase: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0

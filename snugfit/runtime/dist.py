@@ -46,3 +46,11 @@ def init_distributed(timeout_s: float = 300.0) -> DistEnv:
         backend = "cpu:gloo" if device.type == "cpu" else f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=None if device.type == "cpu" else device)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def ensure_process_group(env: DistEnv) -> None:
+    """A one-rank process group when none was launched, so one process runs the same FSDP2 code path."""
+    if not dist.is_initialized():
+        device = env.device
+        backend = "cpu:gloo" if device.type == "cpu" else f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -1,0 +1,103 @@
+"""Instruction data: prompt/response pairs -> fixed-length examples with the loss on the response only.
+
+An example is (2, seq_len + 1) int64: row 0 the token ids (prompt, response,
+EOS, then padding), row 1 the labels (the token id where the model should
+learn it, -100 on the prompt and the padding). A batch is (B, 2, seq_len + 1);
+the engine feeds inputs = b[:, 0, :-1] and targets = b[:, 1, 1:], so position j
+learns token j+1 only where that token is part of a response (or its EOS).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from snugfit.data.dataset import BatchSampler
+from snugfit.data.tokenizer import Tokenizer
+from snugfit.errors import SnugfitError
+
+IGNORE = -100
+log = logging.getLogger(__name__)
+
+
+def encode_example(prompt: list[int], response: list[int], seq_len: int, eos_id: int, pad_id: int) -> np.ndarray | None:
+    """(2, seq_len + 1): ids and labels, truncated on the right; None when no response token fits."""
+    ids = prompt + response + [eos_id]
+    labels = [IGNORE] * len(prompt) + response + [eos_id]
+    ids, labels = ids[: seq_len + 1], labels[: seq_len + 1]
+    if all(t == IGNORE for t in labels[1:]):  # label 0 is never a target
+        return None
+    pad = seq_len + 1 - len(ids)
+    return np.array([ids + [pad_id] * pad, labels + [IGNORE] * pad], dtype=np.int64)
+
+
+def load_instruct(path: str | Path, tokenizer: Tokenizer, seq_len: int, prompt_field: str = "prompt",
+                  response_field: str = "response", eos_id: int | None = None, pad_id: int | None = None) -> np.ndarray:
+    """All examples of a .jsonl file as one (N, 2, seq_len + 1) array.
+
+    eos_id defaults to the tokenizer's; pad_id to eos_id (padding is never
+    learned, so its value only has to be a valid id). Examples whose prompt
+    leaves no room for the response are dropped, and counted in the log.
+    """
+    eos = eos_id if eos_id is not None else tokenizer.eos_id
+    if eos is None:
+        raise SnugfitError("instruction data needs an end-of-sequence token: this tokenizer has none; set data.eos_id")
+    pad = pad_id if pad_id is not None else eos
+    p = Path(path)
+    if not p.is_file():
+        raise SnugfitError(f"instruction data {path} does not exist; pass a .jsonl file")
+    examples, dropped = [], 0
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                prompt, response = rec[prompt_field], rec[response_field]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SnugfitError(f"{path}:{lineno}: not a JSON object with {prompt_field!r} and {response_field!r} "
+                                   f"strings ({e}); fix the line or set the field names") from e
+            ex = encode_example(tokenizer.encode(prompt), tokenizer.encode(response), seq_len, eos, pad)
+            if ex is None:
+                dropped += 1
+            else:
+                examples.append(ex)
+    if dropped:
+        log.warning("%s: %d examples dropped, their prompt fills all %d tokens", path, dropped, seq_len)
+    if not examples:
+        raise SnugfitError(f"{path} holds no example with a response within {seq_len} tokens; raise train.seq_len")
+    return np.stack(examples)
+
+
+class InstructSampler:
+    """Deterministic, resumable sampler over examples, with BatchSampler's interface and order.
+
+    The permutation, epochs, data-parallel slicing and resume position are
+    BatchSampler's own: it runs over the stream 0, 1, ..., n with windows of
+    one, whose first token is the index of the example to take.
+    """
+
+    def __init__(self, examples: np.ndarray, global_batch: int, seed: int, dp_rank: int = 0, dp: int = 1):
+        self.examples = examples
+        self._indices = BatchSampler(np.arange(len(examples) + 1), 1, global_batch, seed, dp_rank, dp)
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's (global_batch / dp, 2, seq_len + 1) slice of the next global batch."""
+        rows = self._indices.next_batch()[:, 0].numpy()
+        return torch.from_numpy(self.examples[rows])
+
+    def state_dict(self) -> dict:
+        return self._indices.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._indices.load_state_dict(state)
+
+
+def instruct_eval_batches(examples: np.ndarray, batch: int, count: int) -> list[torch.Tensor]:
+    """A fixed set of validation batches: the first examples, the same at every evaluation."""
+    n = min(len(examples), batch * count) // batch * batch
+    return [torch.from_numpy(examples[i : i + batch]) for i in range(0, n, batch)]

@@ -1,0 +1,172 @@
+"""Hardware catalogue: GPUs, links and hosts as plain data.
+
+Figures are vendor datasheet numbers for dense math (no sparsity) and per-direction
+link bandwidth; `matmul_efficiency` and `mem_efficiency` say what fraction of them
+real training kernels reach (guesses for catalogue GPUs, measured for "cpu").
+Pure: no torch, so plan/ can use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from snugfit.errors import SnugfitError
+
+GiB = 1024**3
+GB = 1e9
+
+
+@dataclass
+class GPU:
+    name: str
+    memory_bytes: int
+    tflops: dict[str, float]  # dense TFLOPS by dtype: float32 (no TF32), tf32, bfloat16, float16
+    hbm_gbps: float  # device memory bandwidth, GB/s
+    pcie_gen: int
+    nvlink: str | None = None  # intra-node link when the card is an SXM part
+    inter: str = "eth-25g"  # default link between nodes of this kind
+    matmul_efficiency: float = 0.6
+    mem_efficiency: float = 0.75
+    context_bytes: int = GiB // 2  # CUDA context + library workspaces, outside the allocator
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Achievable matmul rate; dtypes the card lacks (bf16 on V100/T4) fall back to float16, then float32."""
+        for d in (dtype, "float16", "float32"):
+            if self.tflops.get(d):
+                return self.tflops[d] * 1e12 * self.matmul_efficiency
+        raise SnugfitError(f"GPU {self.name} has no TFLOPS figure for {dtype}")
+
+    def mem_bytes_per_s(self) -> float:
+        return self.hbm_gbps * GB * self.mem_efficiency
+
+
+@dataclass
+class Link:
+    name: str
+    gbps: float  # GB/s per direction, achievable
+    latency_s: float
+
+
+@dataclass
+class Host:
+    ram_bytes: int = 256 * GiB
+    adam_params_per_s: float = 1.5e9  # fused CPU AdamW (fp32 master + 2 states), all cores
+    cores: int = 32
+
+
+def _gpu(name, mem_gb, fp32, tf32, bf16, fp16, hbm, pcie, nvlink=None, inter="eth-25g") -> GPU:
+    tflops = {"float32": fp32, "tf32": tf32, "bfloat16": bf16, "float16": fp16}
+    return GPU(name, int(mem_gb * GiB), {k: v for k, v in tflops.items() if v}, hbm, pcie, nvlink, inter)
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in [
+    _gpu("V100-16GB", 16, 15.7, 0, 0, 125, 900, 3, "nvlink2", "ib-hdr"),
+    _gpu("V100-32GB", 32, 15.7, 0, 0, 125, 900, 3, "nvlink2", "ib-hdr"),
+    _gpu("T4", 16, 8.1, 0, 0, 65, 320, 3),
+    _gpu("A10", 24, 31.2, 62.5, 125, 125, 600, 4),
+    _gpu("L4", 24, 30.3, 60, 121, 121, 300, 4),
+    _gpu("A100-40GB-PCIe", 40, 19.5, 156, 312, 312, 1555, 4, None, "ib-hdr"),
+    _gpu("A100-40GB-SXM", 40, 19.5, 156, 312, 312, 1555, 4, "nvlink3", "ib-hdr"),
+    _gpu("A100-80GB-PCIe", 80, 19.5, 156, 312, 312, 1935, 4, None, "ib-hdr"),
+    _gpu("A100-80GB-SXM", 80, 19.5, 156, 312, 312, 2039, 4, "nvlink3", "ib-hdr"),
+    _gpu("RTX3090", 24, 35.6, 35.6, 71, 71, 936, 4),
+    _gpu("RTX4090", 24, 82.6, 82.6, 165, 165, 1008, 4),
+    _gpu("RTX5090", 32, 104.8, 104.8, 209.5, 209.5, 1792, 5),
+    _gpu("H100-PCIe", 80, 51, 378, 756, 756, 2000, 5, None, "ib-ndr"),
+    _gpu("H100-SXM", 80, 67, 495, 989, 989, 3350, 5, "nvlink4", "ib-ndr"),
+    _gpu("H200", 141, 67, 495, 989, 989, 4800, 5, "nvlink4", "ib-ndr"),
+]}
+
+ALIASES = {
+    "V100": "V100-32GB", "A100": "A100-80GB-SXM", "A100-40GB": "A100-40GB-SXM", "A100-80GB": "A100-80GB-SXM",
+    "H100": "H100-SXM", "H100-80GB": "H100-SXM", "H100-80GB-SXM": "H100-SXM", "H100-80GB-PCIe": "H100-PCIe",
+    "H200-141GB": "H200", "RTX-3090": "RTX3090", "RTX-4090": "RTX4090", "RTX-5090": "RTX5090",
+}
+
+LINKS: dict[str, Link] = {lk.name: lk for lk in [
+    Link("pcie3", 12.0, 5e-6),
+    Link("pcie4", 24.0, 5e-6),
+    Link("pcie5", 48.0, 5e-6),
+    Link("nvlink2", 150.0, 3e-6),
+    Link("nvlink3", 300.0, 3e-6),
+    Link("nvlink4", 450.0, 3e-6),
+    Link("eth-10g", 1.1, 30e-6),
+    Link("eth-25g", 2.8, 20e-6),
+    Link("eth-100g", 11.0, 10e-6),
+    Link("ib-hdr", 23.0, 3e-6),
+    Link("ib-ndr", 46.0, 3e-6),
+    Link("gloo-loopback", 1.0, 50e-6),  # default for local gloo ranks; profile_hardware measures it
+]}
+
+
+# -- the measured local machine ("cpu") --
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "snugfit"
+
+
+def hardware_cache_path() -> Path:
+    return cache_dir() / "hardware.json"
+
+
+def default_cpu() -> GPU:
+    """This machine as a 'device' before it is measured: rough figures for a few AVX2 cores."""
+    return GPU("cpu", 8 * GiB, {"float32": 0.1, "bfloat16": 0.0005}, 10.0, 0, None, "gloo-loopback",
+               matmul_efficiency=1.0, mem_efficiency=1.0, context_bytes=0)
+
+
+@dataclass
+class LocalHardware:
+    """What profile_hardware measured here, in catalogue form."""
+
+    device: GPU
+    host: Host
+    links: dict[str, Link] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LocalHardware":
+        return cls(GPU(**d["device"]), Host(**d["host"]), {k: Link(**v) for k, v in d.get("links", {}).items()})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+
+def load_local(path: str | Path | None = None) -> LocalHardware | None:
+    """The cached measurement of this machine, or None when it was never measured."""
+    p = Path(path) if path else hardware_cache_path()
+    return LocalHardware.from_dict(json.loads(p.read_text())) if p.exists() else None
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+    close = close or difflib.get_close_matches(name.upper(), [k.upper() for k in known], n=3, cutoff=0.5)
+    return f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(sorted(known))}"
+
+
+def get_gpu(name: str) -> GPU:
+    """A catalogue GPU by name (case-insensitive, aliases allowed); 'cpu' is this machine as measured."""
+    if name.lower() == "cpu":
+        local = load_local()
+        return local.device if local else default_cpu()
+    by_lower = {k.lower(): k for k in [*GPUS, *ALIASES]}
+    key = by_lower.get(name.lower())
+    if key is None:
+        raise SnugfitError(f"unknown GPU {name!r}; {_suggest(name, [*GPUS, *ALIASES, 'cpu'])}")
+    return GPUS[ALIASES.get(key, key)]
+
+
+def get_link(name: str) -> Link:
+    local = load_local()
+    if local and name in local.links:
+        return local.links[name]
+    if name not in LINKS:
+        raise SnugfitError(f"unknown link {name!r}; {_suggest(name, list(LINKS))}")
+    return LINKS[name]

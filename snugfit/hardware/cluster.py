@@ -1,0 +1,120 @@
+"""Clusters: nodes of GPUs joined by links, from a short spec or a TOML file.
+
+Specs: "4xRTX4090" (one node, 4 GPUs), "2x8xH100-80GB" (2 nodes of 8),
+"2xRTX4090+2xRTX3090" (each '+' term is its own node), "cpu" / "2xcpu" (gloo
+ranks on this machine). Ranks are numbered node by node.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from snugfit.errors import SnugfitError
+from snugfit.hardware.catalogue import GPU, Host, Link, get_gpu, get_link, load_local
+
+
+@dataclass
+class Node:
+    gpu: GPU
+    count: int
+    intra: Link  # between GPUs of this node
+    pcie: Link  # host <-> GPU (offload traffic)
+    host: Host = field(default_factory=Host)
+
+
+@dataclass
+class Cluster:
+    nodes: list[Node]
+    inter: Link  # between nodes
+    spec: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.count for n in self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        for i, n in enumerate(self.nodes):
+            if rank < n.count:
+                return i
+            rank -= n.count
+        raise SnugfitError(f"rank {rank} is outside a cluster of {self.world_size} GPUs")
+
+    def gpu_of(self, rank: int) -> GPU:
+        return self.nodes[self.node_of(rank)].gpu
+
+    def link_for(self, ranks: list[int]) -> Link:
+        """The slowest link a collective over these ranks crosses."""
+        nodes = {self.node_of(r) for r in ranks}
+        if len(nodes) > 1:
+            return self.inter
+        return self.nodes[nodes.pop()].intra
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_toml(self) -> str:
+        """The spec form of this cluster (names only), loadable by parse_cluster."""
+        lines = [f'inter = "{self.inter.name}"', ""]
+        for n in self.nodes:
+            lines += ["[[node]]", f'gpu = "{n.gpu.name}"', f"count = {n.count}", f'intra = "{n.intra.name}"',
+                      f'pcie = "{n.pcie.name}"', f"host_ram_gib = {n.host.ram_bytes / 2**30:g}",
+                      f"host_adam_params_per_s = {n.host.adam_params_per_s:g}", ""]
+        return "\n".join(lines)
+
+
+_TERM = re.compile(r"^(?:(\d+)x)?(?:(\d+)x)?(.+)$", re.IGNORECASE)
+
+
+def make_node(gpu_name: str, count: int, intra: str | None = None, pcie: str | None = None,
+              host: Host | None = None) -> Node:
+    gpu = get_gpu(gpu_name)
+    if gpu.name == "cpu":
+        local = load_local()
+        host = host or (local.host if local else Host(ram_bytes=gpu.memory_bytes, adam_params_per_s=1e9, cores=2))
+        intra = intra or "gloo-loopback"
+        pcie_link = Link("host-memory", gpu.hbm_gbps, 0.0)  # offload on a CPU "device" is a memcpy
+        return Node(gpu, count, get_link(intra), get_link(pcie) if pcie else pcie_link, host)
+    intra = intra or gpu.nvlink or f"pcie{gpu.pcie_gen}"
+    return Node(gpu, count, get_link(intra), get_link(pcie or f"pcie{gpu.pcie_gen}"), host or Host())
+
+
+def parse_cluster(spec: str, inter: str | None = None) -> Cluster:
+    """A Cluster from a spec string or a .toml path; unknown GPU names suggest close matches."""
+    if spec.endswith(".toml"):
+        return load_cluster_toml(spec)
+    nodes: list[Node] = []
+    for term in spec.replace(" ", "").split("+"):
+        m = _TERM.match(term)
+        if not term or not m:
+            raise SnugfitError(f"cannot read cluster term {term!r}; write e.g. 4xRTX4090, 2x8xH100-80GB, 2xA10+2xL4")
+        a, b, name = m.groups()
+        n_nodes, per_node = (int(a), int(b)) if b else (1, int(a or 1))
+        if n_nodes < 1 or per_node < 1:
+            raise SnugfitError(f"cluster term {term!r} has a zero count")
+        nodes += [make_node(name, per_node) for _ in range(n_nodes)]
+    inter_name = inter or min((n.gpu.inter for n in nodes), key=lambda k: get_link(k).gbps)
+    return Cluster(nodes, get_link(inter_name), spec)
+
+
+def load_cluster_toml(path: str | Path) -> Cluster:
+    """TOML: top-level `inter`, then [[node]] tables with gpu, count and optional intra, pcie,
+    host_ram_gib, host_adam_params_per_s."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    p = Path(path)
+    if not p.exists():
+        raise SnugfitError(f"cluster file {path} does not exist")
+    data = tomllib.loads(p.read_text())
+    if not data.get("node"):
+        raise SnugfitError(f"cluster file {path} has no [[node]] tables")
+    nodes = []
+    for t in data["node"]:
+        host = Host(ram_bytes=int(t.get("host_ram_gib", 256) * 2**30),
+                    adam_params_per_s=float(t.get("host_adam_params_per_s", Host().adam_params_per_s)))
+        nodes.append(make_node(t["gpu"], int(t.get("count", 1)), t.get("intra"), t.get("pcie"), host))
+    inter_name = data.get("inter") or min((n.gpu.inter for n in nodes), key=lambda k: get_link(k).gbps)
+    return Cluster(nodes, get_link(inter_name), str(path))

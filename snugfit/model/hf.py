@@ -1,0 +1,387 @@
+"""Hugging Face causal LMs in the shape snugfit's runtime drives: embed / blocks / norm / head.
+
+`HFCausalLM` re-homes the modules of a transformers causal LM (no copy, no
+reimplementation of any layer) under the built-in Decoder's structure:
+
+    model.embed   token embedding (+ learned positions, projection, dropout as the arch has them)
+    model.blocks  ModuleDict {"0": HFBlock, ...}; each HFBlock holds one HF decoder layer as `.layer`
+    model.norm    final norm (Identity where the arch has none)
+    model.head    lm_head (preceded by OPT's project_out where it exists)
+    model.rope    the HF rotary embedding module, or None; the runtime passes it to every block
+
+and calls each layer as the HF model does for a training batch without
+padding: no attention mask, so SDPA runs with is_causal=True. Parameter names
+map back to the HF names by module identity (`hf_names`), which is what loading
+and saving use; nothing depends on a per-architecture name table.
+
+Loading never materialises the whole model first: the model is built on the
+meta device, pruned to the blocks (and pieces) asked for, then filled tensor
+by tensor from the safetensors files. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # what DCP uses to slice
+
+from snugfit.errors import SnugfitError
+from snugfit.model.decoder import cross_entropy
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class HFInfo:
+    """What the runtime reads from `model.cfg` (the same field names as the built-in ModelConfig)."""
+
+    arch: str  # the HF model_type
+    vocab_size: int
+    dim: int  # hidden size between blocks
+    n_layers: int
+    max_seq_len: int  # longest sequence the no-mask forward reproduces exactly
+    tie_embeddings: bool
+
+
+@dataclass
+class HFStructure:
+    """Where the pieces of an HF causal LM live, by role (the order embed -> layers -> norm -> head)."""
+
+    tokens: nn.Embedding
+    layers: list[nn.Module]
+    head: nn.Module
+    positions: nn.Embedding | None = None
+    position_offset: int = 0  # OPT's learned positions start at index 2
+    project_in: nn.Module | None = None
+    drop: nn.Module | None = None
+    norm: nn.Module | None = None
+    project_out: nn.Module | None = None
+    rotary: nn.Module | None = None
+
+
+# Checked to match transformers' own forward exactly (tests/test_hf.py for the first five).
+VERIFIED = ("llama", "mistral", "qwen2", "gpt2", "opt", "qwen3", "mixtral", "olmo2")
+# Scale embeddings or logits outside their layers, which the pieces below do not reproduce.
+DIFFERENT = ("gemma", "granite", "cohere")
+SUPPORTED = "supported: Llama, Mistral, Qwen2/3, Mixtral, OLMo2, GPT-2, OPT"
+
+
+def hf_structure(model: nn.Module) -> HFStructure:
+    """Find the pieces of a Llama-family (Llama, Mistral, Qwen2, ...), GPT-2 or OPT causal LM."""
+    kind = model.config.model_type
+    if kind.startswith(DIFFERENT):
+        raise SnugfitError(f"{type(model).__name__} is not supported yet; {SUPPORTED}")
+    found = _find_structure(model)
+    if found is None:
+        raise SnugfitError(f"don't know where the layers of {type(model).__name__} are; {SUPPORTED}")
+    if kind not in VERIFIED:
+        log.warning("%s: layers found by structure; equality with its own forward is verified only for %s",
+                    type(model).__name__, ", ".join(VERIFIED))
+    return found
+
+
+def _find_structure(model: nn.Module) -> HFStructure | None:
+    head = model.get_output_embeddings()
+    base = getattr(model, "model", None)
+    if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")):
+        return HFStructure(tokens=base.embed_tokens, layers=list(base.layers), head=head, norm=base.norm,
+                           rotary=getattr(base, "rotary_emb", None))
+    if base is not None and hasattr(base, "decoder") and hasattr(base.decoder, "layers"):  # OPT
+        dec = base.decoder
+        return HFStructure(tokens=dec.embed_tokens, layers=list(dec.layers), head=head, positions=dec.embed_positions,
+                           position_offset=getattr(dec.embed_positions, "offset", 0), project_in=dec.project_in,
+                           norm=dec.final_layer_norm, project_out=dec.project_out)
+    tr = getattr(model, "transformer", None)
+    if tr is not None and hasattr(tr, "h"):  # GPT-2
+        return HFStructure(tokens=tr.wte, layers=list(tr.h), head=head, positions=tr.wpe, drop=tr.drop, norm=tr.ln_f)
+    return None
+
+
+class HFEmbed(nn.Module):
+    """tokens -> first hidden states, in the order the HF model computes them."""
+
+    def __init__(self, s: HFStructure):
+        super().__init__()
+        self.tokens, self.positions, self.project_in, self.drop = s.tokens, s.positions, s.project_in, s.drop
+        self.position_offset = s.position_offset
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(tokens)
+        if self.project_in is not None:
+            h = self.project_in(h)
+        if self.positions is not None:
+            pos = torch.arange(tokens.shape[1], device=tokens.device) + self.position_offset
+            h = h + F.embedding(pos, self.positions.weight)[None]
+        return self.drop(h) if self.drop is not None else h
+
+
+class HFBlock(nn.Module):
+    """One HF decoder layer behind the runtime's block call `block(hidden, rope)`.
+
+    A wrapper rather than hooks because the runtime replaces `block.forward` for
+    recomputation and activation offload, and those wrappers pass positional
+    arguments only.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor, rope: nn.Module | None = None) -> torch.Tensor:
+        pos = torch.arange(h.shape[1], device=h.device)[None]
+        extra = {"position_embeddings": rope(h, pos)} if rope is not None else {}
+        out = self.layer(h, attention_mask=None, position_ids=pos, use_cache=False, **extra)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _module_names(root: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM as embed / blocks / norm / head (see the module docstring).
+
+    forward(tokens, targets=None) as the built-in Decoder: logits, or the mean
+    cross-entropy (targets of -100 ignored); a pipeline stage without `embed`
+    takes hidden states, one without `head` returns them.
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        s = hf_structure(hf_model)
+        cfg = hf_model.config
+        self.hf_config = cfg
+        self.embed: HFEmbed | None = HFEmbed(s)
+        self.blocks = nn.ModuleDict({str(i): HFBlock(layer) for i, layer in enumerate(s.layers)})
+        self.norm: nn.Module | None = s.norm if s.norm is not None else nn.Identity()
+        self.head: nn.Module | None = s.head if s.project_out is None else nn.Sequential(s.project_out, s.head)
+        self.rope = s.rotary
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.cfg = HFInfo(arch=cfg.model_type, vocab_size=cfg.vocab_size, dim=cfg.hidden_size,
+                          n_layers=len(s.layers), max_seq_len=min(cfg.max_position_embeddings, window or 1 << 62),
+                          tie_embeddings=s.head.weight is s.tokens.weight)
+        hf_mods = _module_names(hf_model)
+        self.hf_names: dict[str, str] = {}  # our parameter / persistent buffer name -> HF name
+        for name, m in self.named_modules(remove_duplicate=False):
+            if id(m) in hf_mods:
+                prefix, ours = hf_mods[id(m)] + ".", name + "." if name else ""
+                tensors = list(m.named_parameters(recurse=False)) + [
+                    (n, b) for n, b in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set]
+                for leaf, _ in tensors:
+                    self.hf_names[ours + leaf] = prefix + leaf
+        self.hf_class = type(hf_model).__name__
+        self.base_prefix = hf_model.base_model_prefix
+        self.head_weight = "head.1.weight" if s.project_out is not None else "head.weight"
+        self.tokens_hf_name = self.hf_names["embed.tokens.weight"]
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(tokens) if self.embed is not None else tokens
+        for block in self.blocks.values():
+            h = block(h, self.rope)
+        if self.head is None:
+            return h
+        logits = self.head(self.norm(h))
+        return logits if targets is None else cross_entropy(logits, targets)
+
+    def prune(self, blocks: set[int] | None = None, embed: bool = True, head: bool = True) -> None:
+        """Keep only the given blocks (names stay stable) and pieces, as a pipeline stage does."""
+        if blocks is not None:
+            for name in [n for n in self.blocks if int(n) not in blocks]:
+                del self.blocks[name]
+        if not embed:
+            self.embed = None
+        if not head:
+            self.norm = self.head = None
+        present = {n for n, _ in self.named_parameters(remove_duplicate=False)} | {n for n, _ in self.named_buffers()}
+        self.hf_names = {k: v for k, v in self.hf_names.items() if k in present}
+
+
+# -- loading --
+
+def _weight_index(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (sharded with an index, or one file)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single for k in f.keys()}
+    hint = " (pytorch_model.bin is not read: snugfit never unpickles; convert it to safetensors)" if any(
+        folder.glob("*.bin")) else ""
+    raise SnugfitError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def _hf_config(config_file: Path):
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(config_file))
+    except (OSError, ValueError, KeyError) as e:
+        raise SnugfitError(f"cannot read Hugging Face config {config_file}: {e}") from e
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _resolve(path: str | Path) -> tuple[Path, Path | None]:
+    """(config.json, weights folder or None for a random init from the config alone)."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise SnugfitError(f"{p} has no config.json; pass a Hugging Face model folder")
+        return p / "config.json", p
+    if p.is_file() and p.suffix == ".json":
+        return p, None
+    raise SnugfitError(f"{path} is not a local folder or config.json; snugfit downloads nothing: "
+                       "download the model yourself (config.json + *.safetensors) and pass its folder")
+
+
+def load_hf(path: str | Path, blocks: set[int] | None = None, device: str | torch.device = "cpu", *,
+            embed: bool = True, head: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0) -> HFCausalLM:
+    """An HFCausalLM from a local HF folder (weights read tensor by tensor) or a config.json (random init).
+
+    blocks / embed / head: load only those pieces (a pipeline stage's or a
+    rank's part); the others are never allocated nor read. Parameters are held
+    in `dtype` (fp32 master weights by default, whatever the files hold).
+    device="meta": no memory, nothing read (planning; or shard it with FSDP2,
+    then `materialize(model, device, folder)` reads each rank's rows only).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config_file, folder = _resolve(path)
+    cfg = _hf_config(config_file)
+    if folder is None and str(device) != "meta":
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = HFCausalLM(AutoModelForCausalLM.from_config(cfg, dtype=dtype))
+        model.prune(blocks, embed, head)
+        return model
+    index = _weight_index(folder) if folder is not None else None  # fail before building anything
+    with torch.device("meta"):
+        model = HFCausalLM(AutoModelForCausalLM.from_config(cfg, dtype=dtype))
+    model.prune(blocks, embed, head)
+    if str(device) != "meta":
+        materialize(model, device, folder, index)
+    return model
+
+
+def materialize(model: HFCausalLM, device: str | torch.device, folder: str | Path,
+                index: dict[str, Path] | None = None) -> list[str]:
+    """Allocate a meta-device model (possibly FSDP2-sharded) on `device` and fill it from `folder`.
+
+    The rotary embedding's inverse frequencies are derived from the config, not
+    stored, so they are recomputed; a tied head shares the embedding again.
+    Returns the names of the tensors read.
+    """
+    model.to_empty(device=device)
+    if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
+        out = model.head[-1] if isinstance(model.head, nn.Sequential) else model.head
+        if out.weight is not model.embed.tokens.weight:  # to_empty gives each module its own tensor
+            out.weight = model.embed.tokens.weight
+    if model.rope is not None:
+        with torch.device(device):
+            model.rope = type(model.rope)(config=model.hf_config)
+    return load_weights(model, folder, index)
+
+
+def _stored_name(hf_name: str, index: dict[str, Path], prefix: str) -> str | None:
+    """Older checkpoints (e.g. the original gpt2) store names without the base-model prefix."""
+    if hf_name in index:
+        return hf_name
+    bare = hf_name.removeprefix(prefix + ".")
+    return bare if bare in index else None
+
+
+@torch.no_grad()
+def load_weights(model: HFCausalLM, folder: str | Path, index: dict[str, Path] | None = None) -> list[str]:
+    """Copy the stored tensors into the model's own (present) parameters; returns the names read.
+
+    Files are opened one at a time and tensors read one by one, so at most one
+    tensor beyond the model is ever held. Parameters already sharded by FSDP2
+    (a model built on the meta device, sharded, then `to_empty`) read only
+    their local rows.
+    """
+    from snugfit.model.lora import plain_named_tensors
+
+    folder = Path(folder)
+    index = index if index is not None else _weight_index(folder)
+    targets = plain_named_tensors(model)  # LoRA-wrapped layers load their base weights
+    wanted: dict[Path, list[tuple[str, str]]] = {}
+    missing = []
+    for ours, hf in model.hf_names.items():
+        if ours not in targets:  # the tied head: the same tensor as the embedding, already listed
+            continue
+        tied_head = model.cfg.tie_embeddings and ours == model.head_weight
+        stored = _stored_name(hf, index, model.base_prefix)
+        if stored is None and tied_head:  # a stage with the head but not the embedding
+            stored = _stored_name(model.tokens_hf_name, index, model.base_prefix)
+        if stored is None:
+            missing.append(hf)
+            continue
+        wanted.setdefault(index[stored], []).append((ours, stored))
+    if missing:
+        raise SnugfitError(f"{folder} lacks {len(missing)} weights of this model, e.g. {missing[0]}; "
+                           "is config.json from the same model?")
+    read = []
+    for file, names in sorted(wanted.items()):
+        with safe_open(str(file), framework="pt") as f:
+            for ours, stored in names:
+                _read_into(f, stored, targets[ours], file.name)
+                read.append(stored)
+    log.info("loaded %d tensors from %s", len(read), folder)
+    return read
+
+
+def _read_into(f, name: str, target: torch.Tensor, file: str) -> None:
+    """Copy one stored tensor into `target`; a sharded (FSDP2 DTensor) target reads only its own rows."""
+    sl = f.get_slice(name)
+    if tuple(sl.get_shape()) != tuple(target.shape):
+        raise SnugfitError(f"{file}: {name} has shape {tuple(sl.get_shape())}, the config says "
+                           f"{tuple(target.shape)}; is config.json from the same model?")
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        target.to_local().copy_(sl[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+    else:
+        target.copy_(f.get_tensor(name))
+
+
+# -- saving --
+
+def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write config.json + model.safetensors that transformers' from_pretrained loads as-is.
+
+    LoRA adapters are merged into the base weights (W + alpha/rank * B A), so
+    the folder is a plain HF model. `state_dict`: full tensors under the
+    model's names (e.g. gathered from a sharded engine); default: the model's own.
+    """
+    from snugfit.model.lora import merged_state_dict
+
+    if not isinstance(model, HFCausalLM):
+        raise SnugfitError("save_hf needs an HFCausalLM; export the built-in Decoder with `snugfit export`")
+    sd = merged_state_dict(model, state_dict)
+    out = {}
+    for ours, hf in model.hf_names.items():
+        if model.cfg.tie_embeddings and ours == model.head_weight:
+            continue  # tied: stored once, under the embedding's name
+        if ours not in sd:
+            raise SnugfitError(f"cannot save: {ours} is not in the state dict (a pruned model or partial state)")
+        out[hf] = sd[ours].detach().to("cpu").contiguous()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    model.hf_config.architectures = [model.hf_class]
+    model.hf_config.dtype = next(iter(out.values())).dtype  # transformers loads in the config's dtype
+    model.hf_config.save_pretrained(str(folder))
+    return folder

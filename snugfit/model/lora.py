@@ -1,0 +1,194 @@
+"""Fine-tuning: LoRA adapters and frozen pieces, for the built-in Decoder and HFCausalLM alike.
+
+A small own `LoRALinear` rather than peft: snugfit needs the adapters inside
+the block they adapt (each block is one FSDP2 unit, so adapter and frozen base
+shard and gather together), stable parameter names the plan and checkpoints
+can address, and one wrapper for both nn.Linear and GPT-2's transposed Conv1D.
+peft brings its own model wrapper and adapter registry for none of which the
+runtime has a use.
+
+Frozen parameters have requires_grad False: the engine builds its optimizer
+over trainable parameters only, so they get neither gradients nor optimizer
+states; `trainable_summary` tells the plan report and the memory model how many
+of each piece's parameters are which.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+
+from snugfit.errors import SnugfitError
+
+# Default adapted projections: attention, per architecture (the built-in Decoder's names under "snugfit").
+LORA_TARGETS = {
+    "snugfit": ("attn.q", "attn.k", "attn.v", "attn.o"),
+    "gpt2": ("attn.c_attn", "attn.c_proj"),
+    "opt": ("q_proj", "k_proj", "v_proj", "out_proj"),
+    "default": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
+
+def _dims(base: nn.Module) -> tuple[int, int]:
+    """(in, out) of a Linear, or of a GPT-2 Conv1D whose weight is stored (in, out)."""
+    if isinstance(base, nn.Linear):
+        return base.in_features, base.out_features
+    if type(base).__name__ == "Conv1D":
+        return base.weight.shape[0], base.weight.shape[1]
+    raise SnugfitError(f"LoRA adapts linear layers; {type(base).__name__} is not one")
+
+
+class LoRALinear(nn.Module):
+    """base(x) + alpha/rank * B(A(dropout(x))); the base is frozen, B starts at zero (no change at step 0)."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        d_in, d_out = _dims(base)
+        w = base.weight
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.empty(rank, d_in, dtype=w.dtype, device=w.device))
+        self.lora_b = nn.Parameter(torch.zeros(d_out, rank, dtype=w.dtype, device=w.device))
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_adapter()
+
+    @torch.no_grad()
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
+        """A ~ Kaiming-uniform (as nn.Linear), B = 0."""
+        bound = 1.0 / math.sqrt(self.lora_a.shape[1])
+        a = torch.rand(self.lora_a.shape, generator=generator, dtype=torch.float32) * 2 * bound - bound
+        self.lora_a.copy_(a)
+        self.lora_b.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (self.dropout(x) @ self.lora_a.t() @ self.lora_b.t()) * self.scale
+
+    def delta(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+        """The weight update in the base's own layout (Conv1D stores its weight transposed)."""
+        d = (lora_b.float() @ lora_a.float()) * self.scale
+        return d if isinstance(self.base, nn.Linear) else d.t()
+
+
+def _default_targets(model: nn.Module) -> tuple[str, ...]:
+    hf_cfg = getattr(model, "hf_config", None)
+    if hf_cfg is None:
+        return LORA_TARGETS["snugfit"]
+    return LORA_TARGETS.get(hf_cfg.model_type, LORA_TARGETS["default"])
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
+               targets: Iterable[str] | None = None, dropout: float = 0.0, seed: int = 0) -> list[str]:
+    """Wrap the target projections of every block in LoRALinear and freeze everything else.
+
+    targets: module-name suffixes inside a block ("q_proj", "attn.q"); default by
+    architecture (LORA_TARGETS). alpha defaults to rank (scale 1). Adapters are
+    initialised from `seed` in block order, so every rank (and every pipeline
+    split) starts from the same adapters. Returns the wrapped module names.
+    """
+    if rank <= 0:
+        raise SnugfitError(f"LoRA rank must be a positive integer, got {rank}")
+    targets = tuple(targets) if targets is not None else _default_targets(model)
+    alpha = float(alpha if alpha is not None else rank)
+    model.requires_grad_(False)
+    wrapped, candidates = [], set()
+    for bname, block in model.blocks.items():
+        gen = torch.Generator().manual_seed(seed * 100_003 + int(bname))
+        for name, mod in list(block.named_modules()):
+            if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
+                candidates.add(re.sub(r"^layer\.", "", name))
+            if name and any(name == t or name.endswith("." + t) for t in targets) and not isinstance(mod, LoRALinear):
+                parent_name, _, leaf = name.rpartition(".")
+                lora = LoRALinear(mod, rank, alpha, dropout)
+                lora.reset_adapter(gen)
+                setattr(block.get_submodule(parent_name), leaf, lora)
+                wrapped.append(f"blocks.{bname}.{name}")
+    if not wrapped and len(model.blocks):
+        raise SnugfitError(f"LoRA targets {list(targets)} match no layer; "
+                           f"linear layers of a block: {sorted(candidates)}")
+    return wrapped
+
+
+_PIECES = ("embed", "norm", "head", "blocks")
+
+
+def _block_range(spec: str, n_layers: int) -> range:
+    """'blocks' (all), 'blocks:3' or 'blocks:0-5' (inclusive)."""
+    _, _, rng = spec.partition(":")
+    if not rng:
+        return range(n_layers)
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", rng)
+    if m is None:
+        raise SnugfitError(f"frozen spec {spec!r}: write blocks:N or blocks:A-B (inclusive)")
+    lo, hi = int(m[1]), int(m[2] or m[1])
+    if hi < lo or hi >= n_layers:
+        raise SnugfitError(f"frozen spec {spec!r}: blocks go from 0 to {n_layers - 1}")
+    return range(lo, hi + 1)
+
+
+def freeze(model: nn.Module, spec: str | Iterable[str]) -> None:
+    """Freeze pieces: "embed", "norm", "head", "blocks", "blocks:0-5" (comma-separated or a list).
+
+    Pieces this rank does not hold (pipeline stages) are skipped; the spec is
+    checked against the full model all the same.
+    """
+    items = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+    for item in filter(None, items):
+        piece = item.partition(":")[0]
+        if piece not in _PIECES:
+            raise SnugfitError(f"frozen spec {item!r}: pieces are {', '.join(_PIECES)} (blocks:A-B for a range)")
+        if piece == "blocks":
+            for i in _block_range(item, model.cfg.n_layers):
+                if str(i) in model.blocks:
+                    model.blocks[str(i)].requires_grad_(False)
+        elif getattr(model, piece) is not None:
+            getattr(model, piece).requires_grad_(False)
+
+
+def _piece_of(name: str) -> str:
+    """Piece names as the profile uses them: embed, block.i, head (final norm and head together)."""
+    if name.startswith("blocks."):
+        return "block." + name.split(".")[1]
+    return "embed" if name.startswith("embed.") else "head"
+
+
+def trainable_summary(model: nn.Module) -> dict[str, dict[str, int]]:
+    """{piece: {"trainable": n, "frozen": n}} for embed, block.i, head, and "total"; tied weights counted once."""
+    out: dict[str, dict[str, int]] = {}
+    for name, p in model.named_parameters():
+        counts = out.setdefault(_piece_of(name), {"trainable": 0, "frozen": 0})
+        counts["trainable" if p.requires_grad else "frozen"] += p.numel()
+    out["total"] = {k: sum(c[k] for c in out.values()) for k in ("trainable", "frozen")}
+    return out
+
+
+def plain_named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers under their names without adapters (a LoRA base's weight as the layer's own)."""
+    wrappers = [name + "." for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        prefix = next((w for w in wrappers if name.startswith(w)), None)
+        if prefix is None:
+            out[name] = t
+        elif name.startswith(prefix + "base."):
+            out[prefix + name.removeprefix(prefix + "base.")] = t
+    return out
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The state dict without adapters: W + alpha/rank * B A under the base layer's plain name.
+
+    `state_dict` (full tensors under the model's names) defaults to the model's own.
+    """
+    sd = dict(state_dict if state_dict is not None else model.state_dict())
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoRALinear):
+            a, b = sd.pop(f"{name}.lora_a"), sd.pop(f"{name}.lora_b")
+            for leaf in [k.removeprefix(f"{name}.base.") for k in sd if k.startswith(f"{name}.base.")]:
+                t = sd.pop(f"{name}.base.{leaf}")
+                sd[f"{name}.{leaf}"] = (t.float() + mod.delta(a, b)).to(t.dtype) if leaf == "weight" else t
+    return sd

@@ -1,0 +1,133 @@
+"""estimate(plan, profile, cluster) -> Prediction: will the step fit, and how long will it take."""
+
+from __future__ import annotations
+
+from snugfit.hardware.cluster import Cluster
+from snugfit.plan.memory import device_bytes, host_bytes, rank_memory, rank_stages
+from snugfit.plan.plan import Plan, PlanError, Prediction
+from snugfit.plan.simulate import SimResult, simulate
+from snugfit.plan.timing import (
+    StageTime, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
+)
+from snugfit.profile.types import ModelProfile
+
+HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
+
+
+def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
+    plan.validate(n_blocks=len(prof.blocks))
+    if plan.world_size != cluster.world_size:
+        raise PlanError(
+            f"plan uses {plan.world_size} ranks (dp {plan.dp} x pp {plan.pp}) but the cluster has "
+            f"{cluster.world_size} GPUs; choose dp x pp = {cluster.world_size}"
+        )
+    if plan.seq_len != prof.seq_len:
+        raise PlanError(f"profile is for seq_len {prof.seq_len}, plan for {plan.seq_len}; re-profile")
+    if plan.compute_dtype != prof.dtype:
+        raise PlanError(f"profile is in {prof.dtype}, plan computes in {plan.compute_dtype}; re-profile")
+
+
+def _dp_group(plan: Plan, pp_rank: int) -> list[int]:
+    return [pp_rank * plan.dp + i for i in range(plan.dp)]
+
+
+def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_bytes: int | None = None) -> Prediction:
+    """Predict per-rank peak memory by category and step time by phase; fills and returns plan.predicted.
+
+    memory_budget_bytes caps what each GPU may use (default: its memory).
+    """
+    _check(plan, profile, cluster)
+    prof = profile.scaled(plan.micro_batch_size)
+    pp, dp, m, v = plan.pp, plan.dp, plan.num_microbatches, plan.virtual_stages
+    n_stages = pp * v
+    notes: list[str] = []
+    if profile.micro_batch_size != plan.micro_batch_size:
+        notes.append(f"profile scaled linearly from micro-batch {profile.micro_batch_size}")
+
+    # -- per-rank stage times --
+    times: dict[int, dict[int, StageTime]] = {}
+    stages_of = {r: rank_stages(plan, prof, r) for r in range(pp)}
+    for rank in range(plan.world_size):
+        pp_rank = rank // dp
+        node = cluster.nodes[cluster.node_of(rank)]
+        dp_link = cluster.link_for(_dp_group(plan, pp_rank))
+        times[rank] = {
+            k: stage_time(sps, gpu=node.gpu, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=dp,
+                          dp_link=dp_link, pcie=node.pcie, measured_on=prof.device)
+            for k, sps in stages_of[pp_rank].items()
+        }
+    # the slowest data-parallel member sets each stage's pace
+    f = [max(times[r][k].f_total for r in _dp_group(plan, k % pp)) for k in range(n_stages)]
+    b = [max(times[r][k].b_total for r in _dp_group(plan, k % pp)) for k in range(n_stages)]
+    p2p, move = [0.0] * n_stages, [0.0] * n_stages
+    for k in range(n_stages):
+        r = (k % pp) * dp
+        out = stages_of[k % pp][k][-1].piece.output_bytes
+        if k + 1 < n_stages:
+            p2p[k] = transfer_time(out, cluster.link_for([r, ((k + 1) % pp) * dp]))
+        saved = sum(sp.piece.saved_bytes["keep"] for sp in stages_of[k % pp][k])
+        move[k] = transfer_time(saved, cluster.link_for([r, (pp - 1 - k % pp) * dp]))
+    bound = plan.bpipe_bound() if plan.schedule == "bpipe" else None
+    sim = simulate(plan.schedule, pp, m, f, b, v=v, p2p=p2p, bound=bound, move=move)
+
+    # -- per-rank totals --
+    mem, tracked, step, phases_of = [], [], -1.0, {}
+    for rank in range(plan.world_size):
+        pp_rank = rank // dp
+        node = cluster.nodes[cluster.node_of(rank)]
+        rm = rank_memory(plan, prof, node.gpu, rank, sim)
+        mem.append(rm.cats)
+        tracked.append(rm.tracked)
+        notes += rm.notes
+        sts = times[rank]
+        pieces = [sp for k in sorted(sts) for sp in stages_of[pp_rank][k]]
+        bwd_last = sum(st.bwd + st.recompute for st in sts.values())
+        reduce = grad_reduce_exposed([(sts[k], stages_of[pp_rank][k]) for k in sorted(sts)], dp,
+                                     cluster.link_for(_dp_group(plan, pp_rank)), bwd_last)
+        ranks_on_host = cluster.nodes[cluster.node_of(rank)].count
+        opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
+                                           reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
+                                           ranks_on_host=ranks_on_host, bwd_last=bwd_last)
+        phases = {
+            "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
+            "recompute": m * sum(st.recompute for st in sts.values()),
+            "bubble": sim.bubble(pp_rank) if pp > 1 else 0.0,
+            "dp_comm_exposed": m * sum(st.comm_exposed for st in sts.values()) + reduce,
+            "offload_exposed": m * sum(st.offload_exposed for st in sts.values()) + opt_host,
+            "optimizer": opt_dev,
+        }
+        total = sim.makespan + reduce + opt_host + opt_dev
+        if total > step:
+            step, phases_of = total, phases
+    phases_of["bubble"] = max(0.0, step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble"))
+    pred = _finish(plan, prof, cluster, mem, step, phases_of, sim, notes, memory_budget_bytes)
+    pred.tracked_by_rank = tracked
+    return pred
+
+
+def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]], step: float,
+            phases: dict[str, float], sim: SimResult, notes: list[str], budget: int | None) -> Prediction:
+    peak = max(device_bytes(c) for c in mem)
+    gpu_mem = min(cluster.gpu_of(r).memory_bytes for r in range(plan.world_size))
+    budget = min(budget, gpu_mem) if budget else gpu_mem
+    fits = all(device_bytes(c) <= budget for c in mem)
+    for i, node in enumerate(cluster.nodes):
+        ranks = [r for r in range(plan.world_size) if cluster.node_of(r) == i]
+        need = sum(host_bytes(mem[r]) for r in ranks)
+        if cluster.nodes[i].gpu.name == "cpu":
+            need += sum(device_bytes(mem[r]) for r in ranks)
+        if need > HOST_USABLE * node.host.ram_bytes:
+            fits = False
+            notes.append(f"node {i}: host memory {need / 2**30:.1f} GiB exceeds {HOST_USABLE:.0%} of its RAM")
+    if any("reserve" in c for c in mem):
+        notes.append("reserve = CUDA context + 5% allocator fragmentation")
+    flops = prof.train_flops() * plan.num_microbatches * plan.dp
+    peak_rate = sum(cluster.gpu_of(r).tflops.get(plan.compute_dtype, 0.0) * 1e12 for r in range(plan.world_size))
+    pred = Prediction(
+        peak_memory_bytes=peak, memory_by_rank=mem, step_time_s=step, time_by_phase=phases,
+        tokens_per_s=plan.tokens_per_step / step if step else 0.0,
+        mfu=flops / (step * peak_rate) if step and peak_rate else 0.0,
+        fits=fits, memory_budget_bytes=budget, notes=notes,
+    )
+    plan.predicted = pred
+    return pred

@@ -1,0 +1,272 @@
+"""Memory model: bytes per rank, by category, at the rank's peak moment of a step.
+
+It describes what the runtime (FSDP2 per block, runtime/offload.py) holds. Per
+parameter element (c = compute-dtype bytes, g = reduce-dtype bytes, dp = data-parallel
+degree; t = trainable elements: frozen ones have no gradient, master or optimizer state):
+  parameters  the local shard at rest, fp32 (it is the master weight; FSDP2 casts when it
+              gathers): 4 per element, /dp for zero >= 1 (FSDP2 shards at rest for zero 1-2
+              too: zero 1 runs as zero 2). offload_optimizer units keep trainable shards in c.
+  comm_buffers the unsharded compute copies FSDP2 all-gathers (c per element): the root
+              unit and zero 0-2 blocks from forward through backward (zero 0 too: FSDP2
+              copies even on a one-rank shard group); a zero-3 block while it runs (two
+              when the next one is prefetched in backward).
+  gradients   accumulating (gradient sync off, microbatches after the first): unsharded,
+              g per trainable element, whatever the ZeRO stage; after the reduction: the
+              fp32 shard (/dp for zero >= 1), on host for offloaded units.
+  optimizer_states  AdamW: 8 per trainable element, /dp for zero >= 1.
+  offload_optimizer: fp32 master shard, its gradient and the states on host.
+  offload_params (zero 3): fp32 shard, gradient shard and states on host.
+
+Activations: each (stage, microbatch) a rank holds costs the bytes its pieces save
+under their policy (profile.saved_bytes; "offload" keeps none on device but a
+two-block window). Which ones are held comes from the schedule simulation. On top
+comes a walk through the running stage's pieces: saved bytes of earlier pieces of
+the same microbatch, the piece's input, and its measured working peak (for the last
+piece this is logits and the fp32 loss).
+
+`tracked` predicts what runtime.memory.MemoryTracker reports: it sees tensors held
+(parameters, gradients, optimizer states, saved activations, gathered copies), not
+transients (logits before the loss, matmul outputs consumed at once), and it samples
+gradients only between passes; so its peak is the held part of a step, without the
+walk's working memory. Comparing it is how tests check the model on multi-rank CPU
+runs, where no allocator sees the transients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snugfit.hardware.catalogue import GPU
+from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.simulate import SimResult
+from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
+
+FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator rounding, fragmentation)
+TRACKER_KEYS = {"parameters": "parameters", "comm_buffers": "buffers", "gradients": "gradients",
+                "optimizer_states": "optimizer", "master_weights": "optimizer", "activations": "activations"}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StagePiece:
+    piece: PieceProfile
+    decision: BlockPlan
+    n_params: int  # parameters this rank holds for the piece (tied weights included on the last stage)
+    n_trainable: int = -1  # of which trainable; -1: the piece's trainable count (+ tied weights)
+
+    def __post_init__(self) -> None:
+        if self.n_trainable < 0:
+            self.n_trainable = self.piece.num_trainable + self.n_params - self.piece.num_params
+
+    @property
+    def is_block(self) -> bool:
+        return self.piece.name.startswith("block")
+
+
+def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[StagePiece]]:
+    """Global stage index -> its pieces, for the stages pipeline rank pp_rank runs."""
+    ranges = plan.stage_ranges()
+    last = len(ranges) - 1
+    out: dict[int, list[StagePiece]] = {}
+    for k, blocks in enumerate(ranges):
+        if k % plan.pp != pp_rank:
+            continue
+        pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
+        pieces += [StagePiece(prof.blocks[i], plan.blocks[i], prof.blocks[i].num_params) for i in blocks]
+        if k == last:
+            tied = prof.tied_params if last % plan.pp != 0 else 0  # the head needs its own copy on another rank
+            pieces.append(StagePiece(prof.head, plan.root, prof.head.num_params + tied))
+        out[k] = pieces
+    return out
+
+
+def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
+    """The unsharded compute copy FSDP2 all-gathers for the piece."""
+    return sp.n_params * DTYPE_BYTES[plan.compute_dtype]
+
+
+def accumulating_grad_bytes(plan: Plan, sp: StagePiece) -> int:
+    """Unsharded gradient held while gradient sync is off (microbatches before the last)."""
+    return sp.n_trainable * DTYPE_BYTES[plan.reduce_dtype]
+
+
+def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, int]]:
+    """(device, host) bytes of one piece held through a step (see the module docstring).
+
+    Device gradients are the reduced shard; comm_buffers the compute copy a zero 0-2
+    piece keeps from forward through backward (a zero-3 one gathers only while it runs).
+    """
+    n, t, d, dp = sp.n_params, sp.n_trainable, sp.decision, plan.dp
+    div = dp if d.zero >= 1 else 1
+    if d.offload_params:  # host shards are fp32 and serve as master weights; the device only gathers
+        return {}, {"parameters": _ceil_div(n * 4, dp), "gradients": _ceil_div(t * 4, dp),
+                    "optimizer_states": _ceil_div(t * 8, dp)}
+    dev = {"comm_buffers": gathered_bytes(plan, sp) if d.zero < 3 else 0}
+    if d.offload_optimizer:  # trainable shards are stored in the compute dtype; masters, gradients, states on host
+        dev["parameters"] = _ceil_div((n - t) * 4 + t * DTYPE_BYTES[plan.compute_dtype], div)
+        return dev, {"master_weights": _ceil_div(t * 4, div), "gradients": _ceil_div(t * 4, div),
+                     "optimizer_states": _ceil_div(t * 8, div)}
+    dev.update(parameters=_ceil_div(n * 4, div), gradients=_ceil_div(t * 4, div),
+               optimizer_states=_ceil_div(t * 8, div))
+    return dev, {}
+
+
+def device_saved(sp: StagePiece) -> int:
+    """Bytes of one microbatch's activations this piece keeps on device until its backward."""
+    policy = sp.decision.activations if sp.is_block else "keep"
+    if policy == "offload":
+        return 0
+    return sp.piece.saved_bytes.get(policy, sp.piece.saved_bytes["keep"])
+
+
+@dataclass
+class Walk:
+    """Extra bytes while one stage computes one microbatch, above everything else held."""
+
+    saved: int  # this microbatch's activations of the stage's earlier pieces
+    working: int  # the running piece's input/output and working memory
+    piece: str  # which piece peaks
+
+
+def stage_walk(pieces: list[StagePiece], backward: bool, fresh_grads: list[int] | None = None) -> Walk:
+    """The peak of a forward (or backward) pass through a stage's pieces.
+
+    fresh_grads[i]: device gradient bytes piece i creates, counted for later pieces'
+    backward when gradients are not yet resident (first microbatch without pipelining).
+    """
+    best = Walk(0, 0, pieces[0].piece.name)
+    before = 0
+    for i, sp in enumerate(pieces):
+        p, keep, kept = sp.piece, sp.piece.saved_bytes["keep"], device_saved(sp)
+        if backward:
+            later = sum(fresh_grads[i + 1:]) if fresh_grads else 0
+            working = keep + p.output_bytes + p.bwd_peak_bytes + later
+        else:
+            working = p.input_bytes + max(p.fwd_peak_bytes - (keep - kept), p.output_bytes + kept)
+        if before + working > best.saved + best.working:
+            best = Walk(before, working, p.name)
+        before += kept
+    return best
+
+
+def tracked_walk(plan: Plan, pieces: list[StagePiece]) -> tuple[int, int]:
+    """(saved activations, zero-3 copy) at the held peak of one microbatch through a stage.
+
+    A zero-3 block holds its gathered copy only while it runs, on top of what
+    this and earlier pieces saved; the walk's transients are not held.
+    """
+    best, saved = (0, 0), 0
+    for sp in pieces:
+        saved += device_saved(sp)
+        copy = gathered_bytes(plan, sp) if sp.is_block and sp.decision.zero == 3 else 0
+        if saved + copy > sum(best):
+            best = (saved, copy)
+    return best
+
+
+def _add(total: dict[str, int], part: dict[str, int]) -> None:
+    for k, v in part.items():
+        total[k] = total.get(k, 0) + v
+
+
+@dataclass
+class RankMemory:
+    """One rank's prediction: categories at its device peak (plus 'host:*'), notes, and the tracker's view."""
+
+    cats: dict[str, int]
+    notes: list[str]
+    tracked: dict[str, int]  # MemoryTracker keys ("device.parameters", ..., "device.total", "host.total")
+
+
+def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimResult) -> RankMemory:
+    """Categories of bytes on `rank` at its peak (device) plus 'host:*' categories, notes, and tracked peak."""
+    pp_rank = rank // plan.dp
+    stages = rank_stages(plan, prof, pp_rank)
+    all_pieces = [sp for k in sorted(stages) for sp in stages[k]]
+    static: dict[str, int] = {}
+    host: dict[str, int] = {}
+    for sp in all_pieces:
+        dev, h = param_state(plan, sp)
+        _add(static, dev)
+        _add(host, h)
+    reduced = static.pop("gradients", 0)
+    # gathered from forward through backward: zero 0-2 blocks and the root unit (FSDP2 never reshards the root
+    # after forward); zero-3 blocks while they run, and in backward the next one is prefetched
+    copies = static.pop("comm_buffers", 0)
+    copies += sum(gathered_bytes(plan, sp) for sp in all_pieces if not sp.is_block and sp.decision.zero == 3)
+    zero3 = [gathered_bytes(plan, sp) for sp in all_pieces if sp.is_block and sp.decision.zero == 3]
+    fresh = {sp.piece.name: accumulating_grad_bytes(plan, sp) for sp in all_pieces}
+    accum = sum(fresh.values()) if plan.num_microbatches > 1 else reduced
+    offloaded = [sp.piece.saved_bytes["keep"] for sp in all_pieces if device_saved(sp) == 0 and sp.piece.name != "embed"]
+    window = 2 * max(offloaded) if offloaded else 0
+    per_mb = {k: sum(device_saved(sp) for sp in sps) for k, sps in stages.items()}
+    if offloaded:
+        m_held = max(sim.max_resident(pp_rank), 1)
+        host["activations"] = m_held * sum(sp.piece.saved_bytes["keep"] for sp in all_pieces if device_saved(sp) == 0)
+    # stage bytes held per microbatch on the partner (BPipe) come from other ranks' stages
+    if plan.schedule == "bpipe":
+        partner = rank_stages(plan, prof, plan.pp - 1 - pp_rank)
+        per_mb.update({k: sum(device_saved(sp) for sp in sps) for k, sps in partner.items()})
+
+    walks = {}
+    for k, sps in stages.items():
+        walks[(k, "F", False)] = walks[(k, "F", True)] = stage_walk(sps, False)
+        walks[(k, "B", False)] = stage_walk(sps, True, [fresh[sp.piece.name] for sp in sps])
+        walks[(k, "B", True)] = stage_walk(sps, True)
+        walks[(k, "tracked")] = tracked_walk(plan, sps)
+    gathered = copies + 2 * max(zero3, default=0)
+    best_total, best, tracked_best, tracked_at = -1, None, -1, None
+    grads_resident = False  # gradients exist from the rank's first backward on
+    for snap in sim.snapshots[pp_rank]:
+        ev = snap.event
+        g = accum if grads_resident else 0
+        walk = walks[(ev.stage, ev.kind, grads_resident)]
+        held = sum(per_mb[s] for s, _ in snap.resident)
+        total = held + walk.saved + walk.working + g + gathered
+        if total > best_total:
+            best_total, best = total, (held + walk.saved + window, walk, g)
+        saved, copy = walks[(ev.stage, "tracked")]
+        if held + saved + copies + copy + g > tracked_best:
+            tracked_best, tracked_at = held + saved + copies + copy + g, (held + saved, copies + copy, g)
+        grads_resident = grads_resident or ev.kind == "B"
+    held, walk, g = best
+    cats = dict(static)
+    notes: list[str] = []
+    if reduced >= best_total + window:
+        cats["gradients"] = reduced
+        notes.append(f"rank {rank}: peak at the optimizer step")
+    else:
+        cats.update(gradients=g, activations=held, comm_buffers=gathered)
+        cats["logits_loss" if walk.piece == "head" else "working"] = walk.working
+    if gpu.name != "cpu":
+        cats["reserve"] = gpu.context_bytes + int(FRAGMENTATION * sum(cats.values()))
+    cats = {k: v for k, v in cats.items() if v}
+    cats.update({f"host:{k}": v for k, v in host.items() if v})
+    return RankMemory(cats, notes, _tracked(static, host, reduced, tracked_at))
+
+
+def _tracked(static: dict[str, int], host: dict[str, int], reduced: int, at: tuple[int, int, int]) -> dict[str, int]:
+    """The MemoryTracker's peak: the held part of the step's busiest moment, or the optimizer step's."""
+    saved, copy, g = at
+    moving = {"activations": saved, "buffers": copy, "gradients": g}
+    if reduced >= saved + copy + g:
+        moving = {"gradients": reduced}
+    out: dict[str, int] = {}
+    for place, cats in (("device", {**static, **moving}), ("host", host)):
+        for k, v in cats.items():
+            key = f"{place}.{TRACKER_KEYS.get(k, k)}"
+            out[key] = out.get(key, 0) + v
+    for place in ("device", "host"):
+        out[f"{place}.total"] = sum(v for k, v in out.items() if k.startswith(place + "."))
+    return out
+
+
+def device_bytes(cats: dict[str, int]) -> int:
+    return sum(v for k, v in cats.items() if not k.startswith("host:"))
+
+
+def host_bytes(cats: dict[str, int]) -> int:
+    return sum(v for k, v in cats.items() if k.startswith("host:"))

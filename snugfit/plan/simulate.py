@@ -1,0 +1,162 @@
+"""A small event simulation of one training step's pipeline schedule.
+
+Each pipeline rank runs its list of actions in order (the order torch's schedules
+use); an action starts when the rank is free and its inputs have arrived. Stage k
+of pp*v stages runs on rank k % pp. The result keeps every event (for Gantt
+charts), busy time and bubble per rank, and which (stage, microbatch) activations
+each rank holds whenever it starts computing, which is what the memory model needs.
+
+BPipe: a rank about to start a forward while holding `bound` microbatches evicts
+the one whose backward comes last to its partner rank p-1-x (overlapped with that
+forward), and loads the oldest evicted one back as soon as a backward frees a slot (before that microbatch's
+backward needs it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Event:
+    rank: int
+    stage: int
+    kind: str  # F, B, evict, load
+    mb: int
+    start: float
+    end: float
+
+
+@dataclass
+class Snapshot:
+    """At the start of a compute event: what activations the rank holds, by (stage, microbatch).
+
+    The event's own (stage, mb) is excluded: its bytes belong to the piece walk of the event.
+    """
+
+    event: Event
+    resident: list[tuple[int, int]]
+
+
+@dataclass
+class SimResult:
+    events: list[Event] = field(default_factory=list)
+    snapshots: dict[int, list[Snapshot]] = field(default_factory=dict)  # rank -> snapshots
+    makespan: float = 0.0
+    busy: list[float] = field(default_factory=list)  # compute seconds per rank
+
+    def bubble(self, rank: int) -> float:
+        return self.makespan - self.busy[rank]
+
+    def max_resident(self, rank: int, stage: int | None = None) -> int:
+        """Most microbatches held at once (of one stage, or all) — +1 for the one being computed."""
+        best = 0
+        for snap in self.snapshots[rank]:
+            held = [s for s in snap.resident if stage is None or s[0] == stage]
+            own = snap.event.kind == "F" and (stage is None or snap.event.stage == stage)
+            best = max(best, len(held) + own)
+        return best
+
+
+def action_order(schedule: str, pp: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """(kind, stage, microbatch) actions of one pipeline rank, in the order it runs them."""
+    if schedule == "none":
+        return [a for j in range(m) for a in (("F", 0, j), ("B", 0, j))]
+    if schedule in ("1f1b", "bpipe"):
+        warm = min(pp - rank - 1, m)
+        out = [("F", rank, j) for j in range(warm)]
+        for i in range(m - warm):
+            out += [("F", rank, warm + i), ("B", rank, i)]
+        return out + [("B", rank, j) for j in range(m - warm, m)]
+    if schedule == "interleaved":
+        total = m * v
+
+        def fwd(k):
+            return "F", ((k // pp) % v) * pp + rank, (k // (pp * v)) * pp + k % pp
+
+        def bwd(k):
+            return "B", (v - 1 - (k // pp) % v) * pp + rank, (k // (pp * v)) * pp + k % pp
+
+        warm = min((v - 1) * pp + 2 * (pp - 1 - rank), total)
+        out = [fwd(k) for k in range(warm)]
+        for i in range(total - warm):
+            out += [fwd(warm + i), bwd(i)]
+        return out + [bwd(k) for k in range(total - warm, total)]
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def simulate(
+    schedule: str, pp: int, m: int, fwd: list[float], bwd: list[float], *, v: int = 1,
+    p2p: list[float] | None = None, bound: int | None = None, move: list[float] | None = None,
+) -> SimResult:
+    """Simulate one step. fwd/bwd: seconds per microbatch of each of the pp*v stages;
+    p2p[k]: seconds to send stage k's output to stage k+1 (and its gradient back);
+    move[k]: seconds to evict (or load back) one microbatch of stage k's activations (BPipe).
+    """
+    n_stages = pp * v
+    p2p = p2p or [0.0] * n_stages
+    move = move or [0.0] * n_stages
+    orders = [action_order(schedule, pp, v, m, r) for r in range(pp)]
+    pos = [0] * pp
+    free = [0.0] * pp
+    done: dict[tuple[str, int, int], float] = {}
+    held: list[dict[tuple[int, int], None]] = [{} for _ in range(pp)]  # insertion-ordered sets
+    evicted: list[dict[tuple[int, int], None]] = [{} for _ in range(pp)]  # by owner rank: held by the partner
+    load_ready: dict[tuple[int, int], float] = {}
+    res = SimResult(snapshots={r: [] for r in range(pp)}, busy=[0.0] * pp)
+    remaining = sum(len(o) for o in orders)
+
+    def ready_at(r: int) -> float | None:
+        """When rank r's next action could start, or None while its inputs are missing."""
+        kind, k, j = orders[r][pos[r]]
+        deps = [("F", k - 1, j)] if kind == "F" and k > 0 else []
+        if kind == "B":
+            deps += [("F", k, j)] + ([("B", k + 1, j)] if k < n_stages - 1 else [])
+        if any(d not in done for d in deps):
+            return None
+        return max([free[r]] + [done[d] + (0.0 if d[1] % pp == r else p2p[min(d[1], k)]) for d in deps])
+
+    while remaining:
+        # run the action that can start first, so cross-rank state (evictions) changes in time order
+        cands = [(t, r) for r in range(pp) if pos[r] < len(orders[r]) and (t := ready_at(r)) is not None]
+        if not cands:
+            raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={v}, m={m})")
+        ready, r = min(cands)
+        kind, k, j = orders[r][pos[r]]
+        if kind == "B" and (k, j) in evicted[r]:  # not loaded back early enough: load now
+            del evicted[r][(k, j)]
+            held[r][(k, j)] = None
+            load_ready[(k, j)] = ready + move[k]
+            res.events.append(Event(r, k, "load", j, ready, load_ready[(k, j)]))
+        if kind == "B" and (k, j) in load_ready:
+            ready = max(ready, load_ready.pop((k, j)))
+        dur = fwd[k] if kind == "F" else bwd[k]
+        ev = Event(r, k, kind, j, ready, ready + dur)
+        partner = pp - 1 - r
+        if kind == "F" and schedule == "bpipe" and partner != r and bound and len(held[r]) >= bound:
+            victim = max(held[r], key=lambda s: s[1])  # its backward comes last
+            del held[r][victim]
+            evicted[r][victim] = None
+            res.events.append(Event(r, victim[0], "evict", victim[1], ready, ready + move[victim[0]]))
+        resident = [s for s in held[r] if s != (k, j)]
+        if schedule == "bpipe" and partner != r:
+            resident += list(evicted[partner])
+        res.snapshots[r].append(Snapshot(ev, resident))
+        res.events.append(ev)
+        res.busy[r] += dur
+        free[r] = ev.end
+        done[(kind, k, j)] = ev.end
+        pos[r] += 1
+        remaining -= 1
+        if kind == "F":
+            held[r][(k, j)] = None
+        else:
+            del held[r][(k, j)]
+            if evicted[r] and (bound is None or len(held[r]) < bound):
+                back = min(evicted[r], key=lambda s: s[1])  # needed soonest
+                del evicted[r][back]
+                held[r][back] = None
+                load_ready[back] = ev.end + move[back[0]]
+                res.events.append(Event(r, back[0], "load", back[1], ev.end, load_ready[back]))
+    res.makespan = max(e.end for e in res.events)
+    return res

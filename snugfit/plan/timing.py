@@ -1,0 +1,147 @@
+"""Time model: seconds per piece, per collective, per transfer, and per optimizer step.
+
+Compute: measured piece times (and recomputation overheads) when the profile was
+timed on this very device, else a roofline sum: matmul FLOPs at the device's achievable rate plus the bytes
+moved by memory-bound ops at its achievable bandwidth. Recompute adds a forward
+("selective" only the memory-bound part). Collectives are alpha-beta ring
+formulas over the slowest link of the group. What overlaps: ZeRO-3 gathers with
+the previous block's compute (prefetch), gradient reduction with the last
+microbatch's backward, activation offload with the block's compute, the host
+optimizer with the last backward; the rest is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snugfit.hardware.catalogue import GPU, Host, Link
+from snugfit.plan.memory import StagePiece
+from snugfit.profile.types import DTYPE_BYTES, PieceProfile
+
+ADAM_BYTES_PER_PARAM = 32  # fused AdamW on device: read p, g, m, v (+ master), write p, m, v
+
+
+def ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """all_gather / reduce_scatter / all_reduce of a tensor of `nbytes` (unsharded) over n ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps = n - 1
+    frac = (n - 1) / n
+    if kind == "all_reduce":
+        steps, frac = 2 * steps, 2 * frac
+    return steps * link.latency_s + frac * nbytes / (link.gbps * 1e9)
+
+
+def transfer_time(nbytes: float, link: Link) -> float:
+    return 0.0 if nbytes <= 0 else link.latency_s + nbytes / (link.gbps * 1e9)
+
+
+def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch through one piece."""
+    if measured_on == gpu.name and p.fwd_time_s is not None and p.bwd_time_s is not None:
+        return p.fwd_time_s, p.bwd_time_s
+    rate, bw = gpu.flops_per_s(dtype), gpu.mem_bytes_per_s()
+    return p.fwd_flops / rate + p.fwd_mem_bytes / bw, p.bwd_flops / rate + p.bwd_mem_bytes / bw
+
+
+def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, dtype: str, measured_on: str | None) -> float:
+    """Extra seconds in backward for recomputing what the policy did not keep."""
+    if measured_on == gpu.name and policy in p.recompute_time_s:
+        return p.recompute_time_s[policy]
+    if policy == "recompute":
+        return fwd
+    if policy == "selective":
+        # the memory-bound share of the forward (matmul outputs were kept)
+        rate, bw = gpu.flops_per_s(dtype), gpu.mem_bytes_per_s()
+        mem, mm = p.fwd_mem_bytes / bw, p.fwd_flops / rate
+        return fwd * mem / (mem + mm) if mem + mm > 0 else 0.0
+    return 0.0
+
+
+@dataclass
+class StageTime:
+    """One stage on one rank, per microbatch, and what it adds once per step."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    recompute: float = 0.0
+    comm_exposed: float = 0.0  # ZeRO-3 gathers not hidden behind compute
+    offload_exposed: float = 0.0  # activation / parameter transfers not hidden
+    reduce_bytes: list[float] | None = None  # per piece: gradient bytes reduced at the end of the step
+    gather_after_step: float = 0.0  # ZeRO-1/2: parameter bytes all-gathered after the optimizer
+
+    @property
+    def f_total(self) -> float:
+        return self.fwd + self.comm_exposed / 2 + self.offload_exposed / 2
+
+    @property
+    def b_total(self) -> float:
+        return self.bwd + self.recompute + self.comm_exposed / 2 + self.offload_exposed / 2
+
+
+def stage_time(
+    pieces: list[StagePiece], *, gpu: GPU, dtype: str, reduce_dtype: str, dp: int, dp_link: Link, pcie: Link,
+    measured_on: str | None,
+) -> StageTime:
+    c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
+    st = StageTime(reduce_bytes=[])
+    first_gather = True
+    for sp in pieces:
+        p, d = sp.piece, sp.decision
+        f, b = piece_compute(p, gpu, dtype, measured_on)
+        policy = d.activations if p.name.startswith("block") else "keep"
+        rc = recompute_time(p, policy, f, gpu, dtype, measured_on)
+        st.fwd, st.bwd, st.recompute = st.fwd + f, st.bwd + b, st.recompute + rc
+        comm_f = comm_b = 0.0
+        if d.zero == 3 and dp > 1:
+            gather = ring_time("all_gather", sp.n_params * c, dp, dp_link)
+            if d.offload_params:
+                gather += transfer_time(sp.n_params * c / dp, pcie)
+            comm_f = comm_b = gather
+            if first_gather:  # nothing to hide the first gather behind
+                st.comm_exposed += gather
+                first_gather = False
+        st.comm_exposed += max(0.0, comm_f - f) + max(0.0, comm_b - (b + rc))
+        if policy == "offload":
+            move = transfer_time(p.saved_bytes["keep"], pcie)
+            st.offload_exposed += max(0.0, move - f) + max(0.0, move - b)
+        st.reduce_bytes.append(sp.n_params * g if dp > 1 else 0.0)
+        if d.zero in (1, 2) and dp > 1:
+            st.gather_after_step += sp.n_params * c
+    return st
+
+
+def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: int, link: Link, bwd_last: float) -> float:
+    """End-of-step gradient reduction, hidden behind the last microbatch's backward except the tail."""
+    if dp <= 1:
+        return 0.0
+    times = []
+    for st, pieces in stages:
+        for nbytes, sp in zip(st.reduce_bytes, pieces):
+            kind = "all_reduce" if sp.decision.zero <= 1 else "reduce_scatter"
+            times.append(ring_time(kind, nbytes, dp, link))
+    after = sum(ring_time("all_gather", st.gather_after_step, dp, link) for st, _ in stages)
+    tail = times[0] if times else 0.0  # the first piece's gradients are ready last
+    return max(0.0, sum(times) - bwd_last) + tail + after
+
+
+def optimizer_time(
+    pieces: list[StagePiece], *, gpu: GPU, host: Host, dp: int, dtype: str, reduce_dtype: str, pcie: Link,
+    ranks_on_host: int, bwd_last: float,
+) -> tuple[float, float]:
+    """(device optimizer seconds, exposed host-optimizer seconds) for one rank."""
+    c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
+    dev_params = host_params = 0.0
+    for sp in pieces:
+        n = sp.n_params / (dp if sp.decision.zero >= 1 else 1)
+        if sp.decision.offload_optimizer or sp.decision.offload_params:
+            host_params += n
+        else:
+            dev_params += n
+    if gpu.name == "cpu":  # the measured fused AdamW rate is this device's optimizer
+        dev_time = dev_params / (host.adam_params_per_s / ranks_on_host)
+    else:
+        dev_time = dev_params * ADAM_BYTES_PER_PARAM / gpu.mem_bytes_per_s()
+    cpu = host_params / (host.adam_params_per_s / ranks_on_host)
+    moves = transfer_time(host_params * g, pcie) + transfer_time(host_params * c, pcie)
+    return dev_time, max(0.0, cpu + moves - bwd_last) if host_params else 0.0

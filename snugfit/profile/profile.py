@@ -1,0 +1,220 @@
+"""Model profiles: what each piece of a model costs for one microbatch, before anything runs.
+
+A profile is plain data (JSON, cached) so that plan/ can use it without torch.
+It is built by running one fake training step (see record.py) for a given
+micro_batch_size, seq_len and dtype; memory and FLOPs scale linearly in the
+micro-batch size, so plan/ rescales a profile to other micro-batch sizes.
+
+Saved-activation policies (bytes a block keeps between its forward and backward):
+- keep:      everything autograd saves.
+- recompute: only the block input (full activation checkpointing).
+- selective: the block input plus the outputs of SELECTIVE_SAVE_OPS (matmuls and
+             fused attention); norms, activations, rotary, softmax and masking are
+             recomputed.
+- offload:   what "keep" saves, but moved to host memory (plan/ decides the window).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.profile.record import ModelParts, PieceRecord, record_step
+from snugfit.profile.types import PROFILE_VERSION, ModelProfile, PieceProfile
+
+
+# -- building --
+
+def builtin_parts(model: Decoder) -> ModelParts:
+    return ModelParts([model.embed], list(model.blocks.values()), [model.norm, model.head], lambda t, y: model(t, y))
+
+
+def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            key = str(p.dtype).removeprefix("torch.")
+            out[key] = out.get(key, 0) + p.numel()
+    return out
+
+
+def _piece(name: str, rec: PieceRecord, params: dict[str, int], is_block: bool) -> PieceProfile:
+    keep = rec.saved
+    saved = {"keep": keep}
+    if is_block:
+        saved["recompute"] = rec.input_bytes
+        saved["selective"] = min(keep, rec.input_bytes + rec.selective_extra)
+    return PieceProfile(
+        name=name, params=params, input_bytes=rec.input_bytes, output_bytes=rec.output_bytes, saved_bytes=saved,
+        fwd_peak_bytes=rec.fwd.peak_delta, bwd_peak_bytes=rec.bwd.peak_delta, fwd_flops=rec.fwd.flops,
+        bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,
+    )
+
+
+def profile_module(
+    model: nn.Module, parts: ModelParts, *, name: str, config: dict, micro_batch_size: int, seq_len: int,
+    dtype: str, vocab_size: int, retie=None,
+) -> ModelProfile:
+    """Profile a model built on the meta device: counts its parameters, then records one fake step.
+
+    `retie(model)` restores weights shared by embedding and head after fake materialisation.
+    """
+    model.to(getattr(torch, dtype))
+    seen: set[int] = set()
+    all_params = {id(p) for p in model.parameters()}
+    embed_ids = {id(p) for m in parts.embed for p in m.parameters()}
+    tied = sum(p.numel() for m in parts.last for p in m.parameters() if id(p) in embed_ids)
+    embed_p = _params_by_dtype(parts.embed, seen)
+    block_p = [_params_by_dtype([b], seen) for b in parts.blocks]
+    head_p = _params_by_dtype(parts.last, seen)
+    leftover = all_params - seen
+    if leftover:  # e.g. OPT's project_in/out: charge to the piece after which they run
+        extra = [p for p in model.parameters() if id(p) in leftover]
+        for p in extra:
+            key = str(p.dtype).removeprefix("torch.")
+            head_p[key] = head_p.get(key, 0) + p.numel()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        if retie is not None:
+            retie(model)
+        tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len))
+        recs = record_step(model, parts, tokens)
+    blocks = [_piece(f"block.{i}", recs[f"block.{i}"], p, True) for i, p in enumerate(block_p)]
+    return ModelProfile(
+        model=name, config=config, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+        embed=_piece("embed", recs["embed"], embed_p, False), blocks=blocks,
+        head=_piece("head", recs["head"], head_p, False), tied_params=tied,
+    )
+
+
+def _cache_path(cache_dir: str | Path | None, key: dict) -> Path:
+    root = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "snugfit"
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return root / "profiles" / f"{digest}.json"
+
+
+def profile_model(
+    model: ModelConfig | dict, *, micro_batch_size: int, seq_len: int, dtype: str = "float32",
+    name: str | None = None, cache_dir: str | Path | None = None, use_cache: bool = True,
+    measure_on: str | None = None, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
+) -> ModelProfile:
+    """Profile a built-in ModelConfig or a Hugging Face config dict (cached by its inputs).
+
+    measure_on="cpu" also times each piece's forward and backward on this machine
+    with real (random) weights: only for models that fit in host memory. `clock` is
+    what times it (time.process_time on a single-threaded CPU run ignores other load).
+    """
+    is_hf = isinstance(model, dict)
+    config = dict(model) if is_hf else model.to_dict()
+    key = {"config": config, "mbs": micro_batch_size, "seq": seq_len, "dtype": dtype,
+           "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__}
+    path = _cache_path(cache_dir, key)
+    if use_cache and path.exists():
+        return ModelProfile.load(path)
+    label = name or config.get("_name_or_path") or config.get("model_type") or config.get("arch", "model")
+    if is_hf:
+        from snugfit.profile.hf import build_hf_meta, hf_parts
+
+        net = build_hf_meta(config)
+        prof = profile_module(net, hf_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
+                              seq_len=seq_len, dtype=dtype, vocab_size=config["vocab_size"],
+                              retie=lambda m: m.tie_weights())
+    else:
+        cfg = ModelConfig.from_dict(config)
+        cfg.max_seq_len = max(cfg.max_seq_len, seq_len)
+        with torch.device("meta"):
+            net = Decoder(cfg)
+        prof = profile_module(net, builtin_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
+                              seq_len=seq_len, dtype=dtype, vocab_size=cfg.vocab_size, retie=_retie_builtin)
+        if measure_on:
+            measure_times(prof, cfg, measure_on, repeats, clock)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.save(path)
+    return prof
+
+
+def _retie_builtin(model: Decoder) -> None:
+    if model.cfg.tie_embeddings:
+        model.head.weight = model.embed.tokens.weight
+
+
+def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: int = 3,
+                  clock: Callable[[], float] = time.perf_counter) -> None:
+    """Fill fwd/bwd_time_s of every piece, and each block's recompute_time_s: the extra
+    seconds of a step with the block under "recompute" / "selective" (checkpointing has
+    overheads beyond re-running the forward, large for small blocks).
+    """
+    keep = _time_pieces(cfg, prof, device, repeats, clock, "keep")
+    for piece in prof.pieces:
+        piece.fwd_time_s, piece.bwd_time_s = keep[(piece.name, "fwd")], keep[(piece.name, "bwd")]
+    for policy in ("recompute", "selective"):
+        t = _time_pieces(cfg, prof, device, repeats, clock, policy)
+        for piece in prof.blocks:
+            extra = t[(piece.name, "fwd")] + t[(piece.name, "bwd")] - piece.fwd_time_s - piece.bwd_time_s
+            piece.recompute_time_s[policy] = max(0.0, extra)
+    prof.device = device
+
+
+def _time_pieces(cfg: ModelConfig, prof: ModelProfile, device: str, repeats: int, clock: Callable[[], float],
+                 policy: str) -> dict[tuple[str, str], float]:
+    """(piece, fwd|bwd) -> the fastest of `repeats` timed steps after two warm-ups (on a shared
+    machine, interference only ever adds time).
+
+    Piece boundaries come from module hooks; each piece's time runs until the next
+    piece starts (so glue code between pieces is charged to the piece before it).
+    """
+    from snugfit.plan.plan import BlockPlan, Plan
+    from snugfit.profile.measure_step import apply_recompute
+
+    torch.manual_seed(0)
+    model = Decoder(cfg).to(device=device, dtype=getattr(torch, prof.dtype))
+    apply_recompute(model, Plan.uniform(cfg.n_layers, block=BlockPlan(activations=policy)))
+    parts = builtin_parts(model)
+    names = ["embed"] + [f"block.{i}" for i in range(len(parts.blocks))] + ["head"]
+    mods = [parts.embed[0], *parts.blocks, parts.last[0]]
+    marks: list[tuple[str, str, float]] = []
+    sync = torch.accelerator.synchronize if device != "cpu" else (lambda: None)
+
+    def mark(name, phase):
+        def hook(*_):
+            sync()
+            marks.append((name, phase, clock()))
+        return hook
+
+    handles = [m.register_forward_pre_hook(mark(n, "fwd")) for n, m in zip(names, mods)]
+    handles += [m.register_full_backward_pre_hook(mark(n, "bwd")) for n, m in zip(names[:-1], mods[:-1])]
+    tokens = torch.randint(0, cfg.vocab_size, (prof.micro_batch_size, prof.seq_len), device=device)
+    samples: dict[tuple[str, str], list[float]] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")  # embedding: int inputs
+            for it in range(repeats + 2):
+                marks.clear()
+                loss = model(tokens, tokens)
+                mark("head", "bwd")()
+                loss.backward()
+                mark("end", "end")()
+                model.zero_grad(set_to_none=True)
+                if it < 2:
+                    continue
+                for (n, ph, t0), (_, _, t1) in zip(marks, marks[1:]):
+                    samples.setdefault((n, ph), []).append(t1 - t0)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: min(v) for k, v in samples.items()}

@@ -1,0 +1,226 @@
+"""Record one training step of a model, piece by piece, without real memory.
+
+The model runs under FakeTensorMode on a fake "cpu" device (so kernels are chosen
+as on a real device: SDPA takes the flash path and keeps O(s), not the s^2
+scores a meta-device decomposition would). A dispatch mode sees every aten op,
+module hooks say which piece (embedding, block i, last piece) is running, and a
+saved-tensors hook sees what autograd keeps. Per piece and phase we record:
+
+- FLOPs of matmul-like ops (torch's flop formulas; SDPA on CPU added here),
+- bytes read + written by the other, memory-bound ops (a roofline's second term),
+- bytes saved for backward, each storage counted once, parameters and buffers skipped,
+- the peak of live tensor bytes above the live bytes at the piece's start,
+- for "selective" recomputation: bytes of the outputs of SELECTIVE_SAVE_OPS.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+# "selective" recomputation keeps the outputs of these ops (matmuls: the linear layers'
+# and eager attention's scores / weighted sum; the fused attention kernels) plus the
+# block input, and recomputes everything else in backward: norms, rotary, activations,
+# softmax, masking. The runtime's policy (runtime/activations.py SAVED_OPS) is the same set.
+SELECTIVE_SAVE_OPS = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+)
+_SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
+             "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
+
+
+@dataclass
+class PhaseStats:
+    flops: float = 0.0
+    mem_bytes: float = 0.0  # traffic of non-matmul ops
+    peak_delta: int = 0  # peak live bytes above the live bytes at the piece's start
+
+
+@dataclass
+class PieceRecord:
+    fwd: PhaseStats = field(default_factory=PhaseStats)
+    bwd: PhaseStats = field(default_factory=PhaseStats)
+    saved: int = 0
+    selective_extra: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _sdpa_flops(args, kwargs, scale: float) -> float:
+    q, k = args[0], args[1]
+    b, h, sq, d = q.shape
+    # forward and backward kernels take is_causal at different positions; it is their only bool
+    causal = kwargs.get("is_causal", next((a for a in args if isinstance(a, bool)), False))
+    return scale * 4.0 * b * h * sq * k.shape[-2] * d * (0.5 if causal else 1.0)
+
+
+class StepRecorder(TorchDispatchMode):
+    """Attribute ops, saved tensors and live memory to the piece that runs them."""
+
+    def __init__(self, skip_storages: set[int]):
+        super().__init__()
+        self.skip = skip_storages  # parameters and buffers: counted as parameters, not activations
+        self.pieces: dict[str, PieceRecord] = {}
+        self.current: tuple[str, str] | None = None
+        self.live = 0
+        self.base = 0
+        self.peak = 0
+        self._tracked: set[int] = set()
+        self._saved: set[int] = set()
+        self._selective: set[int] = set()
+
+    # -- piece boundaries --
+    def enter(self, piece: str, phase: str) -> None:
+        self._close()
+        self.pieces.setdefault(piece, PieceRecord())
+        self.current = (piece, phase)
+        self.base = self.peak = self.live
+
+    def _close(self) -> None:
+        if self.current is not None:
+            piece, phase = self.current
+            stats = getattr(self.pieces[piece], phase)
+            stats.peak_delta = max(stats.peak_delta, self.peak - self.base)
+
+    def finish(self) -> None:
+        self._close()
+        self.current = None
+
+    # -- live memory --
+    def _track(self, t: torch.Tensor) -> int:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._tracked or key in self.skip:
+            return 0
+        nbytes = st.nbytes()
+        self._tracked.add(key)
+        self.live += nbytes
+        weakref.finalize(st, self._free, key, nbytes)
+        return nbytes
+
+    def _free(self, key: int, nbytes: int) -> None:
+        # storage addresses are reused once freed: forget them everywhere
+        self._tracked.discard(key)
+        self._saved.discard(key)
+        self._selective.discard(key)
+        self.live -= nbytes
+
+    # -- saved tensors --
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if self.current and self.current[1] == "fwd" and key not in self.skip and key not in self._saved:
+            self._saved.add(key)
+            self.pieces[self.current[0]].saved += t.untyped_storage().nbytes()
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.current is None:
+            return out
+        piece, phase = self.current
+        rec = self.pieces[piece]
+        stats = getattr(rec, phase)
+        name = str(func._overloadpacket)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func._overloadpacket in flop_registry:
+            stats.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+        elif name in _SDPA_CPU:
+            stats.flops += _sdpa_flops(args, kwargs, _SDPA_CPU[name])
+        elif not any(r.alias_info is not None for r in func._schema.returns):
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            stats.mem_bytes += sum(_tensor_bytes(t) for t in ins + outs)
+        for t in outs:
+            self._track(t)
+        if phase == "fwd" and name in SELECTIVE_SAVE_OPS:
+            for t in outs:
+                key = t.untyped_storage()._cdata
+                if key not in self._selective:
+                    self._selective.add(key)
+                    rec.selective_extra += t.untyped_storage().nbytes()
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+@dataclass
+class ModelParts:
+    """Where the pieces of a model start, and how to run it to a loss.
+
+    embed: the embedding piece's modules (the first one starts the piece); blocks: the
+    repeated layers; last: the last piece's modules, in order (final norm or head first).
+    """
+
+    embed: list[nn.Module]
+    blocks: list[nn.Module]
+    last: list[nn.Module]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _first_float_bytes(args, kwargs) -> int:
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return _tensor_bytes(t)
+    return 0
+
+
+def record_step(model: nn.Module, parts: ModelParts, tokens: torch.Tensor) -> dict[str, PieceRecord]:
+    """Run forward + backward once under a StepRecorder; returns records keyed embed, block.i, head."""
+    skip = {p.untyped_storage()._cdata for p in model.parameters()}
+    skip |= {b.untyped_storage()._cdata for b in model.buffers()}
+    rec = StepRecorder(skip)
+    named = [("embed", parts.embed[0])] + [(f"block.{i}", b) for i, b in enumerate(parts.blocks)]
+    named.append(("head", parts.last[0]))
+    handles = []
+
+    def fwd_pre(name):
+        def hook(module, args, kwargs):
+            rec.enter(name, "fwd")
+            rec.pieces[name].input_bytes = _first_float_bytes(args, kwargs)
+        return hook
+
+    def fwd_post(name):
+        def hook(module, args, kwargs, output):
+            # output of a block = input of the next piece; the last piece's output is the loss (tiny)
+            rec.pieces[name].output_bytes = _first_float_bytes((output,), {})
+        return hook
+
+    def bwd_pre(name):
+        return lambda module, grad_output: rec.enter(name, "bwd")
+
+    for name, mod in named:
+        handles.append(mod.register_forward_pre_hook(fwd_pre(name), with_kwargs=True))
+        if name.startswith("block"):
+            handles.append(mod.register_forward_hook(fwd_post(name), with_kwargs=True))
+        if name != "head":
+            handles.append(mod.register_full_backward_pre_hook(bwd_pre(name)))
+    try:
+        with rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")  # embedding: int inputs
+            loss = parts.loss(tokens, tokens)
+            rec.enter("head", "bwd")
+            loss.backward()
+            rec.finish()
+    finally:
+        for h in handles:
+            h.remove()
+    embed_out = rec.pieces["block.0"].input_bytes if parts.blocks else 0
+    rec.pieces["embed"].output_bytes = embed_out
+    return rec.pieces

@@ -1,0 +1,109 @@
+"""Profile data: plain dataclasses (no torch) so that plan/ can read them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+PROFILE_VERSION = 1
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class PieceProfile:
+    """One piece (embedding, a block, or the last piece: final norm + head + loss) for one microbatch."""
+
+    name: str
+    params: dict[str, int] = field(default_factory=dict)  # dtype -> element count
+    input_bytes: int = 0  # hidden state entering the piece
+    output_bytes: int = 0  # hidden state leaving it (sent to the next stage)
+    saved_bytes: dict[str, int] = field(default_factory=dict)  # policy (keep|recompute|selective) -> bytes
+    fwd_peak_bytes: int = 0  # peak live bytes during forward, above what was live at its start
+    bwd_peak_bytes: int = 0  # same for backward (includes this piece's fresh gradients)
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_mem_bytes: float = 0.0  # bytes moved by memory-bound (non-matmul) ops
+    bwd_mem_bytes: float = 0.0
+    fwd_time_s: float | None = None  # measured on ModelProfile.device, if measured
+    bwd_time_s: float | None = None
+    recompute_time_s: dict[str, float] = field(default_factory=dict)  # measured: policy -> extra seconds
+    trainable: int | None = None  # trainable elements (LoRA, frozen pieces); None: all of them
+
+    @property
+    def num_trainable(self) -> int:
+        return self.num_params if self.trainable is None else self.trainable
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.params.values())
+
+    def param_bytes(self, itemsize: int) -> int:
+        return self.num_params * itemsize
+
+
+@dataclass
+class ModelProfile:
+    model: str  # a name for messages
+    config: dict  # ModelConfig dict or HF config dict
+    micro_batch_size: int
+    seq_len: int
+    dtype: str
+    embed: PieceProfile
+    blocks: list[PieceProfile]
+    head: PieceProfile
+    tied_params: int = 0  # parameters shared by embedding and head (counted in embed)
+    device: str | None = None  # where fwd/bwd times were measured
+    version: int = PROFILE_VERSION
+
+    @property
+    def pieces(self) -> list[PieceProfile]:
+        return [self.embed, *self.blocks, self.head]
+
+    def num_params(self) -> int:
+        return sum(p.num_params for p in self.pieces)
+
+    def train_flops(self) -> float:
+        """FLOPs of one microbatch forward + backward (no recomputation)."""
+        return sum(p.fwd_flops + p.bwd_flops for p in self.pieces)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelProfile":
+        d = dict(d)
+        d["embed"] = PieceProfile(**d["embed"])
+        d["head"] = PieceProfile(**d["head"])
+        d["blocks"] = [PieceProfile(**b) for b in d["blocks"]]
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelProfile":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def scaled(self, micro_batch_size: int) -> "ModelProfile":
+        """This profile at another micro-batch size: activations, FLOPs and times are linear in it."""
+        if micro_batch_size == self.micro_batch_size:
+            return self
+        r = micro_batch_size / self.micro_batch_size
+        itemsize = DTYPE_BYTES[self.dtype]
+
+        def piece(p: PieceProfile) -> PieceProfile:
+            grads = min(p.bwd_peak_bytes, p.param_bytes(itemsize))  # fresh gradients do not scale
+            return replace(
+                p, input_bytes=int(p.input_bytes * r), output_bytes=int(p.output_bytes * r),
+                saved_bytes={k: int(v * r) for k, v in p.saved_bytes.items()},
+                fwd_peak_bytes=int(p.fwd_peak_bytes * r), bwd_peak_bytes=grads + int((p.bwd_peak_bytes - grads) * r),
+                fwd_flops=p.fwd_flops * r, bwd_flops=p.bwd_flops * r, fwd_mem_bytes=p.fwd_mem_bytes * r,
+                bwd_mem_bytes=p.bwd_mem_bytes * r,
+                fwd_time_s=None if p.fwd_time_s is None else p.fwd_time_s * r,
+                bwd_time_s=None if p.bwd_time_s is None else p.bwd_time_s * r,
+                recompute_time_s={k: v * r for k, v in p.recompute_time_s.items()},
+            )
+
+        return replace(self, micro_batch_size=micro_batch_size, embed=piece(self.embed),
+                       blocks=[piece(b) for b in self.blocks], head=piece(self.head))

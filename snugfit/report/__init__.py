@@ -1,0 +1,1 @@
+"""Pictures of plans and measured steps: Gantt timelines with memory over time."""

@@ -1,0 +1,248 @@
+"""Gantt chart of one training step as the plan predicts it (and as it was measured), with memory beneath.
+
+The picture is drawn from the same event simulation the time model uses, so what it shows
+is exactly what the step-time prediction assumed: where each rank computes, recomputes,
+moves activations, waits (bubbles), reduces gradients and steps the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from snugfit.hardware.cluster import Cluster
+from snugfit.plan.estimate import _dp_group, estimate
+from snugfit.plan.memory import device_saved, rank_stages
+from snugfit.plan.plan import Plan
+from snugfit.plan.simulate import Event, SimResult, simulate
+from snugfit.plan.timing import grad_reduce_exposed, optimizer_time, stage_time, transfer_time
+from snugfit.profile.types import ModelProfile
+from snugfit.report.trace import StepTrace
+
+COLOURS = {
+    "F": "#4C72B0", "B": "#DD8452", "recompute": "#8172B3", "evict": "#55A868", "load": "#64B5CD",
+    "offload": "#CCB974", "collective": "#C44E52", "host optimizer": "#937860", "optimizer": "#DA8BC3",
+    "bubble": "#EEEEEE",
+}
+LABELS = {"F": "forward", "B": "backward", "recompute": "recompute", "evict": "BPipe evict", "load": "BPipe load",
+          "offload": "activation offload", "collective": "collective (exposed)", "host optimizer": "host optimizer",
+          "optimizer": "optimizer step", "bubble": "bubble (idle)"}
+TRANSFERS = ("evict", "load", "offload")  # overlap compute: drawn in a thin lane under it
+TRANSIENT = ("activations", "working", "logits_loss")  # prediction categories that change during the step
+GiB = 2**30
+
+
+@dataclass
+class StageDetail:
+    """What the time and memory models know beyond the simulated events; lists are per global stage
+    unless they say per pipeline rank."""
+
+    recompute: list[float]  # seconds at the start of each backward
+    comm_f: list[float]  # exposed ZeRO-3 gathers per forward / backward
+    comm_b: list[float]
+    offload_f: list[float]  # exposed activation offload per forward / backward
+    offload_b: list[float]
+    offload_move: list[float]  # one microbatch's activation offload transfer (overlapped), 0 if none
+    act_bytes: list[int]  # device bytes one microbatch's saved activations hold
+    static_bytes: list[int]  # per pipeline rank: device bytes held all step
+    peak_bytes: list[int]  # per pipeline rank: predicted peak
+    budget_bytes: int | None
+    tail: list[dict[str, float]]  # per pipeline rank: seconds after the pipeline drains, in order
+
+
+def timeline_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                 memory_budget_bytes: int | None = None) -> tuple[SimResult, StageDetail]:
+    """Re-run the time model's simulation with its inputs kept, so the chart can split events.
+
+    Mirrors estimate() (which keeps only totals); estimate() itself fills plan.predicted.
+    """
+    pred = estimate(plan, profile, cluster, memory_budget_bytes)
+    prof = profile.scaled(plan.micro_batch_size)
+    pp, dp, m, v = plan.pp, plan.dp, plan.num_microbatches, plan.virtual_stages
+    n = pp * v
+    stages_of = {r: rank_stages(plan, prof, r) for r in range(pp)}
+    times = {}
+    for rank in range(plan.world_size):
+        node = cluster.nodes[cluster.node_of(rank)]
+        times[rank] = {k: stage_time(sps, gpu=node.gpu, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype,
+                                     dp=dp, dp_link=cluster.link_for(_dp_group(plan, rank // dp)), pcie=node.pcie,
+                                     measured_on=prof.device)
+                       for k, sps in stages_of[rank // dp].items()}
+    # the slowest data-parallel member sets each stage's pace, as in estimate()
+    slow = [max(_dp_group(plan, k % pp), key=lambda r, k=k: times[r][k].b_total) for k in range(n)]
+    st = [times[slow[k]][k] for k in range(n)]
+    f = [max(times[r][k].f_total for r in _dp_group(plan, k % pp)) for k in range(n)]
+    b = [max(times[r][k].b_total for r in _dp_group(plan, k % pp)) for k in range(n)]
+    p2p, move, off = [0.0] * n, [0.0] * n, [0.0] * n
+    for k in range(n):
+        r = (k % pp) * dp
+        sps = stages_of[k % pp][k]
+        if k + 1 < n:
+            p2p[k] = transfer_time(sps[-1].piece.output_bytes, cluster.link_for([r, ((k + 1) % pp) * dp]))
+        move[k] = transfer_time(sum(sp.piece.saved_bytes["keep"] for sp in sps),
+                                cluster.link_for([r, (pp - 1 - k % pp) * dp]))
+        offloaded = sum(sp.piece.saved_bytes["keep"] for sp in sps
+                        if device_saved(sp) == 0 and sp.piece.name.startswith("block"))
+        off[k] = transfer_time(offloaded, cluster.nodes[cluster.node_of(r)].pcie)
+    bound = plan.bpipe_bound() if plan.schedule == "bpipe" else None
+    sim = simulate(plan.schedule, pp, m, f, b, v=v, p2p=p2p, bound=bound, move=move)
+
+    tail, static, peak = [], [], []
+    for pr in range(pp):
+        rank = pr * dp
+        node = cluster.nodes[cluster.node_of(rank)]
+        sts = times[rank]
+        bwd_last = sum(s.bwd + s.recompute for s in sts.values())
+        reduce = grad_reduce_exposed([(sts[k], stages_of[pr][k]) for k in sorted(sts)], dp,
+                                     cluster.link_for(_dp_group(plan, pr)), bwd_last)
+        pieces = [sp for k in sorted(sts) for sp in stages_of[pr][k]]
+        opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
+                                           reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
+                                           ranks_on_host=node.count, bwd_last=bwd_last)
+        tail.append({"collective": reduce, "host optimizer": opt_host, "optimizer": opt_dev})
+        cats = pred.memory_by_rank[rank]
+        static.append(sum(v_ for c, v_ in cats.items() if not c.startswith("host:") and c not in TRANSIENT))
+        peak.append(sum(v_ for c, v_ in cats.items() if not c.startswith("host:")))
+    detail = StageDetail(
+        recompute=[s.recompute for s in st], comm_f=[s.comm_exposed / 2 for s in st],
+        comm_b=[s.comm_exposed / 2 for s in st], offload_f=[s.offload_exposed / 2 for s in st],
+        offload_b=[s.offload_exposed / 2 for s in st], offload_move=off,
+        act_bytes=[sum(device_saved(sp) for sp in stages_of[k % pp][k]) for k in range(n)],
+        static_bytes=static, peak_bytes=peak, budget_bytes=pred.memory_budget_bytes, tail=tail,
+    )
+    return sim, detail
+
+
+def _segments(ev: Event, d: StageDetail | None) -> list[tuple[str, float, float]]:
+    """Split one simulated compute event into (kind, start, width), in the order they happen."""
+    if d is None:
+        return [(ev.kind, ev.start, ev.end - ev.start)]
+    k = ev.stage
+    parts = ([("collective", d.comm_f[k]), ("offload", d.offload_f[k])] if ev.kind == "F"
+             else [("collective", d.comm_b[k]), ("offload", d.offload_b[k]), ("recompute", d.recompute[k])])
+    out, t = [], ev.start
+    for kind, w in parts:
+        if w > 0:
+            out.append((kind, t, w))
+            t += w
+    return out + [(ev.kind, t, max(0.0, ev.end - t))]
+
+
+def _draw_rows(ax, rows: dict[int, dict[str, list[tuple[float, float]]]], labels: list[str], end: float,
+               texts: list[tuple[int, float, float, str]]) -> set[str]:
+    """One row per entry of `rows` (top to bottom): a bubble band, compute lane, thin transfer lane."""
+    used = {"bubble"}
+    ms = 1e3
+    for y, by_kind in rows.items():
+        ax.broken_barh([(0.0, end * ms)], (y - 0.4, 0.8), facecolors=COLOURS["bubble"])
+        for kind, bars in by_kind.items():
+            lane = (y + 0.2, 0.2) if kind in TRANSFERS else (y - 0.4, 0.58)
+            ax.broken_barh([(s * ms, w * ms) for s, w in bars], lane, facecolors=COLOURS.get(kind, "#999999"),
+                           edgecolor="white", linewidth=0.3)
+            used.add(kind)
+    for y, s, w, text in texts:
+        if w > 0.012 * end:
+            ax.text((s + w / 2) * ms, y - 0.11, text, ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(list(rows), labels)
+    ax.set_ylim(max(rows, default=0) + 0.6, -0.6)
+    return used
+
+
+def _predicted_rows(sim: SimResult, d: StageDetail | None, pp: int):
+    rows: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(pp)}
+    texts = []
+    for ev in sim.events:
+        if ev.kind in ("F", "B"):
+            for kind, s, w in _segments(ev, d):
+                rows[ev.rank][kind].append((s, w))
+            texts.append((ev.rank, ev.start, ev.end - ev.start, str(ev.mb)))
+            if d is not None and d.offload_move[ev.stage] > 0:
+                rows[ev.rank]["offload"].append((ev.start, d.offload_move[ev.stage]))
+        else:
+            rows[ev.rank][ev.kind].append((ev.start, ev.end - ev.start))
+    end = sim.makespan
+    for r in range(pp):
+        t = sim.makespan
+        for kind, w in (d.tail[r].items() if d else ()):
+            if w > 0:
+                rows[r][kind].append((t, w))
+                t += w
+        end = max(end, t)
+    return rows, texts, end
+
+
+def _memory_curve(sim: SimResult, rank: int, d: StageDetail | None) -> tuple[list[float], list[float]]:
+    """Activations held (plus static bytes) at each compute event's start and end, from the snapshots."""
+    size = d.act_bytes if d else None
+    base = d.static_bytes[rank] if d else 0
+    xs, ys = [], []
+    for snap in sim.snapshots[rank]:
+        ev = snap.event
+        held = sum(size[s] if size else 1 for s, _ in snap.resident)
+        own = size[ev.stage] if size else 1
+        xs += [ev.start, ev.end]
+        ys += [base + held + (own if ev.kind == "B" else 0), base + held + (own if ev.kind == "F" else 0)]
+    scale = GiB if d else 1
+    return [x * 1e3 for x in xs], [y / scale for y in ys]
+
+
+def draw_timeline(sim: SimResult, plan: Plan, out: str | Path, measured: StepTrace | None = None,
+                  detail: StageDetail | None = None) -> Path:
+    """Write the step's Gantt chart (one row per pipeline rank; measured spans below) and memory over time.
+
+    The format follows the extension (.png, .svg, .pdf). Without `detail` (from timeline_for) events are
+    drawn whole and memory is counted in microbatches held.
+    """
+    out = Path(out)
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"timeline file {out} must end in .png, .svg or .pdf")
+    pp, dp = plan.pp, plan.dp
+    rows, texts, end = _predicted_rows(sim, detail, pp)
+    n_meas = len(measured.ranks) if measured else 0
+    heights = [0.5 * pp + 0.6] + ([0.5 * n_meas + 0.6] if n_meas else []) + [2.0]
+    fig = Figure(figsize=(12, sum(heights) + 1.2), layout="constrained")
+    axes = fig.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights})
+    labels = [f"rank {r}" if dp == 1 else f"pp rank {r}\n(ranks {r * dp}-{r * dp + dp - 1})" for r in range(pp)]
+    used = _draw_rows(axes[0], rows, labels, end, texts)
+    axes[0].set_title(f"predicted: {plan.schedule}, dp {dp} x pp {pp}, {plan.num_microbatches} microbatches "
+                      f"of {plan.micro_batch_size} x {plan.seq_len} tokens; step {end * 1e3:,.1f} ms", fontsize=9)
+    if n_meas:
+        mrows: dict[int, dict[str, list]] = {}
+        mtexts = []
+        for y, r in enumerate(measured.ranks):
+            mrows[y] = defaultdict(list)
+            for s in measured.spans:
+                if s.rank == r:
+                    mrows[y][s.kind].append((s.start, s.end - s.start))
+                    if s.kind in ("F", "B") and s.mb >= 0:
+                        mtexts.append((y, s.start, s.end - s.start, str(s.mb)))
+        used |= _draw_rows(axes[1], mrows, [f"rank {r}" for r in measured.ranks], measured.duration, mtexts)
+        axes[1].set_title(f"measured: step {measured.duration * 1e3:,.1f} ms", fontsize=9)
+    mem = axes[-1]
+    for r in range(pp):
+        xs, ys = _memory_curve(sim, r, detail)
+        line, = mem.step(xs, ys, where="post", linewidth=1.2, label=f"rank {r}" if dp == 1 else f"pp rank {r}")
+        if detail:
+            mem.axhline(detail.peak_bytes[r] / GiB, color=line.get_color(), linestyle=":", linewidth=0.8)
+    mem.set_xlabel("time (ms)")
+    if detail:
+        top = max(detail.peak_bytes) / GiB
+        if detail.budget_bytes and detail.budget_bytes / GiB < 1.5 * top:  # else it would flatten the curves
+            mem.axhline(detail.budget_bytes / GiB, color="black", linestyle="--", linewidth=0.8, label="budget")
+            top = max(top, detail.budget_bytes / GiB)
+        mem.set_ylim(0.9 * min(detail.static_bytes) / GiB, 1.05 * top)
+        mem.set_ylabel("device GiB\n(static + activations;\ndotted: predicted peak)", fontsize=8)
+    else:
+        mem.set_ylim(bottom=0)
+        mem.set_ylabel("microbatches held", fontsize=8)
+    mem.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    order = [k for k in COLOURS if k in used]
+    fig.legend([Patch(color=COLOURS[k]) for k in order], [LABELS[k] for k in order], loc="outside upper center",
+               ncol=min(len(order), 6), fontsize=8, frameon=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    return out

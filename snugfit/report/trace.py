@@ -1,0 +1,72 @@
+"""A tiny recorder of what each rank actually did during a step, to draw beside the plan's prediction.
+
+Engines wrap each action (`with trace.span(rank, "F", mb): ...`); every rank keeps its own
+StepTrace, which is plain data (picklable, so `all_gather_object` can collect them) and
+merged on rank 0. Times are seconds since the trace's `begin()` on that rank, because
+perf_counter origins differ between processes; calling begin() right after a barrier makes
+the ranks' clocks line up to within the barrier's skew.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+# The kinds the timeline knows how to colour; others are drawn grey.
+KINDS = ("F", "B", "recompute", "evict", "load", "offload", "collective", "optimizer")
+
+
+class Span(NamedTuple):
+    rank: int
+    kind: str
+    mb: int  # microbatch, -1 for per-step work (optimizer, final reduce)
+    start: float  # seconds since begin()
+    end: float
+
+
+@dataclass
+class StepTrace:
+    """Spans of one training step, from one rank or merged from several."""
+
+    spans: list[Span] = field(default_factory=list)
+    origin: float = field(default_factory=time.perf_counter)
+
+    def begin(self) -> None:
+        """Start the step's clock (and forget earlier spans): call after a barrier on every rank."""
+        self.spans.clear()
+        self.origin = time.perf_counter()
+
+    @contextmanager
+    def span(self, rank: int, kind: str, mb: int = -1) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(rank, kind, mb, start - self.origin, time.perf_counter() - self.origin)
+
+    def add(self, rank: int, kind: str, mb: int, start: float, end: float) -> None:
+        """Record a span measured elsewhere (e.g. CUDA events), in seconds since begin()."""
+        self.spans.append(Span(rank, kind, mb, start, end))
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({s.rank for s in self.spans})
+
+    @property
+    def duration(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    @classmethod
+    def merge(cls, traces: list["StepTrace"]) -> "StepTrace":
+        """One trace holding every rank's spans, ordered by rank then start."""
+        spans = sorted((s for t in traces for s in t.spans), key=lambda s: (s.rank, s.start))
+        return cls(spans=spans, origin=0.0)
+
+    def to_dict(self) -> dict:
+        return {"spans": [list(s) for s in self.spans]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepTrace":
+        return cls(spans=[Span(*s) for s in d["spans"]], origin=0.0)

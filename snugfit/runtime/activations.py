@@ -1,0 +1,302 @@
+"""What a block does with its saved activations: keep, recompute, selective, offload.
+
+`apply_activation_policy(block, policy)` replaces the block's `forward` on the
+instance (no wrapper module), so parameter names -- and checkpoints -- stay the
+same under every policy, and FSDP2's module hooks still run around it.
+
+- keep: autograd saves what it saves.
+- recompute: non-reentrant `torch.utils.checkpoint` around the block; only the
+  block input is held, the forward runs again in backward.
+- selective: the same checkpoint with a selective policy that keeps the outputs
+  of matrix multiplies and attention (the expensive ops: mm, addmm, bmm, sdpa)
+  and recomputes the cheap elementwise/norm ops, which are most of the bytes.
+- offload: saved tensors are copied to host memory in forward (pinned, on a
+  side stream, where an accelerator exists) and copied back when the gradient
+  reaches the block output -- i.e. prefetched just before the block's backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+aten = torch.ops.aten
+# Ops whose outputs selective recomputation keeps: the matmuls and the attention kernels.
+SAVED_OPS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeepInput(torch.autograd.Function):
+    """Identity that saves its input for backward.
+
+    Non-reentrant checkpoint holds the block input in a closure, invisible to
+    saved-tensor hooks around the block; saving it here too makes it visible to
+    the memory tracker and lets a pipeline stage evict it (same storage, so no
+    extra bytes).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _recompute(forward: Callable, selective: bool, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        x = _KeepInput.apply(x)
+    context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
+    kw = {"context_fn": context} if context else {}
+    return checkpoint(forward, x, *args, use_reentrant=False, **kw)
+
+
+class _HostCopy:
+    """One saved tensor in host memory; `fetch` starts the copy back, `get` waits for it."""
+
+    def __init__(self, t: torch.Tensor, stream: torch.Stream | None):
+        self.device = t.device
+        self.stream = stream
+        self.back: torch.Tensor | None = None
+        self.event = None
+        pin = stream is not None
+        self.host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        if stream is None:
+            self.host.copy_(t)
+            return
+        stream.wait_stream(torch.accelerator.current_stream(t.device))
+        with stream:
+            self.host.copy_(t, non_blocking=True)
+        t.record_stream(stream)  # keep the device memory until the copy is done
+        self.event = stream.record_event()
+
+    def fetch(self) -> None:
+        if self.back is not None:
+            return
+        if self.stream is None:
+            self.back = self.host.to(self.device, copy=True)
+            return
+        self.stream.wait_event(self.event)
+        with self.stream:
+            self.back = self.host.to(self.device, non_blocking=True)
+        self.event = self.stream.record_event()
+
+    def get(self) -> torch.Tensor:
+        self.fetch()
+        if self.event is not None:
+            torch.accelerator.current_stream(self.device).wait_event(self.event)
+            self.back.record_stream(torch.accelerator.current_stream(self.device))
+        return self.back
+
+
+def _offload(forward: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return forward(x, *args)
+    stream = torch.Stream(device=x.device) if x.device.type != "cpu" and torch.accelerator.is_available() else None
+    packed: list[_HostCopy] = []
+
+    def pack(t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t  # weights stay where they are
+        packed.append(_HostCopy(t, stream))
+        return packed[-1]
+
+    def unpack(p):
+        return p.get() if isinstance(p, _HostCopy) else p
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = forward(x, *args)
+    if out.requires_grad:  # prefetch everything the block saved once its backward is next
+        out.register_hook(lambda grad: _fetch_all(packed))
+    return out
+
+
+def _fetch_all(packed: list[_HostCopy]) -> None:
+    for p in packed:
+        p.fetch()
+
+
+def apply_activation_policy(block: nn.Module, policy: str) -> nn.Module:
+    """Make `block` keep, recompute, selectively recompute or offload its saved activations (in place)."""
+    if policy == "keep":
+        return block
+    forward = block.forward
+    if policy in ("recompute", "selective"):
+        block.forward = functools.partial(_recompute, forward, policy == "selective")
+    elif policy == "offload":
+        block.forward = functools.partial(_offload, forward)
+    else:
+        raise ValueError(f"unknown activation policy {policy!r}; use keep, recompute, selective or offload")
+    return block
+
+
+class StageActivations:
+    """The saved activations a pipeline stage holds, per microbatch, and BPipe's moves of them.
+
+    Wrap each microbatch's forward in `microbatch(key)`: every tensor autograd
+    saves there is recorded by its storage (deduplicated; parameters, gathered
+    or not, buffers and the step's input batch excluded) and released when autograd frees it.
+    Tensors saved under an inner policy (recompute, offload) are that policy's
+    business and not seen here, except the block inputs recompute keeps.
+
+    `evict(key)` copies a microbatch's storages into one flat byte buffer and
+    frees them in place (`storage.resize_(0)`, as FSDP does), so every alias --
+    autograd's saved tensors, the stage input kept for its gradient -- is
+    emptied at once without unpacking anything; `load(key, flat)` refills them
+    before backward. A partner stage holds evicted buffers via `accept`/`release`.
+    """
+
+    def __init__(self, modules: list[nn.Module]):
+        self._static = {
+            _storage_id(t) for m in modules for t in (*m.parameters(), *m.buffers()) if t is not None
+        }
+        self._external: set[int] = set()
+        self._entries: dict[int, list] = {}  # storage id -> [key, nbytes, references, weakref to storage]
+        self._evicted: dict[object, int] = {}  # key -> bytes sent away
+        self._accepted: dict[object, torch.Tensor] = {}  # partner's microbatches held here
+        self._in_flight = 0  # bytes of evict buffers whose send has not finished
+        self._lock = threading.RLock()  # a partner's microbatches arrive on a helper thread
+        self.reset()
+
+    def reset(self, external: tuple[torch.Tensor, ...] = ()) -> None:
+        """Start a step: clear the stores and peaks; `external` (the batch) is never counted or moved."""
+        self._evicted.clear()
+        self._accepted.clear()
+        self._external = {_storage_id(t) for t in external}
+        self.peak_bytes = self.peak_microbatches = self.evictions = self.accepts = 0
+        self._fold()
+
+    # -- accounting --
+    def resident_keys(self) -> set:
+        own = {e[0] for e in self._entries.values() if e[2] > 0} - set(self._evicted)
+        return own | set(self._accepted)
+
+    def resident_bytes(self) -> int:
+        own = sum(e[1] for e in self._entries.values() if e[0] not in self._evicted)
+        return own + sum(t.numel() for t in self._accepted.values()) + self._in_flight
+
+    def _fold(self) -> None:
+        with self._lock:
+            self._fold_locked()
+
+    def _fold_locked(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
+        self.peak_microbatches = max(self.peak_microbatches, len(self.resident_keys()))
+
+    def add_in_flight(self, nbytes: int) -> None:
+        self._in_flight += nbytes
+        self._fold()
+
+    @contextmanager
+    def microbatch(self, key) -> Iterator[None]:
+        def pack(t: torch.Tensor):
+            # FSDP2's gathered parameters are new storages on every unshard: recognise them (and views) by type.
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
+                return t
+            sid = _storage_id(t)
+            if sid in self._static or sid in self._external:
+                return t
+            with self._lock:
+                entry = self._entries.get(sid)
+                if entry is None:
+                    storage = t.untyped_storage()
+                    entry = self._entries[sid] = [key, storage.nbytes(), 0, weakref.ref(storage)]
+                entry[2] += 1
+            # Autograd holds the handle exactly as long as it needs the tensor; its death is the release.
+            handle = _Saved(t)
+            weakref.finalize(handle, self._release, sid)
+            return handle
+
+        def unpack(saved):
+            return saved.tensor if isinstance(saved, _Saved) else saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+        self._fold()
+
+    def _release(self, sid: int) -> None:
+        with self._lock:
+            entry = self._entries.get(sid)
+            if entry is not None:
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del self._entries[sid]
+
+    # -- BPipe moves --
+    def _storages(self, key) -> list[torch.UntypedStorage]:
+        with self._lock:
+            found = [e[3]() for e in self._entries.values() if e[0] == key]
+        return [s for s in found if s is not None]
+
+    def evict(self, key) -> torch.Tensor:
+        """Free this microbatch's saved storages here; return their bytes as one buffer to send away."""
+        storages = self._storages(key)
+        flat = torch.cat([_bytes_of(s) for s in storages]) if storages else torch.empty(0, dtype=torch.uint8)
+        for s in storages:
+            s.resize_(0)
+        self._evicted[key] = flat.numel()
+        self.evictions += 1
+        return flat
+
+    def load(self, key, flat: torch.Tensor) -> None:
+        """Refill the storages `evict(key)` emptied, in the same order."""
+        offset = 0
+        self._evicted.pop(key)
+        with self._lock:
+            entries = [e for e in self._entries.values() if e[0] == key]
+        for e in entries:
+            storage = e[3]()
+            if storage is None:
+                continue
+            storage.resize_(e[1])
+            _bytes_of(storage).copy_(flat[offset : offset + e[1]])
+            offset += e[1]
+        self._fold()
+
+    def accept(self, key, flat: torch.Tensor) -> None:
+        with self._lock:
+            self._accepted[key] = flat
+            self.accepts += 1
+            self._fold_locked()
+
+    def release(self, key) -> torch.Tensor:
+        with self._lock:
+            return self._accepted.pop(key)
+
+
+class _Saved:
+    """A saved tensor as autograd holds it (the tensor itself may outlive it, e.g. a reused receive buffer)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of the storage behind t; stable while it is resized (unlike its data pointer)."""
+    return t.untyped_storage()._cdata
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))

@@ -1,0 +1,86 @@
+"""apply_plan: turn a plain model into the parallel model a Plan describes, then an engine to step it.
+
+Reads like torchtitan's parallelize functions: one `apply_*` per technique,
+each taking only its part of the Plan. The per-block functions (`apply_fsdp`,
+`offload_units` + `HostOffload`) take blocks and a mesh, so a pipeline stage
+applies them to its own blocks on its data-parallel sub-mesh.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.nn as nn
+
+from snugfit.plan import Plan, PlanError
+from snugfit.runtime.activations import apply_activation_policy
+from snugfit.runtime.dist import DistEnv, ensure_process_group
+from snugfit.runtime.engine import Engine, OptimConfig
+from snugfit.runtime.offload import HostOffload
+from snugfit.runtime.sharding import DTYPES, DataMeshes, apply_fsdp, data_meshes
+
+log = logging.getLogger(__name__)
+
+
+def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
+    """Refuse, before the first step, a plan this model and this launch cannot run as written."""
+    plan.validate(n_blocks=len(model.blocks), world_size=env.world_size)
+    if plan.compute_dtype == "float16" or plan.reduce_dtype == "float16":
+        raise PlanError("plan: float16 needs loss scaling, which the runtime does not do; use bfloat16")
+    max_seq = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    if max_seq is not None and plan.seq_len > max_seq:
+        raise PlanError(f"plan.seq_len ({plan.seq_len}) exceeds the model's max_seq_len ({max_seq}); re-plan")
+    if plan.pp == 1 and plan.stage_blocks and plan.stage_blocks != [len(model.blocks)]:
+        raise PlanError(f"plan.stage_blocks {plan.stage_blocks} splits blocks but pp is 1")
+
+
+def offload_units(model: nn.Module, plan: Plan, blocks: dict[str, nn.Module] | None = None,
+                  indices: list[int] | None = None) -> list[tuple[nn.Module, list[str]]]:
+    """(unit module, trainable parameter names) of the units whose plan says offload_optimizer, root first.
+
+    `blocks`/`indices` as in `apply_fsdp` (a pipeline stage's slice); names are
+    FQNs in `model`, the module the state dict is taken from.
+    """
+    blocks = blocks if blocks is not None else dict(model.blocks.items())
+    indices = indices if indices is not None else [int(n) for n in blocks]
+    block_ids = {id(p) for b in blocks.values() for p in b.parameters()}
+    units = []
+    if plan.root.offload_optimizer:
+        units.append((model, [n for n, p in model.named_parameters() if id(p) not in block_ids and p.requires_grad]))
+    for i, (name, block) in zip(indices, blocks.items()):
+        if plan.blocks[i].offload_optimizer:
+            units.append((block, [f"blocks.{name}.{n}" for n, p in block.named_parameters() if p.requires_grad]))
+    return [(module, names) for module, names in units if names]  # frozen units have nothing to step
+
+
+def apply_activations(blocks: dict[str, nn.Module], plan: Plan, indices: list[int] | None = None) -> None:
+    """Saved-activation policy per block (keep, recompute, selective, offload; see runtime.activations)."""
+    indices = indices if indices is not None else [int(n) for n in blocks]
+    for i, block in zip(indices, blocks.values()):
+        apply_activation_policy(block, plan.blocks[i].activations)
+    policies = [plan.blocks[i].activations for i in indices]
+    log.info("activations: %s", {p: policies.count(p) for p in sorted(set(policies))})
+
+
+def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, meshes: DataMeshes) -> tuple[nn.Module, HostOffload | None]:
+    """Activation policies, partial offload (cast first), then FSDP2 per block and root, on env.device."""
+    apply_activations(dict(model.blocks.items()), plan)
+    units = offload_units(model, plan)
+    host = HostOffload(model, units, DTYPES[plan.compute_dtype]) if units else None
+    model.to(env.device)
+    apply_fsdp(model, dict(model.blocks.items()), plan, meshes)
+    return model, host
+
+
+def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv) -> Engine:
+    """Validate the plan against the model and the launch, apply it, and return the engine that runs it."""
+    check_launch(model, plan, env)
+    ensure_process_group(env)
+    if plan.pp > 1:
+        from snugfit.runtime.pipeline import build_pipeline_engine  # pipeline builds on this module
+
+        return build_pipeline_engine(model, plan, optim, env)
+    meshes = data_meshes(env.device.type, plan.dp, plan.pp)
+    model, host = apply_plan(model, plan, env, meshes)
+    dp_group = meshes.group if plan.dp > 1 else None
+    return Engine(model, plan, optim, env.device, dp_group=dp_group, host=host)

@@ -1,0 +1,70 @@
+"""Start N ranks of `python -m snugfit train ...` through torchrun's elastic launcher.
+
+`snugfit train --nproc N` calls `launch` in the parent process; the ranks it
+starts see torchrun's environment (`inside_launch()` is then true) and train.
+Going through torch.distributed.run rather than spawning processes by hand
+gives what PyTorch users expect from torchrun: rendezvous across nodes,
+restarts of failed workers, and per-rank error reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+from snugfit.errors import SnugfitError
+
+log = logging.getLogger(__name__)
+
+
+def inside_launch() -> bool:
+    """True in a rank started by torchrun (or by `launch`): do not launch again."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+
+
+def torchrun_args(
+    argv: list[str],
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+) -> list[str]:
+    """torchrun's command line for `python -m snugfit <argv>` on `nproc` ranks per node."""
+    if nproc < 1 or nnodes < 1:
+        raise SnugfitError(f"--nproc ({nproc}) and --nnodes ({nnodes}) must be >= 1")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise SnugfitError("a multi-node launch needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
+    if rdzv_endpoint:
+        args += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    else:
+        args.append("--standalone")  # one node: torchrun picks a free local port
+    return [*args, "-m", "snugfit", *argv]
+
+
+def launch(
+    argv: list[str],
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+) -> int:
+    """Run `python -m snugfit <argv>` on nproc ranks (x nnodes); 0 when every rank succeeded, else the
+    exit status of the first failed rank. The ranks see torchrun's environment, so a CLI that checks
+    `inside_launch()` trains there instead of launching again.
+    """
+    if inside_launch():
+        raise SnugfitError("already inside a torchrun launch; run `snugfit train` without --nproc here")
+    args = torchrun_args(argv, nproc, nnodes, node_rank, rdzv_endpoint, max_restarts)
+    log.info("launch: torchrun %s", " ".join(args))
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        log.error("launch failed: %s", "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in sorted(e.failures.items())))
+        return next(f.exitcode for _, f in sorted(e.failures.items())) or 1
+    return 0

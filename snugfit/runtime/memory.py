@@ -1,0 +1,244 @@
+"""Per-rank memory accounting kept by the runtime, on CPU too.
+
+CPUs have no device allocator statistics, and on a GPU the allocator cannot say
+*why* memory is held; the planner predicts bytes by category, so the runtime
+counts the same categories from the tensors it actually holds:
+
+    parameters   local parameter shards at rest (compute copies of offloaded blocks included)
+    gradients    local gradient shards, unsharded gradients held during accumulation,
+                 host gradient copies of offloaded blocks
+    optimizer    optimizer states; fp32 master weights of offloaded blocks
+    activations  live tensors saved for backward (saved_tensors_hooks), deduplicated by storage
+    buffers      unsharded (all-gathered) parameters in flight, and module buffers
+
+each on "device" or "host" (keys "device.parameters", "host.optimizer", ...,
+plus "device.total" and "host.total"). "Host" means held in host memory by
+decision (offload), so the split is meaningful on a CPU-only machine too.
+
+Under FSDP2 the parameters at rest are the local shards in their stored dtype
+(fp32, or the compute dtype for partially offloaded units), and the compute
+copies FSDP2 all-gathers are buffers: a zero 0-2 unit keeps its whole copy from
+forward through backward (also at zero 0: FSDP2 copies even on a one-rank shard
+group), a zero 3 unit only while it runs or is prefetched. Against a model that
+counts "parameters = compute copy, master weights = fp32 shard", compare the
+sum of parameters and buffers. Transient tensors that are neither saved for
+backward nor parameters (logits before the loss, matmul outputs consumed at
+once) are invisible here: CPUs have no allocator statistics to catch them.
+
+Parameters, gradients, optimizer and buffers are read from the tensors when
+`sample()` is called (the engine samples at phase boundaries); activations and
+buffers are also updated whenever a tensor is saved (forward) or used (backward),
+so the activation peak is exact and the buffer peak sees backward prefetch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
+PLACES = ("device", "host")
+KEYS = tuple(f"{w}.{c}" for w in PLACES for c in CATEGORIES)
+
+# A source of extra accounting: returns {"host.optimizer": bytes, ...}. Offload and
+# pipeline code register one for what they hold outside the model and optimizer.
+Source = Callable[[], dict[str, int]]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly distributed) tensor this rank holds."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return local(t).untyped_storage().data_ptr()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (local shards only)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        t = local(t)
+        s = t.untyped_storage()
+        if s.data_ptr() == 0 or s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def _fsdp_groups(model: nn.Module) -> list:
+    """FSDP2 parameter groups. FSDP2 has no public query of what is unsharded: read its state."""
+    groups = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = fully_shard.state(m)._fsdp_param_group
+            if group is not None:
+                groups.append(group)
+    return groups
+
+
+class MemoryTracker:
+    """Bytes held by this rank, by category and place; peaks since `reset_peak()`.
+
+    model: the (parallelised) model; optimizers: device optimizers whose state to
+    count; sources: extra accounting (see `Source`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+        sources: Iterable[Source] = (),
+    ):
+        self.model = model
+        self.optimizers = list(optimizers)
+        self.sources = list(sources)
+        self._groups = _fsdp_groups(model)
+        # While a unit is unsharded, model.parameters() yields its unsharded parameters;
+        # the parameters at rest are FSDP2's sharded ones.
+        managed = {id(fp.sharded_param) for g in self._groups for fp in g.fsdp_params}
+        self._plain = [p for p in model.parameters() if id(p) not in managed]
+        self._host_params = {
+            id(fp.sharded_param) for g in self._groups for fp in g.fsdp_params if fp.offload_to_cpu
+        }
+        self._saved: dict[int, list[int]] = {}  # storage ptr -> [nbytes, references]
+        self._live_activations = 0
+        self._static: dict[str, int] = dict.fromkeys(KEYS, 0)
+        self._peak: dict[str, int] = {}
+        self.reset_peak()
+
+    def add_source(self, source: Source) -> None:
+        self.sources.append(source)
+
+    # -- what is held now --
+    def _place(self, p: torch.Tensor) -> str:
+        return "host" if id(p) in self._host_params else "device"
+
+    def _params(self) -> list[torch.Tensor]:
+        return [fp.sharded_param for g in self._groups for fp in g.fsdp_params] + self._plain
+
+    def _buffers(self, resting: set[int] | None = None) -> int:
+        """Unsharded parameters in flight and module buffers; `resting`: storages of parameters at rest."""
+        seen = set(resting) if resting is not None else {storage_key(p) for p in self._params()}
+        live = [fp._unsharded_param for g in self._groups if g.is_unsharded for fp in g.fsdp_params]
+        return tensor_bytes(live, seen) + tensor_bytes(self.model.buffers(), seen)
+
+    def _measure_static(self) -> dict[str, int]:
+        out = dict.fromkeys(KEYS, 0)
+        seen: set[int] = set()
+        for p in self._params():
+            out[f"{self._place(p)}.parameters"] += tensor_bytes([p], seen)
+            if p.grad is not None:
+                out[f"{self._place(p)}.gradients"] += tensor_bytes([p.grad], seen)
+        for g in self._groups:  # unsharded gradients kept while gradient sync is off
+            for fp in g.fsdp_params:
+                held = [fp.unsharded_accumulated_grad, getattr(fp._unsharded_param, "grad", None)]
+                out["device.gradients"] += tensor_bytes([t for t in held if t is not None], seen)
+        for opt in self.optimizers:
+            for p, state in opt.state.items():
+                tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+                out[f"{self._place(p)}.optimizer"] += tensor_bytes(tensors, seen)
+        out["device.buffers"] = self._buffers()
+        for source in self.sources:
+            for k, v in source().items():
+                out[k] += v
+        return out
+
+    def snapshot(self) -> dict[str, int]:
+        """Bytes held now, by "place.category", plus "device.total" and "host.total"."""
+        out = self._measure_static()
+        out["device.activations"] = self._live_activations
+        return _with_totals(out)
+
+    def sample(self) -> dict[str, int]:
+        """Take a snapshot and fold it into the peaks (the engine calls this at phase boundaries)."""
+        snap = self.snapshot()
+        self._static = snap
+        self._fold(snap)
+        return snap
+
+    def peak(self) -> dict[str, int]:
+        """Largest value seen per key since `reset_peak()` (totals: largest simultaneous sum)."""
+        return dict(self._peak)
+
+    def reset_peak(self) -> None:
+        self._peak = dict.fromkeys((*KEYS, "device.total", "host.total"), 0)
+        self._fold(_with_totals({**self._static, "device.activations": self._live_activations}))
+
+    def _fold(self, snap: dict[str, int]) -> None:
+        for k, v in snap.items():
+            self._peak[k] = max(self._peak.get(k, 0), v)
+
+    # -- activations --
+    @contextmanager
+    def track_activations(self) -> Iterator[None]:
+        """Count tensors saved for backward while inside (wrap forward; the count falls as backward frees them)."""
+        resting = {storage_key(p) for p in self._params()}
+        static = resting | {storage_key(b) for b in self.model.buffers()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor | _Saved:
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
+                return t
+            key = storage_key(t)
+            if key in static or key == 0:
+                return t
+            entry = self._saved.setdefault(key, [local(t).untyped_storage().nbytes(), 0])
+            if entry[1] == 0:
+                self._live_activations += entry[0]
+            entry[1] += 1
+            saved = _Saved(t)  # autograd holds this until it frees the saved tensor
+            weakref.finalize(saved, self._release, key)
+            self._on_activation_change(resting)
+            return saved
+
+        def unpack(x: torch.Tensor | _Saved) -> torch.Tensor:
+            if not isinstance(x, _Saved):
+                return x
+            self._on_activation_change(resting)  # backward: catches gathered and prefetched units
+            return x.tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def _release(self, key: int) -> None:
+        entry = self._saved.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._live_activations -= entry[0]
+            del self._saved[key]
+
+    def _on_activation_change(self, resting: set[int]) -> None:
+        snap = dict(self._static)
+        snap["device.activations"] = self._live_activations
+        snap["device.buffers"] = self._buffers(resting)
+        self._fold(_with_totals(snap))
+
+    @property
+    def live_activation_bytes(self) -> int:
+        return self._live_activations
+
+
+class _Saved:
+    """What autograd keeps for a counted tensor: its release (even while the tensor lives on) ends the count."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _with_totals(d: dict[str, int]) -> dict[str, int]:
+    out = {k: v for k, v in d.items() if not k.endswith(".total")}
+    for w in PLACES:
+        out[f"{w}.total"] = sum(out[f"{w}.{c}"] for c in CATEGORIES)
+    return out

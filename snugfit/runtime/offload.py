@@ -1,0 +1,187 @@
+"""Partial offload: fp32 master weights and AdamW states of some units live on host.
+
+FSDP2 offers only whole-parameter offload (CPUOffloadPolicy: the shard itself
+lives on host and is copied in for every use). What ZeRO-Offload/Elixir do for
+the blocks that fit on the device but whose optimizer does not is hand-written
+here: the device keeps the compute parameters (in compute dtype), the host
+keeps the fp32 master shard, its gradient and AdamW's states.
+
+One optimizer step of an offloaded unit (a block, or the root pieces):
+  backward   FSDP2 reduces the unit's gradient, then calls the parameter's
+             post-accumulate-grad hook: the local gradient shard is copied to
+             its host buffer (asynchronously from a pinned buffer on an
+             accelerator) and the device gradient is freed. Units finish
+             last-block-first, so these copies overlap the rest of backward.
+  clipping   exact global-norm clipping needs the norm of *all* gradients
+             before any update, so no host step starts during backward. The
+             engine computes the global norm (host gradients included) right
+             after backward and hands `step()` the clip factor.
+  step       a worker thread runs each unit's fused CPU AdamW step, scaled by
+             the clip factor, then copies the master back into the device
+             parameters. Units are queued in forward order, and the next
+             forward waits for a unit only right before running it, so host
+             steps of late blocks overlap the device optimizer step and the
+             forward of early blocks.
+With sharding, everything above is the local shard: host state is 1/dp of the unit.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from snugfit.runtime.memory import local, tensor_bytes
+
+log = logging.getLogger(__name__)
+
+
+def local_shard(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full` laid out as DTensor `p` is (FSDP2 shards with torch.chunk)."""
+    t = full
+    if isinstance(p, DTensor):
+        for mesh_dim, placement in enumerate(p.placements):
+            if placement.is_shard():
+                n, r = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
+                chunks = torch.chunk(t, n, dim=placement.dim)
+                t = chunks[r] if r < len(chunks) else t.narrow(placement.dim, 0, 0)
+    if t.shape != local(p).shape:
+        raise RuntimeError(f"host shard {tuple(t.shape)} does not match device shard {tuple(local(p).shape)}")
+    return t
+
+
+def _host_empty_like(t: torch.Tensor) -> torch.Tensor:
+    pin = torch.accelerator.is_available()
+    return torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+
+
+@dataclass
+class _Unit:
+    module: nn.Module
+    names: list[str]
+    params: list[nn.Parameter] = field(default_factory=list)  # device parameters (DTensors)
+    masters: list[torch.Tensor] = field(default_factory=list)  # fp32 host shards; .grad = host gradient
+    filled: list[bool] = field(default_factory=list)  # host gradient holds this step's gradient
+    optimizer: torch.optim.Optimizer | None = None
+    pending: Future | None = None
+
+
+class HostOffload:
+    """Master weights, gradients and AdamW states of the given units on host.
+
+    Two phases, because FSDP2 fixes a parameter's dtype when it shards it:
+    construct *before* sharding (keeps fp32 copies, casts the units' parameters
+    to the compute dtype), then `attach(model, make_optimizer)` after sharding.
+    """
+
+    def __init__(self, model: nn.Module, units: list[tuple[nn.Module, list[str]]], compute_dtype: torch.dtype):
+        self.units = [_Unit(module, names) for module, names in units]
+        params = dict(model.named_parameters())
+        # Whole fp32 copies until attach() knows which shard this rank keeps.
+        self._full = {n: params[n].detach().to("cpu", torch.float32, copy=True) for u in self.units for n in u.names}
+        with torch.no_grad():
+            for u in self.units:
+                for n in u.names:
+                    params[n].data = params[n].data.to(compute_dtype)
+        self._by_param: dict[int, tuple[_Unit, int]] = {}
+        self._in_flight: list[torch.Tensor] = []
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snugfit-host-adamw")
+
+    def attach(self, model: nn.Module, make_optimizer) -> None:
+        """Take this rank's master shards and set up hooks and one host optimizer per unit.
+
+        make_optimizer(masters) -> the engine's AdamW over host tensors (its states are created here,
+        zero, as AdamW's first step would).
+        """
+        params = dict(model.named_parameters())
+        for u in self.units:
+            for n in u.names:
+                p = params[n]
+                master = _host_empty_like(local(p))
+                master.copy_(local_shard(self._full.pop(n), p))
+                master.requires_grad_(True)
+                master.grad = _host_empty_like(master)
+                self._by_param[id(p)] = (u, len(u.params))
+                u.params.append(p)
+                u.masters.append(master)
+                u.filled.append(False)
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+            u.optimizer = make_optimizer(u.masters)
+            for m in u.masters:  # states exist from the start: counted, and loadable from a checkpoint
+                u.optimizer.state[m] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(m),
+                                        "exp_avg_sq": torch.zeros_like(m)}
+            u.module.register_forward_pre_hook(lambda *_, u=u: self._wait(u), prepend=True)
+        log.info("offload: %d units, master weights + AdamW on host (%.1f MB)", len(self.units),
+                 self.memory()["host.optimizer"] / 2**20)
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return id(p) in self._by_param
+
+    # -- backward --
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        """FSDP2 reduced p's gradient: move the local shard to host, free it on the device."""
+        u, i = self._by_param[id(p)]
+        dst, g = u.masters[i].grad, local(p.grad)
+        if u.filled[i]:
+            dst.add_(g.to(dst.device, dst.dtype))
+        else:
+            dst.copy_(g, non_blocking=dst.is_pinned())
+            u.filled[i] = True
+        if dst.is_pinned():  # the copy may still read g: keep it alive until host_grads() synchronizes
+            self._in_flight.append(g)
+        p.grad = None
+
+    def host_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(device parameter, host gradient shard) of every parameter that received a gradient this step."""
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()  # pending non-blocking gradient copies
+        self._in_flight.clear()
+        return [(p, m.grad) for u in self.units for p, m, f in zip(u.params, u.masters, u.filled) if f]
+
+    # -- step --
+    def step(self, clip_coef: float, skip: bool) -> None:
+        """Queue every unit's host step (forward order); `skip` drops this step's gradients."""
+        for u in self.units:
+            u.pending = self._worker.submit(self._step_unit, u, clip_coef, skip)
+
+    @torch.no_grad()
+    def _step_unit(self, u: _Unit, clip_coef: float, skip: bool) -> None:
+        if not skip and any(u.filled):
+            if clip_coef != 1.0:
+                torch._foreach_mul_([m.grad for m in u.masters], clip_coef)
+            idle = [(m, m.grad) for m, f in zip(u.masters, u.filled) if not f]
+            for m, _ in idle:  # like torch's AdamW, a parameter without gradient is not stepped
+                m.grad = None
+            u.optimizer.step()
+            for m, g in idle:
+                m.grad = g
+            for p, m in zip(u.params, u.masters):
+                local(p).copy_(m, non_blocking=m.is_pinned())
+        u.filled = [False] * len(u.filled)
+
+    def _wait(self, u: _Unit) -> None:
+        if u.pending is not None:
+            u.pending.result()
+            u.pending = None
+
+    def wait(self) -> None:
+        """Block until every queued host step has updated the device parameters."""
+        for u in self.units:
+            self._wait(u)
+
+    # -- accounting and checkpoints --
+    def memory(self) -> dict[str, int]:
+        """MemoryTracker source: masters + states are host optimizer bytes, gradient buffers host gradients."""
+        masters = [m for u in self.units for m in u.masters]
+        states = [v for u in self.units for s in u.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor)]
+        return {"host.optimizer": tensor_bytes(masters) + tensor_bytes(states),
+                "host.gradients": tensor_bytes(m.grad for m in masters)}
+
+    def named_masters(self) -> list[tuple[str, nn.Parameter, torch.Tensor, torch.optim.Optimizer]]:
+        """(name, device parameter, master, its optimizer) for checkpoints."""
+        return [(n, p, m, u.optimizer) for u in self.units for n, p, m in zip(u.names, u.params, u.masters)]

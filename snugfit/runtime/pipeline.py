@@ -1,0 +1,222 @@
+"""Pipeline-parallel plans: stages cut from the Decoder, scheduled 1F1B, interleaved 1F1B or BPipe.
+
+Rank layout (mesh dims ("pp", "dp")): rank = pp_rank * dp + dp_rank. Pipeline
+stage k runs on pp rank k % pp (more than one stage per rank when interleaved).
+
+Each rank keeps one pruned Decoder holding everything its stages run (blocks
+it does not run are deleted from the ModuleDict, embedding/head set to None),
+so parameter names, optimizer state and checkpoints are those of the full
+model under any split. `StageModule`s are views over that Decoder, one per
+stage, which the schedules drive:
+
+- 1f1b, interleaved: torch.distributed.pipelining (PipelineStage +
+  Schedule1F1B / ScheduleInterleaved1F1B).
+- bpipe: `schedules.BPipeSchedule` (hand-written; see there why).
+
+Inside a stage the plan applies as without pipelining (runtime.apply): each
+block follows its BlockPlan (FSDP2 zero 0-3 over this stage's dp ranks,
+parameter or optimizer offload, activation policy) and the StageModule is the
+FSDP2 root unit of its embedding/final norm/head. Gradients are reduced over
+dp on the last microbatch's backward only. Optimizer step, exact clipping
+(summed over stages and shards), host offload and checkpoints are `Engine`'s.
+
+Every stage forward runs under `StageActivations.microbatch`, so each rank
+measures its peak activation bytes and resident microbatches per step
+(`PipelineEngine.stage_stats`), whichever schedule runs it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from snugfit.model.decoder import Decoder, cross_entropy
+from snugfit.plan import Plan, PlanError
+from snugfit.runtime.activations import StageActivations
+from snugfit.runtime.apply import apply_activations, offload_units
+from snugfit.runtime.dist import DistEnv
+from snugfit.runtime.engine import Engine, OptimConfig, StepResult, split_batch
+from snugfit.runtime.offload import HostOffload
+from snugfit.runtime.schedules import BPipeSchedule, PipelineError, StageComms
+from snugfit.runtime.sharding import DTYPES, apply_fsdp, data_meshes
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: [embedding] -> its blocks -> [final norm + head], sharing the rank's Decoder."""
+
+    def __init__(self, decoder: Decoder, blocks: range, first: bool, last: bool, index: int, acts: StageActivations):
+        super().__init__()
+        self.index = index
+        self.embed = decoder.embed if first else None
+        self.blocks = nn.ModuleList(decoder.blocks[str(i)] for i in blocks)
+        self.norm = decoder.norm if last else None
+        self.head = decoder.head if last else None
+        self.__dict__["decoder"] = decoder  # not a submodule: parameters belong to the decoder
+        self.__dict__["acts"] = acts
+        self.microbatch = 0  # forwards since the step began; pipelining's schedules run them in order
+        self.untracked = 0  # forwards still to come that are no microbatch (shape inference)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grad = torch.is_grad_enabled()
+        tracked = grad and not self.untracked
+        if tracked:
+            key, self.microbatch = (self.index, self.microbatch), self.microbatch + 1
+        elif grad:
+            self.untracked -= 1
+        with self.acts.microbatch(key) if tracked else nullcontext():
+            h = self.embed(x) if self.embed is not None else x
+            for block in self.blocks:
+                h = block(h, self.decoder.rope)
+            return self.head(self.norm(h)) if self.head is not None else h
+
+
+def prune_to_rank(model: Decoder, plan: Plan, pp_rank: int) -> list[int]:
+    """Delete what this pipeline rank does not run; return the stage indices it runs."""
+    stages = list(range(pp_rank, plan.pp * plan.virtual_stages, plan.pp))
+    ranges = plan.stage_ranges()
+    keep = {str(i) for k in stages for i in ranges[k]}
+    for name in [n for n in model.blocks if n not in keep]:
+        del model.blocks[name]
+    if 0 not in stages:
+        model.embed = None
+    if len(ranges) - 1 not in stages:
+        model.norm = model.head = None
+    return stages
+
+
+def pipeline_groups(plan: Plan, env: DistEnv, timeout_s: float):
+    """This rank's pipeline group and BPipe eviction group (one each per dp rank).
+
+    Built with new_group (every rank creates every group) so they carry their
+    own timeout: a dead peer then fails the step within timeout_s. The dp
+    groups come from the device mesh FSDP2 shards over.
+    """
+    pp_group = evict_group = None
+    timeout = timedelta(seconds=timeout_s)
+    for d in range(plan.dp):
+        ranks = [s * plan.dp + d for s in range(plan.pp)]
+        g = dist.new_group(ranks, timeout=timeout)
+        e = dist.new_group(ranks, timeout=timeout) if plan.schedule == "bpipe" else None
+        if env.rank % plan.dp == d:
+            pp_group, evict_group = g, e
+    return pp_group, evict_group
+
+
+class PipelineEngine(Engine):
+    """`Engine` (step, clipping, host offload, checkpoints) over this rank's stages, run by the plan's schedule."""
+
+    def __init__(self, model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv, timeout_s: float = 300.0):
+        if plan.schedule not in ("1f1b", "interleaved", "bpipe"):
+            raise PlanError(f"plan.schedule {plan.schedule!r} is not a pipeline schedule")
+        if model.cfg.tie_embeddings:
+            raise PlanError("tied embeddings cannot be split across pipeline stages; set model.tie_embeddings=false")
+        self.pp_rank, self.dp_rank = env.rank // plan.dp, env.rank % plan.dp
+        self.pp_group, self.evict_group = pipeline_groups(plan, env, timeout_s)
+        self.stages = prune_to_rank(model, plan, self.pp_rank)
+        apply_activations(dict(model.blocks.items()), plan)
+        units = offload_units(model, plan)
+        host = HostOffload(model, units, DTYPES[plan.compute_dtype]) if units else None
+        model.to(env.device)
+        self.acts = StageActivations([model])
+        ranges = plan.stage_ranges()
+        n = len(ranges)
+        meshes = data_meshes(env.device.type, plan.dp, plan.pp)
+        self.chunks = []
+        for k in self.stages:
+            chunk = StageModule(model, ranges[k], k == 0, k == n - 1, k, self.acts)
+            apply_fsdp(chunk, {str(i): model.blocks[str(i)] for i in ranges[k]}, plan, meshes)
+            self.chunks.append(chunk)
+        super().__init__(model, plan, optim, env.device, dp_group=meshes.group if plan.dp > 1 else None,
+                         host=host, stage_group=self.pp_group)
+        self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len, model.cfg.dim, device=env.device)
+        self.comms = StageComms(self.pp_group, self.pp_rank, plan.pp, timeout_s)
+        self.is_last = self.stages[-1] == n - 1
+        self.schedule = self._make_schedule()
+
+    def _make_schedule(self):
+        """Losses come out of `_loss` already divided by the microbatch count, so no schedule rescales gradients
+        (pipelining's rescaling would miss gradients that host offload has already moved off the device)."""
+        plan, m = self.plan, self.plan.num_microbatches
+        if plan.schedule == "bpipe":
+            return BPipeSchedule(self.chunks[0], self.comms, self.evict_group, self.acts, m, plan.bpipe_bound(),
+                                 self.hidden, self._loss)
+        n = len(plan.stage_ranges())
+        stages = [PipelineStage(c, c.index, n, self.device, group=self.pp_group) for c in self.chunks]
+        for c in self.chunks:  # pipelining infers shapes with one extra forward per stage in its first step
+            c.untracked = 1
+        if plan.schedule == "interleaved":
+            return ScheduleInterleaved1F1B(stages, m, loss_fn=self._loss, scale_grads=False)
+        return Schedule1F1B(stages[0], m, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This microbatch's share of the step loss, counted as the last stage's activations of that microbatch."""
+        last = self.chunks[-1]
+        with self.acts.microbatch((last.index, last.microbatch - 1)):
+            return cross_entropy(logits, targets) / self.plan.num_microbatches
+
+    def train_step(self, batch: torch.Tensor) -> StepResult:
+        self.model.train()
+        batch = batch.to(self.device)
+        micro = split_batch(batch, self.plan)
+        inputs, targets = (torch.cat(t) for t in zip(*micro))  # pipelining takes whole inputs, BPipe `micro`
+        self.acts.reset(external=(batch, inputs))
+        if self.host is not None:
+            self.host.wait()  # the root unit waits in a Decoder.forward hook, and stages never call Decoder.forward
+        for c in self.chunks:
+            c.microbatch = 0
+        losses: list[torch.Tensor] = []
+        try:
+            if self.plan.schedule == "bpipe":
+                losses = self.schedule.step(micro)
+            else:
+                args = (inputs,) if self.stages[0] == 0 else ()
+                self.schedule.step(*args, target=targets if self.is_last else None, losses=losses)
+        except PipelineError:
+            raise
+        except Exception as err:  # torch.distributed.pipelining's own transfers: name the stage
+            raise PipelineError(f"pipeline stages {self.stages} (rank {dist.get_rank()}) "
+                                f"{self.plan.schedule} step failed: {err}") from err
+        loss = torch.stack(losses).detach().sum().float() if losses else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.pp_group)  # only the last stage has it
+        return self._update(loss)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        """Forward only, microbatch by microbatch through every stage in order (blocking transfers suffice)."""
+        self.model.eval()
+        if self.host is not None:
+            self.host.wait()
+        total = torch.zeros((), device=self.device)
+        n = len(self.plan.stage_ranges())
+        micro = split_batch(batch.to(self.device), self.plan)
+        for mb, (tokens, targets) in enumerate(micro):
+            for chunk in self.chunks:
+                k = chunk.index
+                x = tokens if k == 0 else self.comms.recv(
+                    torch.empty_like(self.hidden), (k - 1) % self.plan.pp, 0, f"eval recv mb {mb}")
+                y = chunk(x)
+                if k == n - 1:
+                    total += cross_entropy(y, targets).float() / len(micro)
+                else:
+                    self.comms.send(y, (k + 1) % self.plan.pp, 0, f"eval send mb {mb}")
+            self.comms.finish_sends()
+        dist.all_reduce(total, group=self.pp_group)
+        if self.dp_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
+        return total.item()
+
+    def stage_stats(self) -> dict:
+        """What this rank's stages held in the last step: peak activation bytes and resident microbatches."""
+        a = self.acts
+        return {"pp_rank": self.pp_rank, "stages": list(self.stages), "peak_activation_bytes": a.peak_bytes,
+                "peak_microbatches": a.peak_microbatches, "evictions": a.evictions, "accepted": a.accepts}
+
+
+def build_pipeline_engine(model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv,
+                          timeout_s: float = 300.0) -> PipelineEngine:
+    """Cut `model` into this rank's stages and return the engine that runs the plan's schedule."""
+    return PipelineEngine(model, plan, optim, env, timeout_s)

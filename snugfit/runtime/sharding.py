@@ -1,0 +1,126 @@
+"""Per-block sharding through FSDP2, one decision (BlockPlan.zero) per block.
+
+Every block becomes its own FSDP2 unit, and the root unit (the model, or a
+pipeline stage's module) holds what is left: embedding, final norm, head. How
+each ZeRO stage maps onto FSDP2:
+
+    zero 3  shard parameters, gradients, optimizer states; parameters are
+            re-gathered for backward (reshard_after_forward=True)
+    zero 2  shard at rest; parameters stay gathered from forward through
+            backward (reshard_after_forward=False); sharded gradients and states
+    zero 1  same as zero 2. FSDP2 cannot keep persistent unsharded parameters,
+            and a hand-written ZeRO-1 would move the same bytes (all-reduce ==
+            reduce-scatter + all-gather) while holding *more* (full gradients).
+            So the runtime holds what zero 2 holds, and MemoryTracker reports it:
+            gradients are sharded after the reduction, unsharded only while
+            accumulating (gradient sync off), as ZeRO-1 would hold them.
+    zero 0  replicate: FSDP2 on a 2-D (dp, 1) mesh, i.e. HSDP whose shard groups
+            have one rank: every rank holds whole parameters, gradients are
+            all-reduced, the optimizer steps the whole model on every rank.
+            Chosen over DDP (`_composable.replicate`) so that all blocks share
+            one runtime: the same gradient-sync switch, mixed-precision policy,
+            DTensor state dicts and clipping code. Cost: FSDP2 keeps a second
+            (unsharded) copy of the parameters during forward/backward, counted
+            as "buffers" by the tracker.
+
+`offload_params` (zero 3 only, checked by the Plan) adds FSDP2's
+CPUOffloadPolicy: the shard, its gradient and its optimizer step live on host.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from snugfit.plan import BlockPlan, Plan
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class DataMeshes:
+    """The data-parallel meshes of this rank: `shard` (1-D, dp ranks) and `replicate` (2-D, dp x 1)."""
+
+    shard: DeviceMesh
+    replicate: DeviceMesh
+
+    @property
+    def dp(self) -> int:
+        return self.shard.size()
+
+    @property
+    def group(self):
+        """The data-parallel process group (loss averaging, gradient-norm reduction)."""
+        return self.shard.get_group()
+
+
+def data_meshes(device_type: str, dp: int, pp: int = 1) -> DataMeshes:
+    """Meshes for a pp x dp launch (rank = stage * dp + dp_rank); this rank's dp sub-meshes.
+
+    Built from one (pp, dp, 1) world mesh so that pipeline and data parallelism
+    agree on which ranks form a data-parallel group.
+    """
+    world = init_device_mesh(device_type, (pp, dp, 1), mesh_dim_names=("pp", "dp", "one"))
+    return DataMeshes(shard=world["dp"], replicate=world["dp", "one"])
+
+
+def mixed_precision(plan: Plan, root: bool) -> MixedPrecisionPolicy:
+    """Compute in plan.compute_dtype, reduce in plan.reduce_dtype.
+
+    Only the root casts its output back to fp32: on a block, output_dtype breaks
+    the next block's fp32 norm on CPU ("mixed dtype") and costs a cast per block.
+    """
+    param = DTYPES[plan.compute_dtype]
+    return MixedPrecisionPolicy(
+        param_dtype=None if param == torch.float32 else param,
+        reduce_dtype=DTYPES[plan.reduce_dtype],
+        output_dtype=torch.float32 if root else None,
+    )
+
+
+def offload_policy(block: BlockPlan) -> OffloadPolicy:
+    """FSDP2 parameter offload; pinned host memory only where an accelerator exists (CPU-only torch refuses it)."""
+    if not block.offload_params:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+
+
+def shard_unit(module: nn.Module, block: BlockPlan, meshes: DataMeshes, mp: MixedPrecisionPolicy) -> None:
+    """Make `module` one FSDP2 unit as `block.zero` says (see the module docstring)."""
+    fully_shard(
+        module,
+        mesh=meshes.replicate if block.zero == 0 else meshes.shard,
+        reshard_after_forward=block.zero == 3,
+        mp_policy=mp,
+        offload_policy=offload_policy(block),
+    )
+
+
+def apply_fsdp(
+    root: nn.Module, blocks: dict[str, nn.Module], plan: Plan, meshes: DataMeshes, indices: list[int] | None = None
+) -> None:
+    """Shard `blocks` (name -> block; block i follows plan.blocks[i]) then the root unit.
+
+    `indices` maps the blocks, in order, to plan.blocks when they are a pipeline
+    stage's slice; by default the names are the block indices.
+    """
+    indices = indices if indices is not None else [int(name) for name in blocks]
+    mp = mixed_precision(plan, root=False)
+    for i, block in zip(indices, blocks.values()):
+        shard_unit(block, plan.blocks[i], meshes, mp)
+    shard_unit(root, plan.root, meshes, mixed_precision(plan, root=True))
+    stages = Counter(f"zero{plan.blocks[i].zero}" + ("+offload_params" if plan.blocks[i].offload_params else "")
+                     for i in indices)
+    log.info(
+        "fsdp: dp=%d, %d blocks %s, root zero%d%s, params %s, reduce %s",
+        meshes.dp, len(indices), dict(stages), plan.root.zero,
+        "+offload_params" if plan.root.offload_params else "", plan.compute_dtype, plan.reduce_dtype,
+    )

@@ -1,0 +1,116 @@
+"""LoRA and frozen pieces on the built-in Decoder and on HFCausalLM (the 2-rank run is in test_hf.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snugfit.errors import SnugfitError
+from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.model.lora import LoRALinear, apply_lora, freeze, merged_state_dict, trainable_summary
+from snugfit.runtime.engine import OptimConfig, make_adamw
+
+CFG = ModelConfig(dim=32, n_layers=3, n_heads=4, vocab_size=64, max_seq_len=32)
+
+
+def decoder(arch: str = "llama") -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(ModelConfig(**{**CFG.to_dict(), "arch": arch}))
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+
+
+def train(model: torch.nn.Module, steps: int = 3) -> None:
+    opt = make_adamw([p for p in model.parameters() if p.requires_grad], OptimConfig(lr=1e-2))
+    for _ in range(steps):
+        b = batch()
+        model(b[:, :-1], b[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_lora_on_decoder_trains_only_adapters(arch):
+    model = decoder(arch)
+    b = batch()
+    before_out = model(b[:, :-1])
+    wrapped = apply_lora(model, rank=4, alpha=8)
+    assert len(wrapped) == 4 * CFG.n_layers and all(".attn." in w for w in wrapped)
+    assert torch.equal(model(b[:, :-1]), before_out)  # B = 0: no change before training
+    base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    train(model)
+    after = model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in base.items())
+    assert not torch.equal(after["blocks.0.attn.q.lora_b"], torch.zeros_like(after["blocks.0.attn.q.lora_b"]))
+    # merged weights compute what base + adapter compute
+    merged = Decoder(model.cfg)
+    merged.load_state_dict(merged_state_dict(model))
+    assert torch.allclose(merged(b[:, :-1]), model(b[:, :-1]), atol=1e-5)
+
+
+def test_lora_adapters_same_on_every_rank_and_split():
+    a, b = decoder(), decoder()
+    apply_lora(a, rank=2, seed=3)
+    del b.blocks["0"]  # a pipeline stage without block 0 draws block 1's adapter alike
+    apply_lora(b, rank=2, seed=3)
+    assert torch.equal(a.blocks["1"].attn.q.lora_a, b.blocks["1"].attn.q.lora_a)
+
+
+def test_trainable_summary_and_freeze():
+    model = decoder()
+    freeze(model, "embed, blocks:0-1")
+    s = trainable_summary(model)
+    assert s["embed"] == {"trainable": 0, "frozen": CFG.embed_params()}
+    assert s["block.0"]["trainable"] == 0 and s["block.1"]["trainable"] == 0
+    assert s["block.2"] == {"trainable": CFG.block_params(), "frozen": 0}
+    assert s["head"] == {"trainable": CFG.head_params(), "frozen": 0}
+    assert s["total"]["trainable"] + s["total"]["frozen"] == CFG.num_params()
+    b = batch()
+    model(b[:, :-1], b[:, 1:]).backward()
+    assert all((p.grad is None) != p.requires_grad for p in model.parameters())  # frozen: no gradient
+
+    lora = decoder()
+    apply_lora(lora, rank=4)
+    s = trainable_summary(lora)
+    assert s["total"]["trainable"] == CFG.n_layers * 4 * (4 * 32 + 32 * 4)
+    assert s["total"]["frozen"] == CFG.num_params()
+
+
+@pytest.mark.parametrize("spec, message", [("embd", "pieces are"), ("blocks:2-9", "from 0 to 2"),
+                                           ("blocks:x", "blocks:A-B")])
+def test_freeze_rejects_bad_specs(spec, message):
+    with pytest.raises(SnugfitError, match=message):
+        freeze(decoder(), spec)
+
+
+def test_lora_bad_targets_and_rank():
+    with pytest.raises(SnugfitError, match="match no layer.*attn.q"):
+        apply_lora(decoder(), rank=4, targets=("q_proj",))
+    with pytest.raises(SnugfitError, match="positive"):
+        apply_lora(decoder(), rank=0)
+
+
+def test_lora_on_gpt2_conv1d_merges_transposed():
+    transformers = pytest.importorskip("transformers")
+    from snugfit.model.hf import HFCausalLM
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg)
+    model = HFCausalLM(hf)
+    assert apply_lora(model, rank=2) == [f"blocks.{i}.layer.attn.{n}" for i in range(2) for n in ("c_attn", "c_proj")]
+    assert isinstance(model.blocks["0"].layer.attn.c_attn, LoRALinear)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_()
+    b = batch()
+    expect = model(b[:, :-1])
+    plain = transformers.GPT2LMHeadModel(cfg)  # `hf` itself now runs the adapters: it shares the layers
+    missing, unexpected = plain.load_state_dict(
+        {model.hf_names[k]: v for k, v in merged_state_dict(model).items()}, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected  # tied to the embedding
+    assert torch.allclose(plain(input_ids=b[:, :-1]).logits, expect, atol=1e-5)

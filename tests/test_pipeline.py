@@ -1,0 +1,211 @@
+"""Pipeline runtime: losses and gradients equal a single-process reference; stages hold what the schedule says.
+
+Spawns are the cost here (seconds each on a loaded machine), so every 4-rank
+configuration runs in one spawn and each configuration checks several things.
+Each rank compares its own gradient shards (device or host) with a reference
+it computes itself, and reports what did not match.
+"""
+
+import time
+
+import pytest
+import torch
+
+from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.plan import BlockPlan, Plan, PlanError
+from snugfit.runtime.engine import OptimConfig, split_batch
+from snugfit.runtime.memory import local
+from snugfit.runtime.offload import local_shard
+from snugfit.runtime.pipeline import build_pipeline_engine
+from snugfit.runtime.schedules import PipelineError, bpipe_program, one_f_one_b
+from tests.distributed import run_ranks
+
+SEQ, MICRO = 16, 4
+KEEP = ["keep"]
+
+# name -> (blocks, Plan.uniform arguments, per-block policies, vocabulary, extras)
+CONFIGS = {
+    # 1F1B; every stage has a "keep" block (p - s resident microbatches) next to recompute/selective/offload ones
+    "1f1b": (8, dict(pp=4, schedule="1f1b"), ["recompute", "keep", "selective", "keep", "offload", "keep"] + 2 * KEEP,
+             64, {}),
+    "interleaved": (8, dict(pp=4, schedule="interleaved", virtual_stages=2), KEEP, 64, {}),
+    # BPipe, uneven on purpose: the last stage also holds logits, so give it 1 block and a wide vocabulary
+    "bpipe": (8, dict(pp=4, schedule="bpipe"), KEEP, 1536, dict(stage_blocks=[2, 2, 3, 1])),
+    # pp x dp, sharded inside stages (zero 3, parameter offload on odd blocks), on instruction batches
+    "pp2xdp2-zero3": (4, dict(pp=2, dp=2, schedule="1f1b", block=BlockPlan(zero=3)), KEEP, 64,
+                      dict(offload_params=[1, 3], instruct=True)),
+    # BPipe with recompute on ZeRO-2 blocks whose optimizer lives on host
+    "pp2xdp2-bpipe-zero2-offload": (4, dict(pp=2, dp=2, schedule="bpipe", block=BlockPlan(zero=2, offload_optimizer=True)),
+                                    ["recompute", "keep"], 64, dict(evict_bound=1)),
+}
+
+
+def _cfg(n_blocks: int, vocab: int) -> ModelConfig:
+    return ModelConfig(dim=32, n_layers=n_blocks, n_heads=4, vocab_size=vocab, max_seq_len=SEQ)
+
+
+def _setup(name: str):
+    """Model config, plan and the global batch (all dp ranks) of a configuration."""
+    n, spec, policies, vocab, extra = CONFIGS[name]
+    plan = Plan.uniform(n, micro_batch_size=2, num_microbatches=MICRO, seq_len=SEQ, **spec)
+    for i, b in enumerate(plan.blocks):
+        b.activations = policies[i % len(policies)]
+        if i in extra.get("offload_params", ()):
+            b.offload_params = True
+    plan.stage_blocks = extra.get("stage_blocks", plan.stage_blocks)
+    plan.evict_bound = extra.get("evict_bound")
+    plan.validate(n_blocks=n, world_size=4)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (plan.global_batch, SEQ + 1), generator=gen)
+    if not extra.get("instruct"):
+        return _cfg(n, vocab), plan, tokens
+    targets = tokens.clone()
+    targets[:, : SEQ // 2] = -100  # the prompt: no loss
+    return _cfg(n, vocab), plan, torch.stack([tokens, targets], dim=1)
+
+
+def _reference(cfg: ModelConfig, plan: Plan, batch: torch.Tensor):
+    """Plain Decoder, one process: mean loss over all microbatches of all dp ranks, and its gradients."""
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    micro = [mb for rank_batch in batch.chunk(plan.dp) for mb in split_batch(rank_batch, plan)]
+    total = 0.0
+    for inputs, targets in micro:
+        loss = model(inputs, targets) / len(micro)
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _run(env, name: str) -> dict:
+    """Eval, then one train step of a configuration on this rank, checked against the reference here."""
+    cfg, plan, batch = _setup(name)
+    ref_loss, ref_grads = _reference(cfg, plan, batch)
+    torch.manual_seed(0)
+    engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(grad_clip=0.0), env, timeout_s=60)
+    checked, bad = [], []
+    update = engine._update
+
+    def check_grads(loss):  # gradients are final (reduced, on host where offloaded) when the update starts
+        pairs = [(n, p, p.grad) for n, p in engine.model.named_parameters() if p.grad is not None]
+        if engine.host is not None:
+            pairs += [(n, p, master.grad) for n, p, master, _ in engine.host.named_masters()]
+        for n, p, g in pairs:
+            checked.append(n)
+            try:
+                torch.testing.assert_close(local(g), local_shard(ref_grads[n], p), rtol=1e-5, atol=1e-6)
+            except AssertionError as err:
+                bad.append(f"{n}: {err}")
+        return update(loss)
+
+    engine._update = check_grads
+    rank_batch = batch.chunk(plan.dp)[env.rank % plan.dp]
+    eval_loss = engine.eval_loss(rank_batch)
+    result = engine.train_step(rank_batch)
+    return {"loss": result.loss, "eval": eval_loss, "ref_loss": ref_loss, "checked": checked, "bad": bad,
+            "stats": engine.stage_stats(), "names": sorted(engine.state_dict()["model"])}
+
+
+def _four_rank_checks(env) -> dict:
+    out = {}
+    for name in CONFIGS:
+        start = time.monotonic()
+        out[name] = _run(env, name)
+        out[name]["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    results = run_ranks(_four_rank_checks, 4)
+    return {name: [r[name] for r in results] for name in CONFIGS}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_single_process(four_ranks, name):
+    n, _, _, vocab, _ = CONFIGS[name]
+    for r in four_ranks[name]:
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
+        assert r["eval"] == pytest.approx(r["ref_loss"], rel=1e-5)  # forward-only path
+        assert not r["bad"], r["bad"]
+    every = {p for p, _ in Decoder(_cfg(n, vocab)).named_parameters()}
+    assert set().union(*(r["checked"] for r in four_ranks[name])) == every, "every gradient checked on some rank"
+    # checkpoints: full-model names, whatever the split, sharding or offload
+    assert set().union(*(r["names"] for r in four_ranks[name])) == every
+
+
+def test_1f1b_stage_s_holds_p_minus_s_microbatches(four_ranks):
+    assert [r["stats"]["peak_microbatches"] for r in four_ranks["1f1b"]] == [4, 3, 2, 1]
+
+
+def test_bpipe_keeps_bound_and_balances_memory(four_ranks):
+    stats = [r["stats"] for r in four_ranks["bpipe"]]
+    assert max(s["peak_microbatches"] for s in stats) <= 3, stats  # bpipe_bound at p=4
+    assert stats[0]["evictions"] > 0 and stats[3]["accepted"] == stats[0]["evictions"], stats
+    peak = [s["peak_activation_bytes"] for s in stats]
+    assert max(peak) / min(peak) <= 1.3, peak
+    # bound 1 at p=2 (ranks: stage * dp + dp_rank): the heavy stage holds one microbatch; the light one
+    # holds its own and, briefly, two of its partner's
+    assert [r["stats"]["peak_microbatches"] for r in four_ranks["pp2xdp2-bpipe-zero2-offload"]] == [1, 1, 3, 3]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_bpipe_program_keeps_bound(p):
+    for m in (p, p + 1, 2 * p):
+        for bound in range(1, p + 1):
+            for stage in range(p):
+                program = bpipe_program(p, m, stage, bound)
+                assert [a for a in program if a[0] in "FB"] == one_f_one_b(p, m, stage)
+                resident, evicted = set(), set()
+                for op, mb in program:
+                    if op == "F":
+                        resident.add(mb)
+                    elif op == "EVICT":
+                        resident.remove(mb), evicted.add(mb)
+                    elif op == "LOAD":
+                        evicted.remove(mb), resident.add(mb)
+                    else:
+                        assert mb in resident, "backward of an evicted microbatch"
+                        resident.remove(mb)
+                    if stage < p - 1 - stage:
+                        assert len(resident) <= bound
+                assert not resident and not evicted
+
+
+def test_split_batch_takes_instruction_pairs():
+    plan = Plan.uniform(1, micro_batch_size=2, num_microbatches=2, seq_len=4)
+    batch = torch.arange(4 * 2 * 5).view(4, 2, 5)
+    (x0, y0), (x1, y1) = split_batch(batch, plan)
+    assert torch.equal(torch.cat([x0, x1]), batch[:, 0, :-1]) and torch.equal(torch.cat([y0, y1]), batch[:, 1, 1:])
+    (x0, y0), _ = split_batch(batch[:, 0], plan)  # a token stream: targets are the inputs shifted
+    assert torch.equal(x0, batch[:2, 0, :-1]) and torch.equal(y0, batch[:2, 0, 1:])
+    with pytest.raises(PlanError, match=r"\(4, 2, 5\)"):
+        split_batch(batch[:, :, :-1], plan)
+
+
+DEAD_PEER_TIMEOUT_S = 3
+
+
+def _dead_peer(env) -> dict:
+    engines = {}
+    for schedule in ("bpipe", "1f1b"):
+        plan = Plan.uniform(2, pp=2, schedule=schedule, micro_batch_size=1, num_microbatches=2, seq_len=SEQ)
+        engines[schedule] = build_pipeline_engine(Decoder(_cfg(2, 64)), plan, OptimConfig(), env, DEAD_PEER_TIMEOUT_S)
+    if env.rank == 1:
+        return {}  # built its stages, then leaves without stepping
+    out = {}
+    for schedule, engine in engines.items():
+        start = time.monotonic()
+        try:
+            engine.train_step(torch.randint(0, 64, (2, SEQ + 1)))
+            out[schedule] = ("no error", 0.0)
+        except PipelineError as err:
+            out[schedule] = (str(err), time.monotonic() - start)
+    return out
+
+
+def test_dead_peer_names_the_stage():
+    results, _ = run_ranks(_dead_peer, 2)
+    for schedule, (message, elapsed) in results.items():
+        assert "stage" in message and "0" in message and "rank 0" in message, (schedule, message)
+        assert elapsed < 5 * DEAD_PEER_TIMEOUT_S, (schedule, elapsed)

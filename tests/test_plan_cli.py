@@ -1,0 +1,80 @@
+"""`snugfit plan` and `snugfit profile-hardware` commands, called through their argparse parsers."""
+
+import argparse
+import json
+
+import pytest
+
+from snugfit.commands import plan as plan_cmd
+from snugfit.commands import profile_hardware as hw_cmd
+from snugfit.errors import SnugfitError
+from snugfit.model.decoder import ModelConfig
+
+
+def _run(argv, capsys):
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers()
+    plan_cmd.add_parser(sub)
+    hw_cmd.add_parser(sub)
+    args = ap.parse_args(argv)
+    rc = (plan_cmd if argv[0] == "plan" else hw_cmd).run(args)
+    return rc, capsys.readouterr().out
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(ModelConfig(dim=32, n_layers=4, n_heads=2, vocab_size=128, max_seq_len=64).to_dict()))
+    return str(path)
+
+
+def test_plan_json_has_predictions(tiny_model, tmp_path, capsys):
+    rc, out = _run(["plan", "--model", tiny_model, "--cluster", "2xRTX4090", "--seq", "64", "--micro-batch", "2",
+                    "--pp", "2", "--num-microbatches", "4", "--schedule", "bpipe", "--json",
+                    "--profile-cache", str(tmp_path)], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["pp"] == 2 and d["schedule"] == "bpipe"
+    pred = d["predicted"]
+    assert pred["peak_memory_bytes"] == max(sum(v for k, v in m.items() if not k.startswith("host:"))
+                                            for m in pred["memory_by_rank"])
+    assert pred["step_time_s"] > 0 and pred["tokens_per_s"] > 0 and pred["fits"]
+
+
+def test_plan_text_reports_categories_and_verdict(tiny_model, tmp_path, capsys):
+    rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xA100-80GB", "--seq", "64", "--zero", "3",
+                    "--recompute", "selective", "--global-batch", "16", "--micro-batch", "2",
+                    "--memory-budget", "1MiB", "--profile-cache", str(tmp_path)], capsys)
+    assert rc == 0 and "comm_buffers" in out and "tokens/s" in out and "does NOT fit" in out
+
+
+def test_plan_file_roundtrip(tiny_model, tmp_path, capsys):
+    _, out = _run(["plan", "--model", tiny_model, "--seq", "64", "--json", "--profile-cache", str(tmp_path)], capsys)
+    path = tmp_path / "plan.json"
+    path.write_text(out)
+    _, again = _run(["plan", "--model", tiny_model, "--plan-file", str(path), "--json",
+                     "--profile-cache", str(tmp_path)], capsys)
+    assert json.loads(again)["predicted"]["peak_memory_bytes"] == json.loads(out)["predicted"]["peak_memory_bytes"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--cluster", "4xA10", "--dp", "3"], "--dp 3 x --pp 1"),
+    (["--cluster", "4xA10", "--pp", "3"], "does not divide"),
+    (["--cluster", "2xA10", "--global-batch", "5"], "not divisible"),
+    (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2"], "num_microbatches"),
+    (["--cluster", "2xA10", "--offload-params"], "--zero 3"),
+    (["--cluster", "2xA01"], "A10"),
+])
+def test_impossible_plans_are_one_line_errors(tiny_model, argv, match, capsys):
+    with pytest.raises(SnugfitError, match=match) as e:
+        _run(["plan", "--model", tiny_model, "--seq", "64", *argv], capsys)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_model_is_an_error(capsys):
+    with pytest.raises(SnugfitError, match="did you mean"):
+        _run(["plan", "--model", "lama-3-8b", "--seq", "64"], capsys)
+
+
+def test_profile_hardware_command(tmp_path, capsys):
+    rc, out = _run(["profile-hardware", "--out", str(tmp_path / "hw.json"), "--no-collectives"], capsys)
+    assert rc == 0 and json.loads(out)["device"]["name"] == "cpu" and (tmp_path / "hw.json").exists()

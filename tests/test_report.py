@@ -1,0 +1,60 @@
+"""Timeline pictures and the measured-step recorder: files are real images, traces merge and draw."""
+
+import pickle
+import xml.etree.ElementTree as ET
+
+import matplotlib.image
+import pytest
+
+from snugfit.hardware import parse_cluster
+from snugfit.plan.plan import BlockPlan
+from snugfit.report.timeline import draw_timeline, timeline_for
+from snugfit.report.trace import StepTrace
+from tests.test_memory_model import _plan, synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def bpipe():
+    plan = _plan(dp=2, pp=4, num_microbatches=8, schedule="bpipe", block=BlockPlan(zero=3, activations="selective"))
+    sim, detail = timeline_for(plan, synthetic_profile(), parse_cluster("2x4xRTX4090"))
+    return plan, sim, detail
+
+
+def test_timeline_matches_the_time_model(bpipe):
+    plan, sim, detail = bpipe
+    tail = max(sum(t.values()) for t in detail.tail)
+    assert sim.makespan + tail == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+    assert {e.kind for e in sim.events} >= {"F", "B", "evict", "load"}
+    assert all(s > 0 for s in detail.static_bytes) and all(p > s for p, s in zip(detail.peak_bytes, detail.static_bytes))
+
+
+def test_png_and_svg(bpipe, tmp_path):
+    plan, sim, detail = bpipe
+    png = draw_timeline(sim, plan, tmp_path / "t.png", detail=detail)
+    img = matplotlib.image.imread(png)
+    assert img.shape[1] > 800 and 300 < img.shape[0] < 3000
+    svg = draw_timeline(sim, plan, tmp_path / "t.svg")  # without detail: whole events, memory in microbatches
+    assert ET.parse(svg).getroot().tag.endswith("svg")
+    with pytest.raises(ValueError, match="png"):
+        draw_timeline(sim, plan, tmp_path / "t.jpg")
+
+
+def test_trace_records_merges_and_draws(bpipe, tmp_path):
+    plan, sim, detail = bpipe
+    per_rank = []
+    for rank in (0, 1):
+        t = StepTrace()
+        t.begin()
+        with t.span(rank, "F", 0):
+            pass
+        with t.span(rank, "B", 0):
+            pass
+        t.add(rank, "optimizer", -1, t.duration, t.duration + 1e-3)
+        per_rank.append(pickle.loads(pickle.dumps(t)))  # as all_gather_object would carry it
+    merged = StepTrace.merge(per_rank)
+    assert merged.ranks == [0, 1] and len(merged.spans) == 6
+    assert [s.kind for s in merged.spans if s.rank == 1] == ["F", "B", "optimizer"]
+    assert all(0 <= s.start <= s.end for s in merged.spans)
+    assert StepTrace.from_dict(merged.to_dict()).spans == merged.spans
+    out = draw_timeline(sim, plan, tmp_path / "m.png", measured=merged, detail=detail)
+    assert out.stat().st_size > 10_000

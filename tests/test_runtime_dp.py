@@ -1,0 +1,278 @@
+"""The distributed runtime against a one-process reference, at 1, 2 and 4 gloo ranks.
+
+Reference: the plain Decoder + torch AdamW + clip_grad_norm_, same seed, the
+whole global batch accumulated in one process; data-parallel rank r trains on
+rows [r*B, (r+1)*B) of each global batch. Every plan must reproduce its losses,
+gradient norms and final parameters. Spawning ranks is the slow part, so each
+world size is one spawn that checks many plans.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.plan import BlockPlan, Plan, PlanError
+from snugfit.runtime.apply import build_engine
+from snugfit.runtime.dist import DistEnv
+from snugfit.runtime.engine import OptimConfig
+from tests.distributed import run_ranks
+
+CFG = ModelConfig(dim=32, n_layers=3, n_heads=4, vocab_size=64, max_seq_len=32)
+OPT = OptimConfig(lr=1e-2, grad_clip=0.05)  # small clip: clipping is active on every step
+STEPS, SEQ, MBS, NMB = 3, 16, 2, 2
+B0 = BlockPlan()
+
+
+def make_plan(dp: int, block: BlockPlan = B0, root: BlockPlan | None = None, blocks=None, seq_len=SEQ,
+              **kw) -> Plan:
+    plan = Plan.uniform(CFG.n_layers, dp=dp, block=block, root=root, micro_batch_size=MBS,
+                        num_microbatches=NMB, seq_len=seq_len, **kw)
+    if blocks is not None:
+        plan.blocks = blocks
+    return plan
+
+
+def mixed(dp: int) -> Plan:
+    """Every technique in one model, activation recomputation included."""
+    return make_plan(dp, root=BlockPlan(zero=2, offload_optimizer=True), blocks=[
+        BlockPlan(zero=0, activations="recompute"),
+        BlockPlan(zero=3, offload_optimizer=True),
+        BlockPlan(zero=3, offload_params=True),
+    ])
+
+
+def batches(plan: Plan, steps: int = STEPS, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, CFG.vocab_size, (plan.global_batch, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def fresh_model() -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder(CFG)
+    model.init_weights(0)
+    return model
+
+
+def reference(plan: Plan) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    """(loss, grad norm) per step and final parameters of one process running the whole global batch."""
+    model = fresh_model()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": OPT.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=OPT.lr, betas=(OPT.beta1, OPT.beta2), eps=OPT.eps)
+    out = []
+    for batch in batches(plan):
+        total = 0.0
+        for mb in batch.split(plan.micro_batch_size):  # rank-major order, as the ranks split it
+            loss = model(mb[:, :-1], mb[:, 1:]) / (plan.num_microbatches * plan.dp)
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(params, OPT.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        out.append((total, norm.item()))
+    return out, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def full(sd: dict) -> dict[str, torch.Tensor]:
+    """Whole tensors of a state dict (a collective: every rank calls it)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).float() for k, v in sd.items()}
+
+
+def train(env: DistEnv, plan: Plan, steps: int = STEPS):
+    """Run `plan` on this rank: (loss, grad norm) per step, the engine, peak memory."""
+    engine = build_engine(fresh_model(), plan, OPT, env)
+    rows = plan.micro_batch_size * plan.num_microbatches
+    dp_rank = env.rank % plan.dp
+    out = []
+    for batch in batches(plan, steps):
+        r = engine.train_step(batch[dp_rank * rows:(dp_rank + 1) * rows])
+        assert not r.skipped
+        out.append((r.loss, r.grad_norm))
+    return out, engine
+
+
+def run_plans(env: DistEnv, plans: list[Plan], ckpt_dir: str | None = None) -> list:
+    """Each plan: losses, norms, final parameters (rank 0) and this rank's peak memory."""
+    torch.set_num_threads(1)
+    results = []
+    for plan in plans:
+        out, engine = train(env, plan)
+        params = {k: v.numpy() for k, v in full(engine.state_dict()["model"]).items()}  # by value across processes
+        results.append((out, params if env.rank == 0 else None, engine.memory.peak()))
+    if ckpt_dir is not None:
+        results.append(checkpoint_across_plans(env, ckpt_dir))
+    return results
+
+
+def checkpoint_across_plans(env: DistEnv, ckpt_dir: str) -> list[tuple[float, float]]:
+    """Save under one plan, load under the other (host masters and states <-> FSDP2 shards): the next step agrees."""
+    mixed_plan, zero3 = mixed(env.world_size), make_plan(env.world_size, BlockPlan(zero=3))
+    rows = MBS * NMB
+    after = [b[env.rank * rows:(env.rank + 1) * rows] for b in batches(zero3, 4)[2:]]  # 2nd loss sees optimizer state
+    out = []
+    for saved, loaded in ((mixed_plan, zero3), (zero3, mixed_plan)):
+        path = f"{ckpt_dir}/{len(out)}"
+        _, a = train(env, saved, steps=2)
+        dcp.save(a.state_dict(), checkpoint_id=path)
+        _, b = train(env, loaded, steps=0)
+        state = b.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        b.load_state_dict(state)
+        out += [(a.train_step(batch).loss, b.train_step(batch).loss) for batch in after]
+    return out
+
+
+def assert_matches(plan: Plan, out, params) -> None:
+    ref_out, ref_params = reference(plan)
+    for (loss, norm), (ref_loss, ref_norm) in zip(out, ref_out, strict=True):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+    for name, ref in ref_params.items():
+        if name in params:
+            torch.testing.assert_close(torch.as_tensor(params[name]), ref, rtol=1e-4, atol=1e-5, msg=name)
+    assert set(params) >= {n for n, _ in fresh_model().named_parameters()}
+
+
+def param_bytes() -> int:
+    return sum(p.numel() * p.element_size() for p in fresh_model().parameters())
+
+
+# -- one process --
+@pytest.fixture
+def one_rank():
+    yield DistEnv()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_one_rank_plans_match_reference(one_rank):
+    plans = [make_plan(1), make_plan(1, BlockPlan(zero=3, offload_optimizer=True)),
+             make_plan(1, BlockPlan(zero=3, offload_params=True))]
+    for plan, (out, params, _) in zip(plans, run_plans(one_rank, plans)):
+        assert_matches(plan, out, params)
+
+
+# -- two ranks --
+TWO = [make_plan(2, BlockPlan(zero=z)) for z in (0, 1, 2, 3)] + [
+    make_plan(2, BlockPlan(zero=3, offload_params=True)),
+    make_plan(2, BlockPlan(zero=0, offload_optimizer=True)),
+    make_plan(2, BlockPlan(zero=3, offload_optimizer=True)),
+    mixed(2),
+]
+BF16 = [make_plan(2, BlockPlan(zero=3), compute_dtype="bfloat16"),
+        make_plan(2, BlockPlan(zero=1, offload_optimizer=True), compute_dtype="bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(run_plans, 2, TWO + BF16, str(tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.mark.parametrize("i", range(len(TWO)), ids=["zero0", "zero1", "zero2", "zero3", "offload_params",
+                                                     "offload_optim_zero0", "offload_optim_zero3", "mixed"])
+def test_two_ranks_match_reference(two_ranks, i):
+    out, params, _ = two_ranks[0][i]
+    assert two_ranks[1][i][0] == out  # every rank reports the same global loss and norm
+    assert_matches(TWO[i], out, params)
+
+
+def test_bf16_stays_close_to_fp32(two_ranks):
+    ref_out, _ = reference(BF16[0])
+    for i in range(len(BF16)):
+        out, params, _ = two_ranks[0][len(TWO) + i]
+        for (loss, _), (ref_loss, _) in zip(out, ref_out):
+            assert loss == pytest.approx(ref_loss, abs=2e-2)
+        assert all(torch.as_tensor(v).isfinite().all() for v in params.values())
+
+
+def test_checkpoint_loads_under_another_plan(two_ranks):
+    for rank in two_ranks:
+        for loss_saved, loss_loaded in rank[-1]:
+            assert loss_loaded == pytest.approx(loss_saved, rel=1e-5)
+
+
+def test_memory_split_by_place(two_ranks):
+    total = param_bytes()
+    replicated, offload_params, offload_optim = (two_ranks[r][i][2] for r, i in ((0, 0), (1, 4), (0, 5)))
+    assert replicated["device.parameters"] == total and replicated["host.total"] == 0
+    assert replicated["device.optimizer"] >= 2 * total
+    assert offload_params["device.parameters"] == 0 and offload_params["host.parameters"] == total // 2
+    assert offload_params["host.optimizer"] >= total  # two states of half the parameters
+    assert offload_optim["device.optimizer"] == 0
+    assert offload_optim["host.optimizer"] >= 3 * total  # fp32 master + two states, replicated
+    assert replicated["device.activations"] > 0 and replicated["device.buffers"] >= total  # unsharded copy
+
+
+# -- four ranks --
+FOUR = [make_plan(4, BlockPlan(zero=3)), make_plan(4, BlockPlan(zero=1)),
+        make_plan(4, BlockPlan(zero=3, offload_optimizer=True)), mixed(4)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(run_plans, 4, FOUR)
+
+
+@pytest.mark.parametrize("i", range(len(FOUR)), ids=["zero3", "zero1", "offload_optim_zero3", "mixed"])
+def test_four_ranks_match_reference(four_ranks, i):
+    out, params, _ = four_ranks[0][i]
+    assert_matches(FOUR[i], out, params)
+
+
+def test_sharded_state_is_a_quarter_per_rank(four_ranks):
+    total = param_bytes()
+    for rank in four_ranks:
+        zero3, zero1, offload = rank[0][2], rank[1][2], rank[2][2]
+        assert zero3["device.parameters"] == pytest.approx(total / 4, rel=0.02)
+        assert zero3["device.optimizer"] == pytest.approx(2 * total / 4, rel=0.02)
+        assert zero1["device.optimizer"] == pytest.approx(2 * total / 4, rel=0.02)
+        assert offload["host.optimizer"] == pytest.approx(3 * total / 4, rel=0.02)
+        assert offload["device.optimizer"] == 0
+
+
+# -- refused before the first step --
+@pytest.mark.parametrize("plan, launched, message", [
+    (make_plan(4), 2, "plan is for 4 ranks but 2 were launched"),
+    (replace(make_plan(2), dp=1), 2, "dp (1) x pp (1) must equal"),
+    (make_plan(2, BlockPlan(zero=2, offload_params=True)), 2, "offload_params needs zero 3"),
+    (make_plan(2, compute_dtype="float16"), 2, "float16 needs loss scaling"),
+    (make_plan(2, seq_len=64), 2, "exceeds the model's max_seq_len"),
+])
+def test_mismatched_plan_is_refused(plan, launched, message):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        build_engine(fresh_model(), plan, OPT, DistEnv(rank=0, world_size=launched))
+    assert not dist.is_initialized()  # refused before joining or building anything
+
+
+def test_non_finite_step_is_skipped_on_device_and_host(one_rank):
+    plan = make_plan(1, BlockPlan(zero=3, offload_optimizer=True), root=BlockPlan(zero=3))
+    engine = build_engine(fresh_model(), plan, OPT, one_rank)
+    before = {k: v.clone() for k, v in full(engine.state_dict()["model"]).items()}
+    with torch.no_grad():
+        engine.model.norm.weight.to_local().fill_(float("nan"))  # device-optimised root piece
+    result = engine.train_step(batches(plan, 1)[0])
+    after = full(engine.state_dict()["model"])
+    assert result.skipped
+    for name, value in before.items():
+        if name != "norm.weight":
+            torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_host_steps_run_behind_the_next_forward(one_rank):
+    plan = make_plan(1, BlockPlan(zero=0, offload_optimizer=True))
+    engine = build_engine(fresh_model(), plan, OPT, one_rank)
+    batch = batches(plan, 1)[0]
+    engine.train_step(batch)
+    assert all(u.pending is not None for u in engine.host.units)  # queued, not waited for
+    engine.eval_loss(batch)  # each unit's forward waits for its own update
+    assert all(u.pending is None for u in engine.host.units)
