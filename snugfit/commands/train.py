@@ -36,6 +36,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+LAUNCH_KEYS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "max_restarts")
+
+
+def _without_launch_options(argv: list[str]) -> list[str]:
+    names = {f"--{k.replace('_', '-')}" for k in LAUNCH_KEYS} | {f"--parallel.{k}" for k in LAUNCH_KEYS}
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True  # its value follows
+        elif arg.split("=", 1)[0] not in names:
+            out.append(arg)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if "." in k}
     cfg = build_config(args.config, overrides)
@@ -43,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and (par.nproc > 1 or par.nnodes > 1 or par.max_restarts > 0):
         from snugfit.runtime.launch import launch
 
-        # The ranks re-read the same command line; inside torchrun's environment they train instead.
-        return launch(sys.argv[1:], par.nproc, par.nnodes, par.node_rank, par.rdzv_endpoint or None, par.max_restarts)
+        # The ranks re-read the same command line, less the launch options (torchrun's own parser would
+        # take them for its own); inside torchrun's environment they train instead of launching.
+        argv = _without_launch_options(sys.argv[1:])
+        return launch(argv, par.nproc, par.nnodes, par.node_rank, par.rdzv_endpoint or None, par.max_restarts)
     from snugfit.train.loop import train
 
     train(cfg)

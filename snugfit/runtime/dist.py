@@ -44,7 +44,14 @@ def init_distributed(timeout_s: float = 300.0) -> DistEnv:
     device = pick_device(local_rank)
     if not dist.is_initialized():
         backend = "cpu:gloo" if device.type == "cpu" else f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=None if device.type == "cpu" else device)
+        timeout = timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        # torchrun's agent store outlives a restart and still holds the dead attempt's addresses,
+        # which gloo would try to connect to; keep each attempt's keys apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"snugfit/attempt_{attempt}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=None if device.type == "cpu" else device)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 

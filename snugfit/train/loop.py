@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from snugfit.runtime.dist import DistEnv, init_distributed
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.train.build import build_data, build_model, model_identity
 from snugfit.train.checkpoint import Checkpoints
-from snugfit.train.metrics import MetricsLog, plot_losses
+from snugfit.train.metrics import MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields
 
 log = logging.getLogger("snugfit")
 
@@ -138,13 +139,18 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     bar = _progress(start, t.steps) if env.is_main and t.progress else None
     if start == 0:
         evaluate(0)
-    window_t, window_tokens = time.perf_counter(), 0
+    window: list[float] = []  # train_step seconds since the last log line
     bad_in_a_row, skipped_total = 0, 0
     for step in range(start, t.steps):
+        done = step + 1
+        log_now = done % t.log_every == 0 or done == t.steps
         lr = lr_at(step, cfg)
         engine.set_lr(lr)
-        res = engine.train_step(sampler.next_batch())
-        done = step + 1
+        engine.track_memory = log_now  # count saved tensors only on the steps we report
+        batch = sampler.next_batch()
+        t0 = time.perf_counter()
+        res = engine.train_step(batch)
+        window.append(time.perf_counter() - t0)
         result.losses[done] = res.loss
         result.last_step = done
         bad_in_a_row = bad_in_a_row + 1 if res.skipped else 0
@@ -156,17 +162,21 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
                 f"loss or gradients were not finite for {bad_in_a_row} steps in a row (up to step {done}); "
                 f"the last good state is saved in {saved}; lower train.lr or check the data, then --resume"
             )
-        window_tokens += plan.tokens_per_step
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
-        if done % t.log_every == 0 or done == t.steps:
-            elapsed = time.perf_counter() - window_t
-            metrics.write({
+        if log_now:
+            step_time = statistics.median(window)
+            record = {
                 "kind": "train", "step": done, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
-                "skipped": res.skipped, "skipped_total": skipped_total, "tokens_per_s": window_tokens / elapsed, "step_time_s": elapsed * plan.tokens_per_step / window_tokens,
-            })
-            window_t, window_tokens = time.perf_counter(), 0
+                "skipped": res.skipped, "skipped_total": skipped_total, "step_time_s": step_time,
+                "tokens_per_s": plan.tokens_per_step / step_time, **measured_memory(engine),
+            }
+            record.update(predicted_fields(plan))
+            metrics.write(record)
+            if env.is_main:
+                _say(compare_line(record), bar)
+            window = []
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             evaluate(done)
         if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:

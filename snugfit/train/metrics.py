@@ -48,3 +48,45 @@ def plot_losses(metrics_path: Path, out: Path) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def measured_memory(engine) -> dict:
+    """Each rank's tracked peak of the last step (device and host), gathered to every rank.
+
+    A collective: every rank calls it on the same steps.
+    """
+    import torch.distributed as dist
+
+    tracker = getattr(engine, "memory", None)
+    peak = tracker.peak() if tracker is not None else {}
+    mine = [peak.get("device.total", 0), peak.get("host.total", 0)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    return {"peak_memory_bytes": [d for d, _ in everyone], "peak_host_bytes": [h for _, h in everyone]}
+
+
+def predicted_fields(plan) -> dict:
+    """The plan's predictions beside the measurements, when the plan carries them."""
+    from snugfit.plan.memory import device_bytes
+
+    p = plan.predicted
+    if p is None:
+        return {}
+    device = [device_bytes(r) for r in p.memory_by_rank] or [p.peak_memory_bytes]
+    return {"predicted_step_time_s": p.step_time_s, "predicted_peak_memory_bytes": device}
+
+
+def compare_line(r: dict) -> str:
+    """'step 40: loss 2.310 | step 0.412 s (predicted 0.380) | peak MiB per rank 12.1 12.0 (predicted 12.3)'."""
+    mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+    line = f"step {r['step']}: loss {r['loss']:.3f} | step {r['step_time_s']:.3f} s"
+    if "predicted_step_time_s" in r:
+        line += f" (predicted {r['predicted_step_time_s']:.3f})"
+    if any(r.get("peak_memory_bytes", [])):
+        line += " | peak MiB per rank " + " ".join(mib(b) for b in r["peak_memory_bytes"])
+        if "predicted_peak_memory_bytes" in r:
+            line += " (predicted " + " ".join(mib(b) for b in r["predicted_peak_memory_bytes"]) + ")"
+    return line
