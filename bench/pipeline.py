@@ -6,6 +6,7 @@ Runs 4 gloo processes on this machine (CPU) or one per GPU; prints one table.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -20,6 +21,8 @@ VARIANTS = {"1f1b": ("1f1b", "keep"), "bpipe": ("bpipe", "keep"), "recompute-all
 
 
 def _bench(env, args):
+    if env.device.type == "cpu":  # 4 ranks share the cores: per-rank thread pools would oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 4) // 4))
     cfg = ModelConfig(dim=args.dim, n_layers=args.blocks, n_heads=4, vocab_size=args.vocab, max_seq_len=args.seq)
     out = {}
     for name, (schedule, policy) in VARIANTS.items():

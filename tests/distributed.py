@@ -27,7 +27,12 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    import torch
+
     from snugfit.runtime.dist import init_distributed
+
+    # N ranks share the machine's few cores: default thread pools per rank oversubscribe them ~10x.
+    torch.set_num_threads(1)
 
     try:
         env = init_distributed(timeout_s=120)

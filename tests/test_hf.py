@@ -225,7 +225,6 @@ def _train_two_ranks(env, folders: dict[str, str], saved: str) -> dict:
     from snugfit.runtime.engine import OptimConfig
     from snugfit.runtime.sharding import apply_fsdp, data_meshes
 
-    torch.set_num_threads(1)
     optim = OptimConfig(lr=1e-2, grad_clip=0.5)
     out = {}
     for arch, folder in folders.items():  # built on meta, sharded, then each rank reads its own rows

@@ -38,15 +38,33 @@ def _plan(n=8, **kw):
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_stage_divides_the_right_categories(zero):
+    """As FSDP2 holds them: fp32 shards at rest (zero 1 runs as zero 2), a bf16 copy gathered unless zero 3."""
     plan = _plan(dp=4, block=BlockPlan(zero=zero), num_microbatches=1)
     sp = rank_stages(plan, synthetic_profile(), 0)[0][1]  # block 0
     dev, host = param_state(plan, sp)
-    n = 10_000_000
-    assert dev["parameters"] == (n * 2 // 4 if zero == 3 else n * 2)
-    assert dev["gradients"] == (n * 4 // 4 if zero >= 2 else n * 4)
-    assert dev["master_weights"] == (n * 4 // 4 if zero >= 1 else n * 4)
-    assert dev["optimizer_states"] == (n * 8 // 4 if zero >= 1 else n * 8)
+    n, div = 10_000_000, (4 if zero >= 1 else 1)
+    assert dev["parameters"] == n * 4 // div  # the fp32 shard is the master weight
+    assert dev["comm_buffers"] == (0 if zero == 3 else n * 2)
+    assert dev["gradients"] == n * 4 // div
+    assert dev["optimizer_states"] == n * 8 // div
     assert host == {}
+
+
+def test_accumulation_holds_unsharded_gradients_whatever_the_zero_stage():
+    prof, cl = synthetic_profile(), parse_cluster("4xA100-80GB")
+    one = estimate(_plan(dp=4, block=BlockPlan(zero=3), num_microbatches=1), prof, cl).memory_by_rank[0]
+    acc = estimate(_plan(dp=4, block=BlockPlan(zero=3), num_microbatches=2), prof, cl).memory_by_rank[0]
+    assert acc["gradients"] == prof.num_params() * 4 > 2 * one.get("gradients", 0)
+
+
+def test_frozen_parameters_cost_parameter_bytes_only():
+    prof = synthetic_profile()
+    for b in prof.blocks:
+        b.trainable = 100_000
+    plan = _plan(dp=2, block=BlockPlan(zero=2, offload_optimizer=True))
+    dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
+    assert dev["parameters"] == ((10_000_000 - 100_000) * 4 + 100_000 * 2) // 2
+    assert host == {"master_weights": 200_000, "gradients": 200_000, "optimizer_states": 400_000}
 
 
 def test_zero3_adds_a_gather_buffer_and_shrinks_peak():
@@ -54,8 +72,9 @@ def test_zero3_adds_a_gather_buffer_and_shrinks_peak():
     cl = parse_cluster("4xA100-80GB")
     p0 = estimate(_plan(dp=4, block=BlockPlan(zero=0), root=BlockPlan(zero=0)), prof, cl)
     p3 = estimate(_plan(dp=4, block=BlockPlan(zero=3), root=BlockPlan(zero=3)), prof, cl)
-    assert p3.memory_by_rank[0]["comm_buffers"] == 2 * 10_000_000 * 2
-    assert "comm_buffers" not in p0.memory_by_rank[0]
+    root = 2 * 1_000_000 * 2  # the root unit stays gathered from forward through backward
+    assert p3.memory_by_rank[0]["comm_buffers"] == root + 2 * 10_000_000 * 2  # running + prefetched block
+    assert p0.memory_by_rank[0]["comm_buffers"] == root + 8 * 10_000_000 * 2
     assert p3.peak_memory_bytes < p0.peak_memory_bytes
 
 
@@ -92,8 +111,8 @@ def test_offload_moves_bytes_to_host():
     base = estimate(_plan(dp=2, block=BlockPlan(zero=1)), prof, cl).memory_by_rank[0]
     off = estimate(_plan(dp=2, block=BlockPlan(zero=1, offload_optimizer=True)), prof, cl).memory_by_rank[0]
     assert off["host:optimizer_states"] == 8 * 8 * 10_000_000 // 2
-    assert off["host:master_weights"] == 8 * 4 * 10_000_000 // 2
-    assert off["optimizer_states"] < base["optimizer_states"]
+    assert off["host:master_weights"] == off["host:gradients"] == 8 * 4 * 10_000_000 // 2
+    assert off["optimizer_states"] < base["optimizer_states"] and off["parameters"] < base["parameters"]
     acts = estimate(_plan(dp=2, block=BlockPlan(activations="offload")), prof, cl).memory_by_rank[0]
     assert acts["host:activations"] >= 8 * 64 * MB
     assert acts["activations"] < base["activations"]

@@ -145,8 +145,11 @@ def test_bpipe_keeps_bound_and_balances_memory(four_ranks):
     peak = [s["peak_activation_bytes"] for s in stats]
     assert max(peak) / min(peak) <= 1.3, peak
     # bound 1 at p=2 (ranks: stage * dp + dp_rank): the heavy stage holds one microbatch; the light one
-    # holds its own and, briefly, two of its partner's
-    assert [r["stats"]["peak_microbatches"] for r in four_ranks["pp2xdp2-bpipe-zero2-offload"]] == [1, 1, 3, 3]
+    # holds its own and, depending on timing, one or two of its partner's
+    stats = [r["stats"] for r in four_ranks["pp2xdp2-bpipe-zero2-offload"]]
+    assert [s["peak_microbatches"] for s in stats[:2]] == [1, 1], stats
+    assert all(2 <= s["peak_microbatches"] <= 3 for s in stats[2:]), stats
+    assert [s["accepted"] for s in stats[2:]] == [s["evictions"] for s in stats[:2]] == [MICRO, MICRO], stats
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 8])

@@ -1,4 +1,4 @@
-"""`snugfit plan` and `snugfit profile-hardware` commands, called through their argparse parsers."""
+"""`snugfit plan` (search and whole-plan evaluation) and `snugfit profile-hardware`, through their parsers."""
 
 import argparse
 import json
@@ -42,7 +42,7 @@ def test_plan_json_has_predictions(tiny_model, tmp_path, capsys):
 
 def test_plan_text_reports_categories_and_verdict(tiny_model, tmp_path, capsys):
     rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xA100-80GB", "--seq", "64", "--zero", "3",
-                    "--recompute", "selective", "--global-batch", "16", "--micro-batch", "2",
+                    "--recompute", "selective", "--global-batch", "16", "--micro-batch", "2", "--pp", "1",
                     "--memory-budget", "1MiB", "--profile-cache", str(tmp_path)], capsys)
     assert rc == 0 and "comm_buffers" in out and "tokens/s" in out and "does NOT fit" in out
 
@@ -56,12 +56,19 @@ def test_plan_file_roundtrip(tiny_model, tmp_path, capsys):
     assert json.loads(again)["predicted"]["peak_memory_bytes"] == json.loads(out)["predicted"]["peak_memory_bytes"]
 
 
+WHOLE = ["--micro-batch", "1", "--zero", "0", "--recompute", "keep"]  # with --pp: evaluated as given
+
+
 @pytest.mark.parametrize("argv,match", [
-    (["--cluster", "4xA10", "--dp", "3"], "--dp 3 x --pp 1"),
+    (["--cluster", "4xA10", "--dp", "3", "--pp", "1", *WHOLE], "--dp 3 x --pp 1"),
+    (["--cluster", "4xA10", "--dp", "3"], "--dp 3 does not divide"),
     (["--cluster", "4xA10", "--pp", "3"], "does not divide"),
-    (["--cluster", "2xA10", "--global-batch", "5"], "not divisible"),
-    (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2"], "num_microbatches"),
-    (["--cluster", "2xA10", "--offload-params"], "--zero 3"),
+    (["--cluster", "2xA10", "--global-batch", "5", "--pp", "1", *WHOLE], "not divisible"),
+    (["--cluster", "2xA10", "--global-batch", "5", "--dp", "2"], "not divisible"),
+    (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2", *WHOLE], "num_microbatches"),
+    (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2"], "--num-microbatches 2 must be >= --pp 4"),
+    (["--cluster", "2xA10", "--offload-params", "--zero", "2"], "--zero 3"),
+    (["--cluster", "2xA10", "--offload-optimizer", "2"], "'all' or 'none'"),
     (["--cluster", "2xA01"], "A10"),
 ])
 def test_impossible_plans_are_one_line_errors(tiny_model, argv, match, capsys):
@@ -78,3 +85,30 @@ def test_unknown_model_is_an_error(capsys):
 def test_profile_hardware_command(tmp_path, capsys):
     rc, out = _run(["profile-hardware", "--out", str(tmp_path / "hw.json"), "--no-collectives"], capsys)
     assert rc == 0 and json.loads(out)["device"]["name"] == "cpu" and (tmp_path / "hw.json").exists()
+
+
+def test_search_explains_choice_alternatives_and_rejections(tiny_model, tmp_path, capsys):
+    rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xRTX4090", "--seq", "64", "--global-batch", "8",
+                    "--profile-cache", str(tmp_path)], capsys)
+    assert rc == 0 and out.startswith("chosen: dp") and "tokens/s" in out and "peak memory per rank" in out
+    assert "alternatives:" in out and "other families:" in out and "CUDA context" in out
+
+
+def test_search_respects_fixed_parts_and_prints_json(tiny_model, tmp_path, capsys):
+    rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xRTX4090", "--seq", "64", "--global-batch", "8",
+                    "--pp", "2", "--zero", "3", "--json", "--profile-cache", str(tmp_path)], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["pp"] == 2 and d["dp"] == 2 and all(b["zero"] == 3 for b in d["blocks"])
+    assert d["predicted"]["fits"] and d["micro_batch_size"] * d["num_microbatches"] * d["dp"] == 8
+
+
+def test_nothing_fits_prints_advice_not_a_plan(tiny_model, tmp_path, capsys):
+    rc, out = _run(["plan", "--model", tiny_model, "--cluster", "2xRTX4090", "--seq", "64", "--memory-budget",
+                    "100MiB", "--profile-cache", str(tmp_path)], capsys)
+    assert rc == 2 and "nothing is chosen" in out and "smallest changes that fit" in out and "chosen:" not in out
+
+
+def test_explain_bpipe_compares(tiny_model, tmp_path, capsys):
+    rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xRTX4090", "--seq", "64", "--global-batch", "8",
+                    "--pp", "4", "--explain-bpipe", "--profile-cache", str(tmp_path)], capsys)
+    assert rc == 0 and "BPipe" in out and ("verdict" in out or "no BPipe plan" in out)

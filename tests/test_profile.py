@@ -7,7 +7,7 @@ from snugfit.errors import SnugfitError
 from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.profile import ModelProfile, profile_model
-from snugfit.profile.hf import build_hf_meta
+from snugfit.model.hf import hf_from_config
 
 
 def _count(model: torch.nn.Module) -> int:
@@ -36,7 +36,7 @@ def test_builtin_param_counts_equal_the_model(arch, tied):
 ])
 def test_hf_param_counts_equal_the_model(hf):
     prof = profile_model(hf, micro_batch_size=2, seq_len=16, use_cache=False)
-    assert prof.num_params() == _count(build_hf_meta(hf))
+    assert prof.num_params() == _count(hf_from_config(hf))
     assert len(prof.blocks) == 2 and all(b.saved_bytes["keep"] > 0 for b in prof.blocks)
     assert prof.head.fwd_peak_bytes > 0 and prof.train_flops() > 0
 
@@ -50,12 +50,12 @@ def test_catalogue_builtin_counts_match_published_and_transformers(name, publish
                n_positions=cfg.max_seq_len) if cfg.arch == "gpt2" else
           dict(model_type="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
                num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.ffn_dim))
-    assert _count(build_hf_meta(hf)) == published
+    assert _count(hf_from_config(hf)) == published
 
 
 def test_catalogue_hf_entry_counts_match_published():
-    assert _count(build_hf_meta(resolve_model("qwen2.5-0.5b"))) == 494_032_768
-    assert _count(build_hf_meta(resolve_model("opt-125m"))) == 125_239_296
+    assert _count(hf_from_config(resolve_model("qwen2.5-0.5b"))) == 494_032_768
+    assert _count(hf_from_config(resolve_model("opt-125m"))) == 125_239_296
 
 
 def test_unknown_model_suggests_close_names():

@@ -8,8 +8,8 @@ import pytest
 
 from snugfit.hardware import parse_cluster
 from snugfit.plan.plan import BlockPlan
-from snugfit.report.timeline import draw_timeline, timeline_for
-from snugfit.report.trace import StepTrace
+from snugfit.report.timeline import COLOURS, draw_timeline, timeline_for
+from snugfit.report.trace import KINDS, StepTrace
 from tests.test_memory_model import _plan, synthetic_profile
 
 
@@ -56,5 +56,6 @@ def test_trace_records_merges_and_draws(bpipe, tmp_path):
     assert [s.kind for s in merged.spans if s.rank == 1] == ["F", "B", "optimizer"]
     assert all(0 <= s.start <= s.end for s in merged.spans)
     assert StepTrace.from_dict(merged.to_dict()).spans == merged.spans
+    assert set(KINDS) <= set(COLOURS)  # every kind an engine may record has its colour
     out = draw_timeline(sim, plan, tmp_path / "m.png", measured=merged, detail=detail)
     assert out.stat().st_size > 10_000

@@ -103,7 +103,6 @@ def train(env: DistEnv, plan: Plan, steps: int = STEPS):
 
 def run_plans(env: DistEnv, plans: list[Plan], ckpt_dir: str | None = None) -> list:
     """Each plan: losses, norms, final parameters (rank 0) and this rank's peak memory."""
-    torch.set_num_threads(1)
     results = []
     for plan in plans:
         out, engine = train(env, plan)

@@ -1,9 +1,11 @@
-"""`snugfit plan`: evaluate a fully given plan — will it fit, how fast will it run.
+"""`snugfit plan`: find the fastest plan that fits (or evaluate a fully given one) and say why.
 
-The pieces are functions others call: plan_from_options() builds a Plan from the
-command-line choices, evaluate() profiles the model and runs the estimate, and
-format_prediction() renders it. Automatic search (a later issue) fills in the
-options a user leaves out and calls the same evaluate().
+Whatever the user fixes on the command line (--dp, --pp, --micro-batch, --zero,
+--recompute, --schedule, ...) is a constraint; the rest is searched (plan/search.py)
+and explained (plan/explain.py). A plan given whole (--pp, --micro-batch, --zero and
+--recompute all set, or --plan-file) is evaluated as written: plan_from_options()
+builds it, evaluate() profiles the model and runs the estimate, format_prediction()
+renders it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +22,10 @@ from snugfit.hardware.cluster import Cluster, parse_cluster
 from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
+from snugfit.plan.explain import advise, explain_bpipe, format_result
 from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, SCHEDULES, BlockPlan, Plan, PlanError, Prediction
+from snugfit.plan.search import Constraints, NoPlanError, search
+from snugfit.profile.types import ModelProfile
 
 _POLICY_ALIASES = {"none": "keep", "off": "keep", "full": "recompute"}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
@@ -36,7 +42,7 @@ def parse_bytes(text: str) -> int:
 
 @dataclass
 class PlanOptions:
-    """What the user fixed. None means 'not given' (a later search fills those in)."""
+    """A whole plan as given on the command line (see _whole); None means 'not given'."""
 
     seq: int
     micro_batch: int = 1
@@ -106,19 +112,51 @@ def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
     return plan
 
 
-def evaluate(plan: Plan, model: ModelConfig | dict, cluster: Cluster, *, memory_budget: int | None = None,
-             cache_dir: str | None = None, name: str | None = None) -> Prediction:
-    """Profile the model for the plan's micro-batch, sequence and dtype, then estimate the plan."""
+def profile_for(model: ModelConfig | dict, *, micro_batch: int, seq: int, dtype: str, cache_dir: str | None = None,
+                name: str | None = None, lora_rank: int | None = None) -> ModelProfile:
+    """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches)."""
     from snugfit.profile.profile import profile_model
 
-    if isinstance(model, ModelConfig) and model.max_seq_len < plan.seq_len:
-        model.max_seq_len = plan.seq_len
-    prof = profile_model(model, micro_batch_size=plan.micro_batch_size, seq_len=plan.seq_len,
-                         dtype=plan.compute_dtype, name=name, cache_dir=cache_dir)
+    if isinstance(model, ModelConfig) and model.max_seq_len < seq:
+        model.max_seq_len = seq
+    return profile_model(model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=name, cache_dir=cache_dir,
+                         lora_rank=lora_rank or None)
+
+
+def evaluate(plan: Plan, model: ModelConfig | dict, cluster: Cluster, *, memory_budget: int | None = None,
+             cache_dir: str | None = None, name: str | None = None, lora_rank: int | None = None) -> Prediction:
+    """Profile the model for the plan's micro-batch, sequence and dtype, then estimate the plan."""
+    prof = profile_for(model, micro_batch=plan.micro_batch_size, seq=plan.seq_len, dtype=plan.compute_dtype,
+                       cache_dir=cache_dir, name=name, lora_rank=lora_rank)
     try:
         return estimate(plan, prof, cluster, memory_budget)
     except PlanError as e:
         raise SnugfitError(str(e)) from None
+
+
+def constraints_from_args(args: argparse.Namespace, world_size: int) -> Constraints:
+    """The parts of the plan fixed on the command line; one-line errors for those that cannot work."""
+    for flag, v in (("--dp", args.dp), ("--pp", args.pp)):
+        if v is not None and (v < 1 or world_size % v):
+            raise SnugfitError(f"{flag} {v} does not divide the cluster's {world_size} GPUs")
+    if args.dp and args.pp and args.dp * args.pp != world_size:
+        raise SnugfitError(f"--dp {args.dp} x --pp {args.pp} = {args.dp * args.pp}, but the cluster has "
+                           f"{world_size} GPUs")
+    if args.pp and args.pp > 1 and args.num_microbatches and args.num_microbatches < args.pp:
+        raise SnugfitError(f"--num-microbatches {args.num_microbatches} must be >= --pp {args.pp}")
+    if args.offload_params and args.zero not in (None, 3):
+        raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
+    policy = _POLICY_ALIASES.get(args.recompute, args.recompute)
+    if policy is not None and policy not in ACTIVATION_POLICIES:
+        raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {args.recompute!r}")
+    offload = {None: None, "all": True, "none": False, "0": False}.get(args.offload_optimizer, "?")
+    if offload == "?":
+        raise SnugfitError("--offload-optimizer in a search takes 'all' or 'none'; to offload the first N blocks, "
+                           "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
+    return Constraints(dp=args.dp, pp=args.pp, micro_batch=args.micro_batch, num_microbatches=args.num_microbatches,
+                       schedule=args.schedule, virtual_stages=args.virtual_stages, zero=args.zero,
+                       activations=policy, offload_optimizer=offload, offload_params=args.offload_params or None,
+                       evict_bound=args.evict_bound)
 
 
 def format_prediction(plan: Plan, pred: Prediction) -> str:
@@ -144,55 +182,118 @@ def format_prediction(plan: Plan, pred: Prediction) -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="predict memory and step time of a training plan")
+    p = subparsers.add_parser("plan", help="find the fastest training plan that fits, and say why")
     p.add_argument("--model", required=True, help="catalogue name (llama-3-8b, gpt2, ...) or a config.json")
-    p.add_argument("--cluster", default="cpu", help="e.g. 8xH100-80GB, 2x8xA100-80GB, 2xRTX4090+2xRTX3090, file.toml")
+    p.add_argument("--cluster", default="cpu", help="e.g. 8xH100-80GB, 2x8xA100-80GB, 2xRTX4090+2xRTX3090, 2xcpu, "
+                                                    "file.toml")
     p.add_argument("--seq", type=int, help="sequence length (default: the plan file's)")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--dp", type=int)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--schedule", choices=SCHEDULES)
-    p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank (interleaved)")
-    p.add_argument("--num-microbatches", type=int)
-    p.add_argument("--global-batch", type=int)
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--recompute", default="keep", help="keep|recompute|selective|offload (none=keep, full=recompute)")
-    p.add_argument("--offload-optimizer", metavar="BLOCKS", help="'all' or the number of (first) blocks")
-    p.add_argument("--offload-params", action="store_true")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per GPU)")
+    fixed = p.add_argument_group("fixed parts of the plan (searched when not given)")
+    fixed.add_argument("--micro-batch", type=int)
+    fixed.add_argument("--dp", type=int)
+    fixed.add_argument("--pp", type=int)
+    fixed.add_argument("--schedule", choices=SCHEDULES)
+    fixed.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved)")
+    fixed.add_argument("--num-microbatches", type=int)
+    fixed.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    fixed.add_argument("--recompute", help="keep|recompute|selective|offload (none=keep, full=recompute)")
+    fixed.add_argument("--offload-optimizer", metavar="BLOCKS", help="'all', 'none' or the number of (first) blocks")
+    fixed.add_argument("--offload-params", action="store_true")
+    fixed.add_argument("--evict-bound", type=int, help="BPipe: most microbatches per stage")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--reduce-dtype", default="float32", choices=DTYPES)
-    p.add_argument("--evict-bound", type=int, help="BPipe: most microbatches per stage")
     p.add_argument("--memory-budget", help="per-GPU limit, e.g. 20GiB (default: the GPU's memory)")
+    p.add_argument("--alternatives", type=int, default=3, help="runners-up to verify and show")
+    p.add_argument("--explain-bpipe", action="store_true", help="compare the best plans with and without BPipe")
     p.add_argument("--plan-file", help="evaluate this plan JSON instead of building one from options")
     p.add_argument("--profile-cache", help="directory for cached model profiles")
     p.add_argument("--json", action="store_true", help="print the plan with its predictions as JSON")
+    p.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (base weights frozen)")
+    p.add_argument("--timeline", metavar="FILE", help="draw the chosen plan's step per rank (.png, .svg or .pdf)")
     return p
+
+
+def _whole(args: argparse.Namespace) -> bool:
+    """Did the user give the whole plan (evaluate it) rather than parts of it (search the rest)?"""
+    return None not in (args.pp, args.micro_batch, args.zero, args.recompute)
 
 
 def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     cluster = parse_cluster(args.cluster)
     n_blocks = model.n_layers if isinstance(model, ModelConfig) else int(model["num_hidden_layers"])
-    if args.plan_file:
-        path = Path(args.plan_file)
-        if not path.exists():
-            raise SnugfitError(f"plan file {path} does not exist")
-        try:
-            plan = Plan.from_json(path.read_text())
-        except (PlanError, json.JSONDecodeError, TypeError) as e:
-            raise SnugfitError(f"cannot read plan file {path}: {e}") from None
-    else:
-        if args.seq is None:
-            raise SnugfitError("--seq is required (or give --plan-file)")
-        opts = PlanOptions(
-            seq=args.seq, micro_batch=args.micro_batch, dp=args.dp, pp=args.pp, schedule=args.schedule,
-            virtual_stages=args.virtual_stages, num_microbatches=args.num_microbatches,
-            global_batch=args.global_batch, zero=args.zero, recompute=args.recompute,
-            offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, dtype=args.dtype,
-            reduce_dtype=args.reduce_dtype, evict_bound=args.evict_bound,
-        )
-        plan = plan_from_options(opts, n_blocks, cluster.world_size)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-    pred = evaluate(plan, model, cluster, memory_budget=budget, cache_dir=args.profile_cache, name=args.model)
-    print(plan.to_json() if args.json else format_prediction(plan, pred))
+    if args.plan_file or _whole(args):
+        plan = _read_plan(args.plan_file) if args.plan_file else _given_plan(args, n_blocks, cluster.world_size)
+        pred = evaluate(plan, model, cluster, memory_budget=budget, cache_dir=args.profile_cache, name=args.model,
+                        lora_rank=args.lora_rank)
+        print(plan.to_json() if args.json else format_prediction(plan, pred))
+        _draw(args, plan, model, cluster, budget)
+        return 0
+    if args.seq is None:
+        raise SnugfitError("--seq is required (or give --plan-file)")
+    c = constraints_from_args(args, cluster.world_size)
+    dp = args.dp or (cluster.world_size // args.pp if args.pp else cluster.world_size)
+    gb = args.global_batch or (args.micro_batch or 1) * (args.num_microbatches or 1) * (
+        dp if args.num_microbatches else cluster.world_size)
+    prof = profile_for(model, micro_batch=args.micro_batch or 1, seq=args.seq, dtype=args.dtype,
+                       cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank)
+    try:
+        res = search(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget,
+                     reduce_dtype=args.reduce_dtype, alternatives=args.alternatives, compare_bpipe=args.explain_bpipe)
+    except NoPlanError as e:
+        if not e.result.candidates:
+            raise SnugfitError(str(e)) from None
+        advice = advise(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget, result=e.result)
+        if args.json:
+            print(json.dumps({"fits": False, "error": str(e), "advice": advice,
+                              "rejected": [vars(r) for r in e.result.rejected]}, indent=2))
+        else:
+            lines = [f"{e}; nothing is chosen (it would run out of memory)"]
+            lines += [f"  {r.family}: {r.reason}" for r in e.result.rejected]
+            lines += ["smallest changes that fit:"] + [f"  {a}" for a in advice]
+            print("\n".join(lines))
+        return 2
+    if args.json:
+        print(res.best.to_json())
+    else:
+        print(format_result(res, cluster))
+        if args.explain_bpipe:
+            print(explain_bpipe(res))
+    _draw(args, res.best, model, cluster, budget)
     return 0
+
+
+def _draw(args: argparse.Namespace, plan: Plan, model: ModelConfig | dict, cluster: Cluster, budget: int | None) -> None:
+    """--timeline: the plan's simulated step per rank with memory over time (the time model's own simulation)."""
+    if not args.timeline:
+        return
+    from snugfit.report.timeline import draw_timeline, timeline_for
+
+    prof = profile_for(model, micro_batch=plan.micro_batch_size, seq=plan.seq_len, dtype=plan.compute_dtype,
+                       cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank)
+    sim, detail = timeline_for(plan, prof, cluster, budget)
+    out = draw_timeline(sim, plan, args.timeline, detail=detail)
+    print(f"timeline: {out}", file=sys.stderr if args.json else sys.stdout)
+
+
+def _read_plan(path_text: str) -> Plan:
+    path = Path(path_text)
+    if not path.exists():
+        raise SnugfitError(f"plan file {path} does not exist")
+    try:
+        return Plan.from_json(path.read_text())
+    except (PlanError, json.JSONDecodeError, TypeError) as e:
+        raise SnugfitError(f"cannot read plan file {path}: {e}") from None
+
+
+def _given_plan(args: argparse.Namespace, n_blocks: int, world_size: int) -> Plan:
+    if args.seq is None:
+        raise SnugfitError("--seq is required (or give --plan-file)")
+    return plan_from_options(PlanOptions(
+        seq=args.seq, micro_batch=args.micro_batch, dp=args.dp, pp=args.pp, schedule=args.schedule,
+        virtual_stages=args.virtual_stages or 1, num_microbatches=args.num_microbatches,
+        global_batch=args.global_batch, zero=args.zero, recompute=args.recompute,
+        offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, dtype=args.dtype,
+        reduce_dtype=args.reduce_dtype, evict_bound=args.evict_bound,
+    ), n_blocks, world_size)

@@ -26,7 +26,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="TOML file with [model] [data] [train] [parallel] sections")
     for key, (section, tp) in keys.items():
         names = [f"--{key}"]
-        if short_names.count(key.split(".", 1)[1]) == 1:
+        if key == "model.name":
+            names.insert(0, "--model")  # `snugfit train --model path/to/hf_folder`
+        elif short_names.count(key.split(".", 1)[1]) == 1:
             names.insert(0, _flag(key))
         default = getattr(getattr(defaults, section), key.split(".", 1)[1])
         kwargs = {"dest": key, "metavar": "V", "default": argparse.SUPPRESS, "help": f"[{section}] default: {default!r}"}

@@ -248,6 +248,20 @@ def _resolve(path: str | Path) -> tuple[Path, Path | None]:
                        "download the model yourself (config.json + *.safetensors) and pass its folder")
 
 
+def hf_from_config(config: dict, device: str | torch.device = "meta") -> HFCausalLM:
+    """An HFCausalLM from a config.json dict (what the planner and profiler are given); on meta: no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(config)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise SnugfitError("HF config has no model_type; pass a config.json from a Hugging Face model")
+    hf_cfg = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if not k.startswith("_")})
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        return HFCausalLM(AutoModelForCausalLM.from_config(hf_cfg))
+
+
 def load_hf(path: str | Path, blocks: set[int] | None = None, device: str | torch.device = "cpu", *,
             embed: bool = True, head: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0) -> HFCausalLM:
     """An HFCausalLM from a local HF folder (weights read tensor by tensor) or a config.json (random init).

@@ -8,8 +8,8 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
               too: zero 1 runs as zero 2). offload_optimizer units keep trainable shards in c.
   comm_buffers the unsharded compute copies FSDP2 all-gathers (c per element): the root
               unit and zero 0-2 blocks from forward through backward (zero 0 too: FSDP2
-              copies even on a one-rank shard group); a zero-3 block while it runs (two
-              when the next one is prefetched in backward).
+              copies even on a one-rank shard group); a zero-3 block while it runs, plus,
+              in backward, the one FSDP2 prefetches for the next backward.
   gradients   accumulating (gradient sync off, microbatches after the first): unsharded,
               g per trainable element, whatever the ZeRO stage; after the reduction: the
               fp32 shard (/dp for zero >= 1), on host for offloaded units.
@@ -153,17 +153,19 @@ def stage_walk(pieces: list[StagePiece], backward: bool, fresh_grads: list[int] 
 
 
 def tracked_walk(plan: Plan, pieces: list[StagePiece]) -> tuple[int, int]:
-    """(saved activations, zero-3 copy) at the held peak of one microbatch through a stage.
+    """(saved activations, zero-3 copies) at the held peak of one microbatch through a stage.
 
-    A zero-3 block holds its gathered copy only while it runs, on top of what
-    this and earlier pieces saved; the walk's transients are not held.
+    A zero-3 block holds its gathered copy only while it runs (and, in backward,
+    the previous zero-3 block's prefetched one), on top of what this and earlier
+    pieces saved; the walk's transients are not held.
     """
-    best, saved = (0, 0), 0
+    best, saved, before = (0, 0), 0, 0
     for sp in pieces:
         saved += device_saved(sp)
         copy = gathered_bytes(plan, sp) if sp.is_block and sp.decision.zero == 3 else 0
-        if saved + copy > sum(best):
-            best = (saved, copy)
+        if saved + copy + before > sum(best):
+            best = (saved, copy + before)
+        before = copy  # prefetched while this block's backward runs
     return best
 
 
@@ -194,7 +196,7 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         _add(host, h)
     reduced = static.pop("gradients", 0)
     # gathered from forward through backward: zero 0-2 blocks and the root unit (FSDP2 never reshards the root
-    # after forward); zero-3 blocks while they run, and in backward the next one is prefetched
+    # after forward); zero-3 blocks while they run, plus the one prefetched in backward
     copies = static.pop("comm_buffers", 0)
     copies += sum(gathered_bytes(plan, sp) for sp in all_pieces if not sp.is_block and sp.decision.zero == 3)
     zero3 = [gathered_bytes(plan, sp) for sp in all_pieces if sp.is_block and sp.decision.zero == 3]

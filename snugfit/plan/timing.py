@@ -3,11 +3,17 @@
 Compute: measured piece times (and recomputation overheads) when the profile was
 timed on this very device, else a roofline sum: matmul FLOPs at the device's achievable rate plus the bytes
 moved by memory-bound ops at its achievable bandwidth. Recompute adds a forward
-("selective" only the memory-bound part). Collectives are alpha-beta ring
-formulas over the slowest link of the group. What overlaps: ZeRO-3 gathers with
-the previous block's compute (prefetch), gradient reduction with the last
-microbatch's backward, activation offload with the block's compute, the host
-optimizer with the last backward; the rest is exposed.
+("selective" only the memory-bound part). Frozen weights cost no weight-gradient
+matmuls: the profile's backward FLOPs were recorded with them frozen. Collectives
+are alpha-beta ring formulas over the slowest link of the group.
+
+As the runtime (FSDP2) communicates: every microbatch gathers each sharded unit in
+forward (zero 1-3: FSDP2 reshards after backward) and zero-3 blocks again in
+backward (the root unit stays gathered); gradients (trainable ones only) are
+reduced once, in the last microbatch's backward (sync is off before it).
+What overlaps: gathers with the previous block's compute (prefetch), gradient
+reduction with the last microbatch's backward, activation offload with the
+block's compute, the host optimizer with the last backward; the rest is exposed.
 """
 
 from __future__ import annotations
@@ -68,7 +74,6 @@ class StageTime:
     comm_exposed: float = 0.0  # ZeRO-3 gathers not hidden behind compute
     offload_exposed: float = 0.0  # activation / parameter transfers not hidden
     reduce_bytes: list[float] | None = None  # per piece: gradient bytes reduced at the end of the step
-    gather_after_step: float = 0.0  # ZeRO-1/2: parameter bytes all-gathered after the optimizer
 
     @property
     def f_total(self) -> float:
@@ -93,11 +98,12 @@ def stage_time(
         rc = recompute_time(p, policy, f, gpu, dtype, measured_on)
         st.fwd, st.bwd, st.recompute = st.fwd + f, st.bwd + b, st.recompute + rc
         comm_f = comm_b = 0.0
-        if d.zero == 3 and dp > 1:
+        if d.zero >= 1 and dp > 1:
             gather = ring_time("all_gather", sp.n_params * c, dp, dp_link)
             if d.offload_params:
                 gather += transfer_time(sp.n_params * c / dp, pcie)
-            comm_f = comm_b = gather
+            comm_f = gather
+            comm_b = gather if d.zero == 3 and p.name.startswith("block") else 0.0
             if first_gather:  # nothing to hide the first gather behind
                 st.comm_exposed += gather
                 first_gather = False
@@ -105,9 +111,7 @@ def stage_time(
         if policy == "offload":
             move = transfer_time(p.saved_bytes["keep"], pcie)
             st.offload_exposed += max(0.0, move - f) + max(0.0, move - b)
-        st.reduce_bytes.append(sp.n_params * g if dp > 1 else 0.0)
-        if d.zero in (1, 2) and dp > 1:
-            st.gather_after_step += sp.n_params * c
+        st.reduce_bytes.append(sp.n_trainable * g if dp > 1 else 0.0)
     return st
 
 
@@ -118,11 +122,10 @@ def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: in
     times = []
     for st, pieces in stages:
         for nbytes, sp in zip(st.reduce_bytes, pieces):
-            kind = "all_reduce" if sp.decision.zero <= 1 else "reduce_scatter"
+            kind = "all_reduce" if sp.decision.zero == 0 else "reduce_scatter"
             times.append(ring_time(kind, nbytes, dp, link))
-    after = sum(ring_time("all_gather", st.gather_after_step, dp, link) for st, _ in stages)
     tail = times[0] if times else 0.0  # the first piece's gradients are ready last
-    return max(0.0, sum(times) - bwd_last) + tail + after
+    return max(0.0, sum(times) - bwd_last) + tail
 
 
 def optimizer_time(
@@ -133,7 +136,7 @@ def optimizer_time(
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     dev_params = host_params = 0.0
     for sp in pieces:
-        n = sp.n_params / (dp if sp.decision.zero >= 1 else 1)
+        n = sp.n_trainable / (dp if sp.decision.zero >= 1 else 1)
         if sp.decision.offload_optimizer or sp.decision.offload_params:
             host_params += n
         else:

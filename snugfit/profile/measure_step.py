@@ -1,24 +1,23 @@
 """Run a single-process plan of the built-in model on this machine and measure it.
 
 The reference the memory and time models are checked against (tests, bench/):
-peak memory from torch's MemTracker (works on CPU, where there are no allocator
-statistics), step time from a plain loop: gradient accumulation over the plan's
-microbatches, per-block recomputation as the plan says, fused AdamW.
+the runtime's own engine (runtime.apply.build_engine: FSDP2 units, activation
+policies, fused AdamW, gradient accumulation) in one process; peak memory from
+torch's MemTracker, which sees every tensor (transients too, unlike the
+runtime's MemoryTracker; it works on CPU, where there are no allocator
+statistics), step time from the engine's train_step.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan.plan import Plan
-from snugfit.profile.record import SELECTIVE_SAVE_OPS
 
 
 @dataclass
@@ -27,25 +26,12 @@ class MeasuredStep:
     step_time_s: float  # fastest of the timed steps (interference on a shared machine only adds time)
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    name = str(op._overloadpacket) if hasattr(op, "_overloadpacket") else str(op)
-    return CheckpointPolicy.MUST_SAVE if name in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def apply_recompute(model: Decoder, plan: Plan) -> None:
-    """Wrap each block's forward in activation checkpointing as plan.blocks[i].activations says."""
+    """Each block's saved-activation policy as the runtime applies it."""
+    from snugfit.runtime.activations import apply_activation_policy
+
     for i, block in model.blocks.items():
-        policy = plan.blocks[int(i)].activations
-        if policy not in ("recompute", "selective"):
-            continue
-        inner = block.forward
-        ctx = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if policy == "selective" else None
-
-        def fwd(x, rope=None, _inner=inner, _ctx=ctx):
-            kw = {"context_fn": _ctx} if _ctx else {}
-            return checkpoint(_inner, x, rope, use_reentrant=False, **kw)
-
-        block.forward = fwd
+        apply_activation_policy(block, plan.blocks[int(i)].activations)
 
 
 def measure_single_process(cfg: ModelConfig, plan: Plan, steps: int = 3, track_memory: bool = True,
@@ -53,33 +39,37 @@ def measure_single_process(cfg: ModelConfig, plan: Plan, steps: int = 3, track_m
     """Peak bytes (MemTracker, one step after a warm-up) and best step time of `plan` (dp = pp = 1)."""
     if plan.world_size != 1:
         raise ValueError("measure_single_process runs dp = pp = 1 plans only")
+    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.dist import DistEnv
+    from snugfit.runtime.engine import OptimConfig
+
     torch.manual_seed(0)
-    dtype = getattr(torch, plan.compute_dtype)
-    model = Decoder(cfg).to(dtype)
-    apply_recompute(model, plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batches = [torch.randint(0, cfg.vocab_size, (plan.micro_batch_size, plan.seq_len)) for _ in range(plan.num_microbatches)]
-
-    def step(between=lambda: None):
-        for tokens in batches:
-            (model(tokens, tokens) / plan.num_microbatches).backward()
-            between()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # warm-up: optimizer states exist from here on, as in every later step
+    engine = build_engine(Decoder(cfg), plan, OptimConfig(lr=1e-4), DistEnv())
+    engine.track_memory = False  # MemTracker measures; the engine's saved-tensor hooks would only add time
+    batch = torch.randint(0, cfg.vocab_size, (plan.num_microbatches * plan.micro_batch_size, plan.seq_len + 1))
+    engine.train_step(batch)  # warm-up: optimizer states exist from here on, as in every later step
     peak = 0
     if track_memory:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         mt = MemTracker()
-        mt.track_external(model, opt)
-        with mt:
-            step(mt.reset_mod_stats)  # module stats are per call; the device peak is kept
+        mt.track_external(engine.model, *engine._optimizers())
+
+        def next_microbatch(module: torch.nn.Module, _args) -> None:  # MemTracker's module stats are per call
+            if module is engine.model:
+                mt.reset_mod_stats()
+
+        # registered before MemTracker's own global hook, so it runs first; the device peak is kept
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(next_microbatch)
+        try:
+            with mt:
+                engine.train_step(batch)
+        finally:
+            hook.remove()
         peak = int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
     times = []
     for _ in range(steps):
         t0 = clock()
-        step()
+        engine.train_step(batch)
         times.append(clock() - t0)
     return MeasuredStep(peak, min(times) if times else 0.0)

@@ -34,12 +34,32 @@ from snugfit.profile.types import PROFILE_VERSION, ModelProfile, PieceProfile
 
 # -- building --
 
-def builtin_parts(model: Decoder) -> ModelParts:
+def model_parts(model: nn.Module) -> ModelParts:
+    """Pieces of a Decoder or an HFCausalLM (the same embed / blocks / norm / head structure)."""
     return ModelParts([model.embed], list(model.blocks.values()), [model.norm, model.head], lambda t, y: model(t, y))
 
 
-def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> dict[str, int]:
+def retie(model: nn.Module) -> None:
+    """Restore the weight embedding and head share (fake materialisation unties them)."""
+    if model.cfg.tie_embeddings:
+        head = model.get_submodule(getattr(model, "head_weight", "head.weight").rpartition(".")[0])
+        head.weight = model.embed.tokens.weight
+
+
+def fine_tune(model: nn.Module, lora_rank: int | None, frozen: str | None) -> None:
+    """LoRA adapters and frozen pieces, as the runtime applies them, so the profile counts trainable parameters."""
+    from snugfit.model.lora import apply_lora, freeze
+
+    if lora_rank:
+        apply_lora(model, lora_rank)
+    if frozen:
+        freeze(model, frozen)
+
+
+def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> tuple[dict[str, int], int]:
+    """(dtype -> element count, trainable elements) of parameters not yet in `seen`."""
     out: dict[str, int] = {}
+    trainable = 0
     for m in modules:
         for p in m.parameters():
             if id(p) in seen:
@@ -47,17 +67,19 @@ def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> dict[str, int]
             seen.add(id(p))
             key = str(p.dtype).removeprefix("torch.")
             out[key] = out.get(key, 0) + p.numel()
-    return out
+            trainable += p.numel() if p.requires_grad else 0
+    return out, trainable
 
 
-def _piece(name: str, rec: PieceRecord, params: dict[str, int], is_block: bool) -> PieceProfile:
+def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int], is_block: bool) -> PieceProfile:
     keep = rec.saved
     saved = {"keep": keep}
     if is_block:
         saved["recompute"] = rec.input_bytes
         saved["selective"] = min(keep, rec.input_bytes + rec.selective_extra)
     return PieceProfile(
-        name=name, params=params, input_bytes=rec.input_bytes, output_bytes=rec.output_bytes, saved_bytes=saved,
+        name=name, params=params[0], trainable=params[1], input_bytes=rec.input_bytes, output_bytes=rec.output_bytes,
+        saved_bytes=saved,
         fwd_peak_bytes=rec.fwd.peak_delta, bwd_peak_bytes=rec.bwd.peak_delta, fwd_flops=rec.fwd.flops,
         bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,
     )
@@ -65,32 +87,22 @@ def _piece(name: str, rec: PieceRecord, params: dict[str, int], is_block: bool) 
 
 def profile_module(
     model: nn.Module, parts: ModelParts, *, name: str, config: dict, micro_batch_size: int, seq_len: int,
-    dtype: str, vocab_size: int, retie=None,
+    dtype: str, vocab_size: int,
 ) -> ModelProfile:
-    """Profile a model built on the meta device: counts its parameters, then records one fake step.
-
-    `retie(model)` restores weights shared by embedding and head after fake materialisation.
-    """
+    """Profile a model built on the meta device: counts its (trainable) parameters, then records one fake step."""
     model.to(getattr(torch, dtype))
     seen: set[int] = set()
-    all_params = {id(p) for p in model.parameters()}
     embed_ids = {id(p) for m in parts.embed for p in m.parameters()}
     tied = sum(p.numel() for m in parts.last for p in m.parameters() if id(p) in embed_ids)
     embed_p = _params_by_dtype(parts.embed, seen)
     block_p = [_params_by_dtype([b], seen) for b in parts.blocks]
-    head_p = _params_by_dtype(parts.last, seen)
-    leftover = all_params - seen
-    if leftover:  # e.g. OPT's project_in/out: charge to the piece after which they run
-        extra = [p for p in model.parameters() if id(p) in leftover]
-        for p in extra:
-            key = str(p.dtype).removeprefix("torch.")
-            head_p[key] = head_p.get(key, 0) + p.numel()
+    # leftovers (e.g. OPT's project_in/out) are charged to the last piece
+    head_p = _params_by_dtype([*parts.last, model], seen)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        if retie is not None:
-            retie(model)
+        retie(model)
         tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len))
         recs = record_step(model, parts, tokens)
     blocks = [_piece(f"block.{i}", recs[f"block.{i}"], p, True) for i, p in enumerate(block_p)]
@@ -111,8 +123,13 @@ def profile_model(
     model: ModelConfig | dict, *, micro_batch_size: int, seq_len: int, dtype: str = "float32",
     name: str | None = None, cache_dir: str | Path | None = None, use_cache: bool = True,
     measure_on: str | None = None, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
+    lora_rank: int | None = None, frozen: str | None = None,
 ) -> ModelProfile:
     """Profile a built-in ModelConfig or a Hugging Face config dict (cached by its inputs).
+
+    lora_rank / frozen: profile the model fine-tuned as the runtime will (model.lora):
+    frozen parameters have no gradients or optimizer states, and their weight-gradient
+    matmuls are absent from the recorded backward.
 
     measure_on="cpu" also times each piece's forward and backward on this machine
     with real (random) weights: only for models that fit in host memory. `clock` is
@@ -121,49 +138,45 @@ def profile_model(
     is_hf = isinstance(model, dict)
     config = dict(model) if is_hf else model.to_dict()
     key = {"config": config, "mbs": micro_batch_size, "seq": seq_len, "dtype": dtype,
-           "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__}
+           "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__, "lora": lora_rank,
+           "frozen": frozen}
     path = _cache_path(cache_dir, key)
     if use_cache and path.exists():
         return ModelProfile.load(path)
     label = name or config.get("_name_or_path") or config.get("model_type") or config.get("arch", "model")
     if is_hf:
-        from snugfit.profile.hf import build_hf_meta, hf_parts
+        from snugfit.model.hf import hf_from_config
 
-        net = build_hf_meta(config)
-        prof = profile_module(net, hf_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
-                              seq_len=seq_len, dtype=dtype, vocab_size=config["vocab_size"],
-                              retie=lambda m: m.tie_weights())
+        net = hf_from_config(config)
     else:
         cfg = ModelConfig.from_dict(config)
         cfg.max_seq_len = max(cfg.max_seq_len, seq_len)
         with torch.device("meta"):
             net = Decoder(cfg)
-        prof = profile_module(net, builtin_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
-                              seq_len=seq_len, dtype=dtype, vocab_size=cfg.vocab_size, retie=_retie_builtin)
-        if measure_on:
-            measure_times(prof, cfg, measure_on, repeats, clock)
+    fine_tune(net, lora_rank, frozen)
+    prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
+                          seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
+    if measure_on and not is_hf:
+        measure_times(prof, cfg, measure_on, repeats, clock, lora_rank, frozen)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.save(path)
     return prof
 
 
-def _retie_builtin(model: Decoder) -> None:
-    if model.cfg.tie_embeddings:
-        model.head.weight = model.embed.tokens.weight
-
-
 def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: int = 3,
-                  clock: Callable[[], float] = time.perf_counter) -> None:
+                  clock: Callable[[], float] = time.perf_counter, lora_rank: int | None = None,
+                  frozen: str | None = None) -> None:
     """Fill fwd/bwd_time_s of every piece, and each block's recompute_time_s: the extra
     seconds of a step with the block under "recompute" / "selective" (checkpointing has
     overheads beyond re-running the forward, large for small blocks).
     """
-    keep = _time_pieces(cfg, prof, device, repeats, clock, "keep")
+    tune = (lora_rank, frozen)
+    keep = _time_pieces(cfg, prof, device, repeats, clock, "keep", tune)
     for piece in prof.pieces:
         piece.fwd_time_s, piece.bwd_time_s = keep[(piece.name, "fwd")], keep[(piece.name, "bwd")]
     for policy in ("recompute", "selective"):
-        t = _time_pieces(cfg, prof, device, repeats, clock, policy)
+        t = _time_pieces(cfg, prof, device, repeats, clock, policy, tune)
         for piece in prof.blocks:
             extra = t[(piece.name, "fwd")] + t[(piece.name, "bwd")] - piece.fwd_time_s - piece.bwd_time_s
             piece.recompute_time_s[policy] = max(0.0, extra)
@@ -171,7 +184,7 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
 
 
 def _time_pieces(cfg: ModelConfig, prof: ModelProfile, device: str, repeats: int, clock: Callable[[], float],
-                 policy: str) -> dict[tuple[str, str], float]:
+                 policy: str, tune: tuple[int | None, str | None]) -> dict[tuple[str, str], float]:
     """(piece, fwd|bwd) -> the fastest of `repeats` timed steps after two warm-ups (on a shared
     machine, interference only ever adds time).
 
@@ -183,8 +196,9 @@ def _time_pieces(cfg: ModelConfig, prof: ModelProfile, device: str, repeats: int
 
     torch.manual_seed(0)
     model = Decoder(cfg).to(device=device, dtype=getattr(torch, prof.dtype))
+    fine_tune(model, *tune)
     apply_recompute(model, Plan.uniform(cfg.n_layers, block=BlockPlan(activations=policy)))
-    parts = builtin_parts(model)
+    parts = model_parts(model)
     names = ["embed"] + [f"block.{i}" for i in range(len(parts.blocks))] + ["head"]
     mods = [parts.embed[0], *parts.blocks, parts.last[0]]
     marks: list[tuple[str, str, float]] = []

@@ -26,19 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-# "selective" recomputation keeps the outputs of these ops (matmuls: the linear layers'
-# and eager attention's scores / weighted sum; the fused attention kernels) plus the
-# block input, and recomputes everything else in backward: norms, rotary, activations,
-# softmax, masking. The runtime's policy (runtime/activations.py SAVED_OPS) is the same set.
-SELECTIVE_SAVE_OPS = (
-    "aten.mm",
-    "aten.addmm",
-    "aten.bmm",
-    "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_cudnn_attention",
-    "aten._scaled_dot_product_flash_attention_for_cpu",
-)
+from snugfit.runtime.activations import SAVED_OPS
+
+# "selective" recomputation keeps the outputs of the ops the runtime's policy saves
+# (matmuls and fused attention) plus the block input; everything else is recomputed.
+SELECTIVE_SAVE_OPS = frozenset(str(op.overloadpacket) for op in SAVED_OPS)
 _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 

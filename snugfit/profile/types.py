@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: trainable counts; HF models profiled as HFCausalLM
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from snugfit.plan import Plan, PlanError
+from snugfit.report.trace import StepTrace
 from snugfit.runtime.memory import MemoryTracker, local
 from snugfit.runtime.offload import HostOffload
 
@@ -142,6 +143,11 @@ class Engine:
         # Counting saved tensors costs a Python hook per tensor (~20% of a small model's step on CPU),
         # so the trainer turns it on only for the steps whose memory it reports.
         self.track_memory = True
+        self.trace: StepTrace | None = None  # set by the trainer for the steps it draws
+
+    def _span(self, kind: str, mb: int = -1):
+        """Time one action into the trace, when a step is being traced."""
+        return self.trace.span(dist.get_rank(), kind, mb) if self.trace is not None else nullcontext()
 
     def set_lr(self, lr: float) -> None:
         for opt in self._optimizers():
@@ -161,17 +167,19 @@ class Engine:
         for i, (inputs, targets) in enumerate(micro):
             if isinstance(self.model, FSDPModule):  # reduce gradients once, after the last microbatch
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            with self.memory.track_activations() if self.track_memory else nullcontext():
+            with self._span("F", i), self.memory.track_activations() if self.track_memory else nullcontext():
                 loss = self.model(inputs, targets) / len(micro)
             self.memory.sample()
-            loss.backward()
+            with self._span("B", i):
+                loss.backward()
             total += loss.detach()
         self.memory.sample()
         return self._update(total)
 
     def _update(self, loss: torch.Tensor) -> StepResult:
         if self.dp_group is not None:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
+            with self._span("collective"):
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
         device_grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         host_grads = self.host.host_grads() if self.host is not None else []
         grad_norm = global_grad_norm(device_grads + host_grads, self.device, self.stage_group)
@@ -182,9 +190,10 @@ class Engine:
         if self.host is not None:
             self.host.step(coef, skipped)  # runs on a worker thread while the device steps
         if not skipped and self.optimizer is not None:
-            if coef < 1.0:
-                torch._foreach_mul_([local(g) for _, g in device_grads], coef)
-            self.optimizer.step()
+            with self._span("optimizer"):
+                if coef < 1.0:
+                    torch._foreach_mul_([local(g) for _, g in device_grads], coef)
+                self.optimizer.step()
         self.memory.sample()  # the optimizer moment: gradients and states together
         self.model.zero_grad(set_to_none=True)
         self.memory.sample()  # the next forward starts from here

@@ -9,7 +9,7 @@ counts the same categories from the tensors it actually holds:
                  host gradient copies of offloaded blocks
     optimizer    optimizer states; fp32 master weights of offloaded blocks
     activations  live tensors saved for backward (saved_tensors_hooks), deduplicated by storage
-    buffers      unsharded (all-gathered) parameters in flight, and module buffers
+    buffers      unsharded (all-gathered) parameters in flight, prefetched all-gathers, module buffers
 
 each on "device" or "host" (keys "device.parameters", "host.optimizer", ...,
 plus "device.total" and "host.total"). "Host" means held in host memory by
@@ -19,9 +19,8 @@ Under FSDP2 the parameters at rest are the local shards in their stored dtype
 (fp32, or the compute dtype for partially offloaded units), and the compute
 copies FSDP2 all-gathers are buffers: a zero 0-2 unit keeps its whole copy from
 forward through backward (also at zero 0: FSDP2 copies even on a one-rank shard
-group), a zero 3 unit only while it runs or is prefetched. Against a model that
-counts "parameters = compute copy, master weights = fp32 shard", compare the
-sum of parameters and buffers. Transient tensors that are neither saved for
+group), a zero 3 unit only while it runs or is prefetched. The memory model
+predicts these same keys (Prediction.tracked_by_rank). Transient tensors that are neither saved for
 backward nor parameters (logits before the loss, matmul outputs consumed at
 once) are invisible here: CPUs have no allocator statistics to catch them.
 
@@ -129,7 +128,9 @@ class MemoryTracker:
         """Unsharded parameters in flight and module buffers; `resting`: storages of parameters at rest."""
         seen = set(resting) if resting is not None else {storage_key(p) for p in self._params()}
         live = [fp._unsharded_param for g in self._groups if g.is_unsharded for fp in g.fsdp_params]
-        return tensor_bytes(live, seen) + tensor_bytes(self.model.buffers(), seen)
+        # a prefetched unit's all-gather output exists from the launch, before the unit counts as unsharded
+        pending = [g._all_gather_result.all_gather_output for g in self._groups if g._all_gather_result is not None]
+        return tensor_bytes(live + pending, seen) + tensor_bytes(self.model.buffers(), seen)
 
     def _measure_static(self) -> dict[str, int]:
         out = dict.fromkeys(KEYS, 0)

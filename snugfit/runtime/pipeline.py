@@ -27,6 +27,7 @@ measures its peak activation bytes and resident microbatches per step
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -142,8 +143,10 @@ class PipelineEngine(Engine):
         (pipelining's rescaling would miss gradients that host offload has already moved off the device)."""
         plan, m = self.plan, self.plan.num_microbatches
         if plan.schedule == "bpipe":
-            return BPipeSchedule(self.chunks[0], self.comms, self.evict_group, self.acts, m, plan.bpipe_bound(),
-                                 self.hidden, self._loss)
+            schedule = BPipeSchedule(self.chunks[0], self.comms, self.evict_group, self.acts, m, plan.bpipe_bound(),
+                                     self.hidden, self._loss)
+            schedule.span = self._span
+            return schedule
         n = len(plan.stage_ranges())
         stages = [PipelineStage(c, c.index, n, self.device, group=self.pp_group) for c in self.chunks]
         for c in self.chunks:  # pipelining infers shapes with one extra forward per stage in its first step

@@ -18,6 +18,8 @@ process group (`PartnerStore`), so neither side's waits can block the other.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import threading
 from datetime import timedelta
 from typing import Callable
@@ -199,6 +201,7 @@ class BPipeSchedule:
         self.partner = partner(p, s)
         # the heavy partner's EVICT/LOAD steps, in its order: what arrives here and when it must go back
         self.partner_moves = [a for a in bpipe_program(p, m, self.partner, bound) if a[0] in ("EVICT", "LOAD")]
+        self.span: Callable = lambda kind, mb: nullcontext()  # the engine's tracer, for traced steps
 
     def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Forward and backward of every microbatch; returns the per-microbatch losses (last stage)."""
@@ -210,7 +213,8 @@ class BPipeSchedule:
             self.store.start()
         actions = {"F": self.forward, "B": self.backward, "EVICT": self.evict, "LOAD": self.load}
         for op, mb in self.program:
-            actions[op](mb, micro)
+            with self.span(op if op in ("F", "B") else op.lower(), mb):
+                actions[op](mb, micro)
         self.comms.finish_sends()
         self.finish_evict_sends()
         if self.store is not None:

@@ -44,8 +44,12 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
-    """The plan file as written, or plain data parallelism over every launched rank."""
+    """The plan searched for this run (`auto`), a plan file as written, or plain data parallelism over every rank."""
     t = cfg.train
+    if cfg.parallel.plan == "auto":
+        from snugfit.train.autoplan import search_plan
+
+        return search_plan(cfg, env)
     if cfg.parallel.plan:
         try:
             plan = Plan.from_json(Path(cfg.parallel.plan).read_text())

@@ -59,13 +59,18 @@ def measured_memory(engine) -> dict:
 
     tracker = getattr(engine, "memory", None)
     peak = tracker.peak() if tracker is not None else {}
-    mine = [peak.get("device.total", 0), peak.get("host.total", 0)]
+    stage = engine.stage_stats() if hasattr(engine, "stage_stats") else None  # pipeline ranks
+    mine = [peak.get("device.total", 0), peak.get("host.total", 0), stage]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     else:
         everyone = [mine]
-    return {"peak_memory_bytes": [d for d, _ in everyone], "peak_host_bytes": [h for _, h in everyone]}
+    out = {"peak_memory_bytes": [d for d, _, _ in everyone], "peak_host_bytes": [h for _, h, _ in everyone]}
+    if stage is not None:
+        out["stage_peak_activation_bytes"] = [s["peak_activation_bytes"] for _, _, s in everyone]
+        out["stage_peak_microbatches"] = [s["peak_microbatches"] for _, _, s in everyone]
+    return out
 
 
 def predicted_fields(plan) -> dict:

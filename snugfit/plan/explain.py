@@ -1,0 +1,137 @@
+"""Say what the search chose and why: the plan, its runners-up, why other families lost, what BPipe
+would buy, and, when nothing fits, the smallest change that would. Pure: no torch."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from snugfit.hardware.cluster import Cluster
+from snugfit.plan.memory import FRAGMENTATION, device_bytes
+from snugfit.plan.plan import Plan
+from snugfit.plan.search import Constraints, NoPlanError, SearchResult, describe, search
+from snugfit.profile.types import ModelProfile
+
+GIB = 2**30
+LORA_TRAINABLE = 0.01  # adapters of rank ~16 train about 1% of a block's parameters
+FLAGS = {"dp": "--dp", "pp": "--pp", "micro_batch": "--micro-batch", "num_microbatches": "--num-microbatches",
+         "schedule": "--schedule", "virtual_stages": "--virtual-stages", "zero": "--zero",
+         "activations": "--recompute", "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params",
+         "evict_bound": "--evict-bound"}
+
+
+def summary(plan: Plan) -> str:
+    """One line: degrees, batch split, schedule, and the per-block decisions by count."""
+    counts = Counter(describe(b) for b in plan.blocks)
+    blocks = ", ".join(f"{n} x {d}" for d, n in counts.most_common())
+    stages = f" stages {plan.stage_blocks}" if plan.pp > 1 else ""
+    return (f"dp {plan.dp} x pp {plan.pp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
+            f"{plan.num_microbatches}; blocks: {blocks}; root: {describe(plan.root, root=True)}")
+
+
+def _figures(plan: Plan) -> str:
+    p = plan.predicted
+    return f"{p.tokens_per_s:,.0f} tokens/s, step {p.step_time_s:.3g} s, peak {p.peak_memory_bytes / GIB:.2f} GiB"
+
+
+def format_result(res: SearchResult, cluster: Cluster) -> str:
+    """The chosen plan, per-rank peak memory, alternatives and rejected families, and the safety margin."""
+    best = res.best
+    lines = [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {best.predicted.mfu:.1%})"]
+    peaks = [device_bytes(m) for m in best.predicted.memory_by_rank]
+    lines.append("  peak memory per rank (GiB): " + " ".join(f"{b / GIB:.2f}" for b in peaks))
+    phases = best.predicted.time_by_phase
+    lines.append("  step time by phase (s): " + ", ".join(f"{k} {v:.3g}" for k, v in phases.items() if v))
+    if res.alternatives:
+        lines.append("alternatives:")
+        lines += [f"  {_figures(p)}: {summary(p)}" for p in res.alternatives]
+    if res.rejected:
+        lines.append("other families:")
+        lines += [f"  {r.family}: {r.reason}" for r in res.rejected]
+    gpu = cluster.gpu_of(0)
+    reserve = ("no reserve on CPU ranks" if gpu.name == "cpu" else
+               f"every GPU keeps a reserve of {gpu.context_bytes / GIB:.2f} GiB (CUDA context) + "
+               f"{FRAGMENTATION:.0%} of its use (allocator fragmentation, transient peaks)")
+    lines.append(f"budget {res.budget_bytes / GIB:.2f} GiB per GPU; {reserve}; headroom "
+                 f"{(res.budget_bytes - max(peaks)) / GIB:.2f} GiB")
+    lines.append(f"searched {res.candidates} candidates, solved {res.solved}, verified {res.verified} with the "
+                 f"full estimate")
+    return "\n".join(lines)
+
+
+def explain_bpipe(res: SearchResult) -> str:
+    """What BPipe's memory buys against what its activation moves cost, from the two best verified plans."""
+    bp, plain = res.bpipe, res.best_without_bpipe
+    if bp is None:
+        return "BPipe: no BPipe plan fits (it needs pp > 1 and at least pp microbatches)"
+    if plain is None:
+        return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit"
+    lines = [f"BPipe:        {_figures(bp)}: {summary(bp)}",
+             f"without it:   {_figures(plain)}: {summary(plain)}"]
+    rec = lambda p: sum(b.activations in ("recompute", "selective") for b in p.blocks)  # noqa: E731
+    lines.append(f"memory buys: micro-batch {bp.micro_batch_size} vs {plain.micro_batch_size}, "
+                 f"{rec(bp)} vs {rec(plain)} blocks recomputing; recompute time "
+                 f"{bp.predicted.time_by_phase.get('recompute', 0):.3g} s vs "
+                 f"{plain.predicted.time_by_phase.get('recompute', 0):.3g} s")
+    bp_time = bp.predicted.time_by_phase
+    lines.append(f"moves cost: bubble {bp_time.get('bubble', 0):.3g} s vs "
+                 f"{plain.predicted.time_by_phase.get('bubble', 0):.3g} s (evictions hide in the forward of the "
+                 f"next microbatch, loads in the backward before; what they do not hide shows up as bubble)")
+    gain = plain.predicted.step_time_s / bp.predicted.step_time_s - 1
+    verdict = "chosen" if res.best is bp else "not chosen"
+    lines.append(f"verdict: BPipe is {gain:+.1%} faster -> {verdict}")
+    return "\n".join(lines)
+
+
+def _fits(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
+          budget: int | None) -> Plan | None:
+    try:
+        return search(profile, cluster, global_batch=global_batch, constraints=c, memory_budget=budget,
+                      alternatives=0).best
+    except NoPlanError:
+        return None
+
+
+def _bigger(cluster: Cluster, factor: int) -> Cluster:
+    nodes = [replace(n, count=n.count * factor) for n in cluster.nodes]
+    return replace(cluster, nodes=nodes, spec=f"{factor}x the GPUs of {cluster.spec or 'the cluster'}")
+
+
+def _lora(profile: ModelProfile) -> ModelProfile:
+    blocks = [replace(b, trainable=int(LORA_TRAINABLE * b.num_params)) for b in profile.blocks]
+    return replace(profile, blocks=blocks, embed=replace(profile.embed, trainable=0),
+                   head=replace(profile.head, trainable=0))
+
+
+def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None,
+           memory_budget: int | None, result: SearchResult) -> list[str]:
+    """The smallest changes that make a plan fit, each checked by a search (so never a plan that won't)."""
+    c = constraints or Constraints()
+    out: list[str] = []
+    for key, value in c.fixed().items():
+        plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget)
+        if plan:
+            out.append(f"drop {FLAGS[key]} {value}: fits as {summary(plan)} ({_figures(plan)})")
+    if c.micro_batch != 1 and global_batch > 1:
+        plan = _fits(profile, cluster, global_batch, replace(c, micro_batch=1, num_microbatches=None), memory_budget)
+        if plan and not any(a.startswith("drop --micro-batch") for a in out):
+            out.append(f"micro-batch 1: fits as {summary(plan)}")
+    for factor in (2, 4, 8):
+        plan = _fits(profile, _bigger(cluster, factor), global_batch, replace(c, dp=None, pp=None), memory_budget)
+        if plan:
+            out.append(f"{cluster.world_size * factor} GPUs ({factor}x): fits as {summary(plan)}")
+            break
+    need, static = result.least_need
+    if need > result.budget_bytes > static:
+        gpu = cluster.gpu_of(0)
+        room = result.budget_bytes if gpu.name == "cpu" else (result.budget_bytes - gpu.context_bytes) / (
+            1 + FRAGMENTATION)
+        used = need if gpu.name == "cpu" else (need - gpu.context_bytes) / (1 + FRAGMENTATION)
+        seq = int(profile.seq_len * (room - static) / max(used - static, 1)) // 64 * 64
+        if seq >= 64:
+            out.append(f"sequence length <= about {seq} (activations scale with it; re-run snugfit plan --seq {seq} "
+                       f"to check)")
+    plan = _fits(_lora(profile), cluster, global_batch, c, memory_budget)
+    if plan:
+        out.append(f"LoRA fine-tuning (frozen base weights, ~{LORA_TRAINABLE:.0%} trainable): fits as {summary(plan)}")
+    return out or ["nothing short of a larger GPU: even every block sharded, offloaded and recomputed does not fit"]

@@ -1,0 +1,234 @@
+"""The inner problem of the plan search: per-block option costs and a knapsack per pipeline stage.
+
+Every block of a stage picks one option (ZeRO stage, optimizer/parameter offload,
+activation policy). An option costs bytes (static + accumulating gradients + resident
+microbatches x saved activations) and seconds (microbatches x per-microbatch time +
+per-step time), each taken from memory.py / timing.py applied to that block alone,
+so the search and the full estimate() share one model. A multiple-choice knapsack
+over a discretised memory budget (numpy, one vectorised layer per block) gives the
+fastest stage for every block count; split() then sizes the stages so that the
+slowest is as fast as possible (uneven where embedding/head or the GPUs differ).
+Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from snugfit.hardware.catalogue import GPU
+from snugfit.hardware.cluster import Cluster
+from snugfit.plan.memory import (
+    FRAGMENTATION, StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, param_state,
+)
+from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.timing import optimizer_time, ring_time, stage_time
+from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
+
+BUCKETS = 128  # memory resolution (rounded up: conservative by < blocks / BUCKETS of a stage's budget)
+INF = float("inf")
+
+
+@dataclass
+class Cost:
+    """One piece under one option."""
+
+    static: int  # device bytes held all step (parameters, states, gathered copies of a zero 0-2 piece)
+    grads: int  # device gradient bytes at the peak: unsharded (accumulating, or fresh in the first backward)
+    act: int  # device bytes per resident microbatch
+    t_mb: float  # seconds per microbatch (forward, backward, recompute, exposed transfers)
+    t_step: float  # seconds once per step (optimizer, gradient reduction)
+
+    def mem(self, resident: float, m: int) -> float:
+        return self.static + self.grads + resident * self.act
+
+    def time(self, m: int) -> float:
+        return m * self.t_mb + self.t_step
+
+    @staticmethod
+    def total(costs: list["Cost"]) -> "Cost":
+        """Pieces that share one decision (embedding and head: the root) as one item."""
+        return Cost(*(sum(getattr(c, f) for c in costs) for f in ("static", "grads", "act", "t_mb", "t_step")))
+
+
+def resident_microbatches(schedule: str, pp: int, m: int, s: int, v: int = 1, bound: int | None = None) -> float:
+    """Microbatches of activations pipeline rank s holds at its peak, the one in flight included."""
+    if schedule == "none":
+        return 1.0
+    if schedule == "interleaved":  # each (virtual stage, microbatch) pair is 1/v of the rank's blocks
+        return min((v - 1) * pp + 2 * (pp - 1 - s) + 1, m * v) / v
+    own = min(pp - s, m)
+    if schedule == "bpipe":  # own up to the bound, plus what the heavy partner p-1-s evicts here
+        bound = bound or math.ceil((pp + 2) / 2)
+        return min(own, bound) + max(0, min(s + 1, m) - bound)
+    return float(own)
+
+
+def usable(gpu: GPU, budget: int) -> float:
+    """Bytes the model may account for once the reserve (context + fragmentation) is taken off."""
+    return float(budget) if gpu.name == "cpu" else (budget - gpu.context_bytes) / (1 + FRAGMENTATION)
+
+
+def with_reserve(gpu: GPU, nbytes: float) -> int:
+    return int(nbytes if gpu.name == "cpu" else nbytes * (1 + FRAGMENTATION) + gpu.context_bytes)
+
+
+def working(p: PieceProfile) -> int:
+    """The piece's own forward/backward peak above what is held (memory.stage_walk, policy 'keep')."""
+    keep = p.saved_bytes["keep"]
+    return max(p.input_bytes + p.fwd_peak_bytes, keep + p.output_bytes + p.bwd_peak_bytes)
+
+
+class StageCosts:
+    """Option costs on one kind of rank (its node's GPU, dp, micro-batch), cached per piece and option."""
+
+    def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str):
+        self.node = cluster.nodes[cluster.node_of(rank)]
+        self.gpu = self.node.gpu
+        self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
+        self.dp_link = cluster.link_for(list(range(rank, rank + dp)))
+        self.stub = Plan(dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
+        self._cache: dict[tuple, Cost] = {}
+
+    def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
+        key = (p.name, o.zero, o.offload_optimizer, o.offload_params, o.activations)
+        if key not in self._cache:
+            self._cache[key] = self._cost(p, o)
+        return self._cache[key]
+
+    def _cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
+        sp = StagePiece(p, o, p.num_params)
+        dev, _ = param_state(self.stub, sp)
+        dev.pop("gradients", 0)  # the reduced shard: below the unsharded gradients the peak holds
+        static = sum(dev.values())
+        if not sp.is_block and o.zero == 3:  # the root's gathered copy stays from forward through backward
+            static += gathered_bytes(self.stub, sp)
+        kw = dict(gpu=self.gpu, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
+                  pcie=self.node.pcie, measured_on=self.measured_on)
+        one, two = stage_time([sp], **kw), stage_time([sp, sp], **kw)  # the marginal block: no first gather
+        t_mb = two.f_total + two.b_total - one.f_total - one.b_total
+        opt_dev, opt_host = optimizer_time([sp], gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
+                                           reduce_dtype=self.rdtype, pcie=self.node.pcie,
+                                           ranks_on_host=self.node.count, bwd_last=0.0)
+        g, c = DTYPE_BYTES[self.rdtype], DTYPE_BYTES[self.dtype]
+        reduce = ring_time("all_reduce" if o.zero <= 1 else "reduce_scatter", sp.n_params * g, self.dp, self.dp_link)
+        if o.zero in (1, 2):
+            reduce += ring_time("all_gather", sp.n_params * c, self.dp, self.dp_link)
+        return Cost(static, accumulating_grad_bytes(self.stub, sp), device_saved(sp), t_mb, opt_dev + opt_host + reduce)
+
+
+def pareto(items: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
+    """(mem, time, index) items that no other item beats on both memory and time."""
+    out: list[tuple[float, float, int]] = []
+    for it in sorted(items):
+        if not out or it[1] < out[-1][1]:
+            out.append(it)
+    return out
+
+
+@dataclass
+class Table:
+    """A stage's knapsack: best[n] seconds for n blocks (inf: does not fit), and how to rebuild the choice."""
+
+    best: list[float]
+    sols: list  # n -> (items, weights, per-layer argmin arrays, root solution) or None
+    blocks: list[Cost]
+    root: list[Cost] | None
+
+    def choices(self, n: int) -> tuple[int | None, list[int]]:
+        """(root option index, block option indices) of the n-block solution."""
+        items, w, args, root_sol = self.sols[n]
+        b, out = BUCKETS, []
+        for k in range(n - 1, -1, -1):
+            j = int(args[k][b])
+            out.append(items[j][2])
+            b -= w[j]
+        if root_sol is None:
+            return None, out
+        arg, ritems = root_sol
+        return ritems[int(arg[b])][2], out
+
+    def t_mb(self, n: int) -> float:
+        r, idx = self.choices(n)
+        return sum(self.blocks[i].t_mb for i in idx) + (self.root[r].t_mb if r is not None else 0.0)
+
+
+def _layer(f: np.ndarray, items: list[tuple[float, float, int]], w: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One more item: g[b] = min over options j of f[b - w_j] + t_j."""
+    src = np.arange(BUCKETS + 1)[None, :] - np.asarray(w)[:, None]
+    t = np.array([it[1] for it in items])[:, None]
+    cand = np.where(src >= 0, f[np.maximum(src, 0)] + t, INF)
+    arg = cand.argmin(axis=0)
+    return cand[arg, np.arange(BUCKETS + 1)], arg
+
+
+def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root_kinds: list[int], *,
+             resident: float, m: int, cap: float, n_max: int, buffers: tuple[float, float]) -> Table:
+    """Fastest (root +) n identical blocks within cap, for n = 1..n_max.
+
+    kinds[i]: bit 1 if option i needs the ZeRO-3 prefetch copies, bit 2 the activation-offload
+    window; these buffers (sizes in `buffers`) are paid once per stage, so the knapsack is
+    solved once per set of them (reserved up front, options needing others left out).
+    """
+    best, sols = [INF] * (n_max + 1), [None] * (n_max + 1)
+    every = 0
+    for k in [*kinds, *root_kinds]:
+        every |= k
+    for mask in [x for x in range(4) if x & ~every == 0]:
+        c = cap - sum(b for bit, b in zip((1, 2), buffers) if mask & bit)
+        if c <= 0:
+            continue
+        unit = c / BUCKETS
+        items = pareto([(b.mem(resident, m), b.time(m), i) for i, b in enumerate(blocks) if kinds[i] & ~mask == 0])
+        items = [it for it in items if it[0] <= c]
+        if not items:
+            continue
+        w = [math.ceil(x / unit) for x, _, _ in items]
+        f, root_sol = np.zeros(BUCKETS + 1), None
+        if root is not None:
+            ritems = pareto([(r.mem(resident, m), r.time(m), i) for i, r in enumerate(root)
+                             if root_kinds[i] & ~mask == 0])
+            ritems = [it for it in ritems if it[0] <= c]
+            if not ritems:
+                continue
+            f, arg = _layer(f, ritems, [math.ceil(x / unit) for x, _, _ in ritems])
+            root_sol = (arg, ritems)
+        args = []
+        for n in range(1, n_max + 1):
+            f, arg = _layer(f, items, w)
+            args.append(arg)
+            if not math.isfinite(f[BUCKETS]):
+                break
+            if f[BUCKETS] < best[n]:
+                best[n], sols[n] = float(f[BUCKETS]), (items, w, list(args), root_sol)
+    return Table(best, sols, blocks, root)
+
+
+def split(best: list[list[float]], n: int, v: int) -> list[int] | None:
+    """Blocks per pipeline rank (each >= v) minimising the slowest rank's time, or None if none fits."""
+    if len(best) == 1:
+        return [n] if len(best[0]) > n and math.isfinite(best[0][n]) else None
+
+    def caps(tau: float) -> list[int]:
+        return [max((k for k in range(v, len(b)) if b[k] <= tau), default=0) for b in best]
+
+    def ok(tau: float) -> bool:
+        cs = caps(tau)
+        return min(cs) >= v and sum(cs) >= n
+
+    taus = sorted({t for b in best for t in b[v:] if math.isfinite(t)})
+    if not taus or not ok(taus[-1]):
+        return None
+    lo, hi = 0, len(taus) - 1  # feasible thresholds form a suffix: bisect for its start
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(taus[mid]) else (mid + 1, hi)
+    out = caps(taus[lo])
+    extra = sum(out) - n
+    for s in sorted(range(len(best)), key=lambda s: -best[s][out[s]]):  # trim the slowest first
+        cut = min(extra, out[s] - v)
+        out[s] -= cut
+        extra -= cut
+    return out

@@ -1,0 +1,71 @@
+"""`--plan auto`: profile the model, search the plan for the launched ranks, and explain it."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from snugfit.config import RunConfig
+from snugfit.errors import SnugfitError
+from snugfit.plan import Plan
+from snugfit.runtime.dist import DistEnv
+
+log = logging.getLogger("snugfit")
+
+
+def local_cluster(env: DistEnv) -> str:
+    """The launched ranks as a cluster spec: N x this machine's CPU, or N x the local GPU from the catalogue."""
+    if env.device.type == "cpu":
+        return f"{env.world_size}xcpu"
+    from snugfit.hardware.catalogue import get_gpu
+
+    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
+    try:
+        return f"{env.world_size}x{get_gpu(name.replace('NVIDIA ', '').replace(' ', '')).name}"
+    except SnugfitError as e:
+        raise SnugfitError(f"{e}; plan with `snugfit plan --cluster ...` and pass --plan FILE") from None
+
+
+def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
+    """The fastest plan that fits, found on rank 0 and sent to every rank (the profile cache is written once)."""
+    plan_json = [None]
+    if env.is_main:
+        plan_json[0] = _search(cfg, env).to_json()
+    if dist.is_initialized() and env.world_size > 1:
+        dist.broadcast_object_list(plan_json, src=0)
+    return Plan.from_json(plan_json[0])
+
+
+def _search(cfg: RunConfig, env: DistEnv) -> Plan:
+    from snugfit.hardware.cluster import parse_cluster
+    from snugfit.plan.explain import format_result
+    from snugfit.plan.search import Constraints, NoPlanError, search
+    from snugfit.profile.profile import profile_model
+
+    t = cfg.train
+    model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
+    profile = profile_model(model, micro_batch_size=1, seq_len=t.seq_len, dtype=t.dtype,
+                            lora_rank=cfg.finetune.lora_rank or None)
+    cluster = parse_cluster(local_cluster(env))
+    micro = t.micro_batch_size or None
+    try:
+        res = search(profile, cluster, global_batch=t.batch_size, constraints=Constraints(micro_batch=micro),
+                     alternatives=0)
+    except NoPlanError as e:
+        raise SnugfitError(f"--plan auto: {e}; try `snugfit plan` for the smallest change that fits") from None
+    log.info("auto plan for %s:\n%s", cluster_name(cluster), format_result(res, cluster))
+    return res.best
+
+
+def cluster_name(cluster) -> str:
+    return f"{cluster.world_size} x {cluster.gpu_of(0).name}"
+
+
+def _hf_config(path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    return json.loads((p / "config.json" if p.is_dir() else p).read_text())

@@ -1,0 +1,102 @@
+"""The memory model against what the runtime holds, per rank, for plans run on CPU in 1 and 2 processes.
+
+The runtime's MemoryTracker counts the tensors it holds (parameters, gradients,
+optimizer states, saved activations, gathered copies), not transients, so each
+rank's tracked peak after a couple of steps is compared with the model's
+prediction of exactly that (Prediction.tracked_by_rank), on device and on host.
+The whole peak, transients included, is compared in one process, where torch's
+MemTracker sees every tensor (test_memory_model; MemTracker cannot run a model
+with frozen parameters, so LoRA plans are checked here only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from snugfit.hardware import parse_cluster
+from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.model.lora import apply_lora, trainable_summary
+from snugfit.plan import BlockPlan, Plan
+from snugfit.plan.estimate import estimate
+from snugfit.profile import ModelProfile, profile_model
+from snugfit.runtime.apply import build_engine
+from snugfit.runtime.dist import DistEnv
+from snugfit.runtime.engine import OptimConfig
+from tests.distributed import run_ranks
+
+CFG = ModelConfig(dim=64, n_layers=3, n_heads=4, vocab_size=128, max_seq_len=32)
+SEQ, MBS, LORA = 32, 2, 4
+
+
+def _plan(dp: int, block: BlockPlan | None = None, root: BlockPlan | None = None, m: int = 1) -> Plan:
+    return Plan.uniform(CFG.n_layers, dp=dp, block=block, root=root, micro_batch_size=MBS, num_microbatches=m,
+                        seq_len=SEQ)
+
+
+# name -> (plan, LoRA applied)
+ONE = {
+    "keep": (_plan(1), False),
+    "recompute": (_plan(1, BlockPlan(activations="recompute"), BlockPlan()), False),
+    "accumulate": (_plan(1, m=2), False),
+    "offload_optimizer": (_plan(1, BlockPlan(offload_optimizer=True), BlockPlan()), False),
+    "lora": (_plan(1, m=2), True),
+}
+TWO = {
+    "zero0": (_plan(2), False),
+    "zero2_accumulate": (_plan(2, BlockPlan(zero=2), m=2), False),
+    "zero3": (_plan(2, BlockPlan(zero=3)), False),
+    "zero3_offload_optimizer": (_plan(2, BlockPlan(zero=3, offload_optimizer=True), BlockPlan(zero=1)), False),
+    "offload_params": (_plan(2, BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3), m=2), False),
+    "lora_zero3": (_plan(2, BlockPlan(zero=3, activations="recompute"), BlockPlan(zero=2), m=2), True),
+}
+
+
+@functools.cache
+def _profile(lora: bool) -> ModelProfile:
+    return profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False, lora_rank=LORA if lora else None)
+
+
+def tracked_peaks(env: DistEnv, plans: dict[str, tuple[Plan, bool]]) -> dict[str, dict[str, int]]:
+    """Each plan's MemoryTracker peak on this rank, over its second step (optimizer states exist by then)."""
+    out = {}
+    for name, (plan, lora) in plans.items():
+        torch.manual_seed(0)
+        model = Decoder(CFG)
+        if lora:
+            apply_lora(model, LORA)
+        engine = build_engine(model, plan, OptimConfig(), env)
+        batch = torch.randint(0, CFG.vocab_size, (plan.num_microbatches * MBS, SEQ + 1))
+        for _ in range(2):
+            engine.train_step(batch)
+        out[name] = engine.memory.peak()
+    return out
+
+
+def _check(measured: list[dict[str, dict[str, int]]], plans: dict[str, tuple[Plan, bool]]) -> None:
+    for name, (plan, lora) in plans.items():
+        cluster = parse_cluster(f"{plan.world_size}xcpu" if plan.world_size > 1 else "cpu")
+        pred = estimate(plan, _profile(lora), cluster)
+        for rank, peaks in enumerate(measured):
+            for place in ("device", "host"):
+                want, got = pred.tracked_by_rank[rank][f"{place}.total"], peaks[name][f"{place}.total"]
+                assert got == pytest.approx(want, rel=0.05), f"{name} rank {rank} {place}: {got} vs {want}"
+
+
+def test_tracked_peak_matches_the_model_in_one_process():
+    _check([tracked_peaks(DistEnv(), ONE)], ONE)
+
+
+def test_tracked_peak_matches_the_model_per_rank_at_2_ranks():
+    _check(run_ranks(tracked_peaks, 2, TWO), TWO)
+
+
+def test_lora_profile_counts_trainable_parameters():
+    model = Decoder(CFG)
+    apply_lora(model, LORA)
+    summary = trainable_summary(model)
+    assert [p.num_trainable for p in _profile(True).pieces] == [
+        summary[p.name]["trainable"] for p in _profile(True).pieces]
+    assert _profile(True).blocks[0].trainable == 4 * 2 * LORA * CFG.dim  # q, k, v, o: A and B

@@ -1,0 +1,160 @@
+"""The plan search: fits by its own model, respects fixed parts, advises when nothing fits, BPipe only
+where it pays, and hands the trainer plans that validate. Synthetic profiles keep it torch-free and fast."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from snugfit.hardware import parse_cluster
+from snugfit.plan.estimate import estimate
+from snugfit.plan.explain import advise, explain_bpipe, format_result
+from snugfit.plan.knapsack import BUCKETS, Cost, knapsack, split
+from snugfit.plan.search import Constraints, NoPlanError, budget_for, search
+from snugfit.profile.types import ModelProfile, PieceProfile
+
+GiB = 2**30
+
+
+def synth(n_blocks: int, dim: int, seq: int = 1024, vocab: int = 32000, dtype: str = "bfloat16") -> ModelProfile:
+    """A decoder-like profile: 12 dim^2 parameters per block, activations ~ 34 bytes x seq x dim."""
+    h, bp, tokens = seq * dim * 2, 12 * dim * dim, seq
+
+    def block(i):
+        return PieceProfile(f"block{i}", {dtype: bp}, h, h, {"keep": 17 * h, "recompute": h, "selective": 6 * h},
+                            4 * h, 2 * bp + 4 * h, 2 * bp * tokens, 4 * bp * tokens, 30 * h, 60 * h)
+
+    logits = tokens * vocab * 4
+    embed = PieceProfile("embed", {dtype: vocab * dim}, tokens * 8, h, {"keep": tokens * 8}, h, 2 * vocab * dim,
+                         0.0, 0.0, 2 * h, 2 * h)
+    head = PieceProfile("head", {dtype: vocab * dim + dim}, h, 4, {"keep": h + logits}, 2 * logits,
+                        2 * vocab * dim + 2 * logits, 2 * vocab * dim * tokens, 4 * vocab * dim * tokens,
+                        4 * logits, 8 * logits)
+    return ModelProfile("synth", {}, 1, seq, dtype, embed, [block(i) for i in range(n_blocks)], head)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    """A real (meta-device) profile of a tiny built-in decoder, as the trainer would have."""
+    from snugfit.model.decoder import ModelConfig
+    from snugfit.profile.profile import profile_model
+
+    cfg = ModelConfig(dim=32, n_layers=4, n_heads=2, vocab_size=128, max_seq_len=64)
+    return profile_model(cfg, micro_batch_size=1, seq_len=64, cache_dir=tmp_path_factory.mktemp("profiles"))
+
+
+MODELS = {"small": synth(8, 1024), "mid": synth(24, 2048), "wide": synth(16, 4096, seq=2048)}
+CLUSTERS = ["1xRTX4090", "2xRTX4090", "4xA10", "2xRTX4090+2xRTX3090", "8xA100-40GB-SXM"]
+
+
+@pytest.mark.parametrize("model,spec", list(itertools.product(MODELS, CLUSTERS)))
+def test_never_returns_a_plan_its_model_says_does_not_fit(model, spec):
+    prof, cluster = MODELS[model], parse_cluster(spec)
+    for budget_gib in (4, 8, 16):
+        try:
+            res = search(prof, cluster, global_batch=8, memory_budget=budget_gib * GiB, alternatives=2)
+        except NoPlanError as e:
+            assert e.result.best is None and e.result.rejected
+            continue
+        for plan in [res.best, *res.alternatives]:
+            plan.validate(n_blocks=len(prof.blocks), world_size=cluster.world_size)
+            pred = estimate(plan, prof, cluster, budget_gib * GiB)  # re-checked independently
+            assert pred.fits and pred.peak_memory_bytes <= budget_gib * GiB
+            assert plan.global_batch == 8
+        times = [p.predicted.step_time_s for p in [res.best, *res.alternatives]]
+        assert times == sorted(times)
+
+
+def test_fixed_parts_are_respected():
+    c = Constraints(pp=2, zero=3, micro_batch=1, activations="recompute", schedule="1f1b")
+    res = search(MODELS["mid"], parse_cluster("4xA10"), global_batch=16, constraints=c)
+    p = res.best
+    assert (p.pp, p.dp, p.micro_batch_size, p.num_microbatches, p.schedule) == (2, 2, 1, 8, "1f1b")
+    assert all(b.zero == 3 and b.activations == "recompute" for b in p.blocks)
+    res = search(MODELS["mid"], parse_cluster("4xA10"), global_batch=16, constraints=Constraints(dp=4, zero=0))
+    assert res.best.dp == 4 and all(b.zero == 0 for b in [res.best.root, *res.best.blocks])
+
+
+def test_tight_budget_trades_speed_for_memory():
+    prof, cluster = MODELS["mid"], parse_cluster("2xRTX4090")
+    roomy = search(prof, cluster, global_batch=8).best
+    tight = search(prof, cluster, global_batch=8, memory_budget=6 * GiB).best
+    assert tight.predicted.peak_memory_bytes <= 6 * GiB < roomy.predicted.peak_memory_bytes
+    assert tight.predicted.step_time_s >= roomy.predicted.step_time_s
+
+
+def test_infeasible_request_gives_smallest_change_advice():
+    prof, cluster = MODELS["wide"], parse_cluster("2xRTX4090")
+    c = Constraints(zero=0)
+    with pytest.raises(NoPlanError) as e:
+        search(prof, cluster, global_batch=4, constraints=c, memory_budget=12 * GiB)
+    res = e.value.result
+    assert any("needs" in r.reason and "has 12.0" in r.reason for r in res.rejected)
+    advice = advise(prof, cluster, global_batch=4, constraints=c, memory_budget=12 * GiB, result=res)
+    assert any(a.startswith("drop --zero 0") for a in advice)
+    assert any("GPUs" in a or "LoRA" in a or "sequence" in a for a in advice)
+
+
+def test_bpipe_only_when_it_beats_the_best_plan_without_it():
+    for prof, spec, budget in [(MODELS["mid"], "4xA10", 12 * GiB), (MODELS["wide"], "8xA100-40GB-SXM", None)]:
+        res = search(prof, parse_cluster(spec), global_batch=16, memory_budget=budget, compare_bpipe=True)
+        if res.best.schedule == "bpipe":
+            assert res.best.predicted.step_time_s < res.best_without_bpipe.predicted.step_time_s
+        elif res.bpipe is not None:
+            assert res.best.predicted.step_time_s <= res.bpipe.predicted.step_time_s
+        assert "verdict" in explain_bpipe(res) or "BPipe:" in explain_bpipe(res)
+
+
+def test_mixed_cluster_gives_faster_gpus_more_blocks_and_like_dp_groups():
+    cluster = parse_cluster("2xRTX4090+2xRTX3090")
+    res = search(MODELS["mid"], cluster, global_batch=8, constraints=Constraints(pp=4, schedule="1f1b"))
+    blocks = res.best.stage_blocks
+    assert blocks[0] + blocks[1] > blocks[2] + blocks[3]  # the 4090s compute faster
+    res = search(MODELS["mid"], cluster, global_batch=8, constraints=Constraints(pp=2))
+    assert res.best.dp == 2  # dp groups {0,1} and {2,3}: like devices
+    with pytest.raises(NoPlanError):  # a dp group of 4 would mix 4090s and 3090s
+        search(MODELS["mid"], cluster, global_batch=8, constraints=Constraints(dp=4))
+
+
+def test_explanation_names_choice_alternatives_and_margin():
+    cluster = parse_cluster("4xRTX4090")
+    res = search(MODELS["wide"], cluster, global_batch=8, memory_budget=16 * GiB)
+    text = format_result(res, cluster)
+    assert "chosen: dp" in text and "tokens/s" in text and "peak memory per rank" in text
+    assert "CUDA context" in text and "fragmentation" in text and "budget 16.00 GiB" in text
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_local_cpu_cluster_plan_validates(world, tiny_profile):
+    cluster = parse_cluster(f"{world}xcpu")
+    res = search(tiny_profile, cluster, global_batch=4, memory_budget=64 * 2**20)
+    res.best.validate(n_blocks=len(tiny_profile.blocks), world_size=world)
+    assert res.best.predicted.fits
+
+
+def test_knapsack_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        opts = [Cost(int(rng.integers(1, 40)) * 1000, 0, 0, float(rng.uniform(1, 10)), 0.0) for _ in range(4)]
+        n, cap = 4, float(rng.integers(40, 120) * 1000)
+        table = knapsack(None, opts, [0] * 4, [], resident=1, m=1, cap=cap, n_max=n, buffers=(0.0, 0.0))
+        best = min((sum(opts[i].t_mb for i in combo) for combo in itertools.product(range(4), repeat=n)
+                    if sum(opts[i].static for i in combo) <= cap - n * cap / BUCKETS), default=float("inf"))
+        exact = min((sum(opts[i].t_mb for i in combo) for combo in itertools.product(range(4), repeat=n)
+                     if sum(opts[i].static for i in combo) <= cap), default=float("inf"))
+        assert exact <= table.best[n] <= best + 1e-9  # exact up to the bucket rounding, never over the cap
+        if np.isfinite(table.best[n]):
+            _, idx = table.choices(n)
+            assert sum(opts[i].static for i in idx) <= cap
+
+
+def test_split_minimises_the_slowest_stage():
+    fast, slow = [0.0] + [1.0 * k for k in range(1, 9)], [0.0] + [2.0 * k for k in range(1, 9)]
+    assert split([fast, slow], 9, 1) == [6, 3]
+    assert split([fast, [0.0, 1.0] + [float("inf")] * 7], 9, 1) == [8, 1]
+    assert split([[0.0, 1.0, float("inf")], [0.0, 1.0, float("inf")]], 9, 1) is None
+
+
+def test_budget_is_the_smallest_gpu_or_the_users():
+    cluster = parse_cluster("2xRTX4090+2xA10")
+    assert budget_for(cluster, None) == 24 * GiB and budget_for(cluster, 20 * GiB) == 20 * GiB
