@@ -54,6 +54,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     out_dir: str = "runs/default"
     resume: bool = False  # continue from the newest checkpoint in out_dir
+    trace_step: int = 0  # > 0: time this step's actions on every rank and draw them beside the plan's prediction
     progress: bool = True  # progress bar on rank 0
     plot: bool = True  # loss-curve PNG at the end
 
@@ -104,7 +105,7 @@ CHOICES = {
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
             "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes"}
 NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
-                "train.grad_clip", "train.weight_decay", "parallel.node_rank", "parallel.max_restarts",
+                "train.grad_clip", "train.weight_decay", "train.trace_step", "parallel.node_rank", "parallel.max_restarts",
                 "finetune.lora_rank", "finetune.lora_alpha", "finetune.lora_dropout"}
 
 

@@ -85,3 +85,20 @@ def test_existing_checkpoints_are_never_overwritten(tmp_path):
                    "--out-dir", str(tmp_path), cwd=tmp_path)
     assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+
+
+def test_auto_plan_reports_predictions_and_draws_a_traced_step(tmp_path):
+    """--plan auto: the searched plan runs, carries its predictions into the metrics, and a traced step is drawn."""
+    import json
+
+    import matplotlib.image
+
+    train(tiny(tmp_path, steps=4, log_every=2, plan="auto", trace_step=3))
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert (plan["world_size"], plan["dp"], plan["pp"]) == (1, 1, 1) and plan["predicted"]["fits"]
+    record = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"train"' in x][-1]
+    measured, predicted = record["peak_memory_bytes"][0], record["predicted_peak_memory_bytes"][0]
+    assert record["predicted_step_time_s"] > 0
+    assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
+    height, width, _ = matplotlib.image.imread(tmp_path / "timeline.png").shape
+    assert width > 600 and height > 300

@@ -38,16 +38,29 @@ def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
     return Plan.from_json(plan_json[0])
 
 
+def _profile(cfg: RunConfig, micro_batch_size: int):
+    from snugfit.profile.profile import profile_model
+
+    model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
+    return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
+                         lora_rank=cfg.finetune.lora_rank or None)
+
+
+def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
+    """The time model's simulation of `plan` on the launched ranks, to draw beside a measured step."""
+    from snugfit.hardware.cluster import parse_cluster
+    from snugfit.report.timeline import timeline_for
+
+    return timeline_for(plan, _profile(cfg, plan.micro_batch_size), parse_cluster(local_cluster(env)))
+
+
 def _search(cfg: RunConfig, env: DistEnv) -> Plan:
     from snugfit.hardware.cluster import parse_cluster
     from snugfit.plan.explain import format_result
     from snugfit.plan.search import Constraints, NoPlanError, search
-    from snugfit.profile.profile import profile_model
 
     t = cfg.train
-    model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
-    profile = profile_model(model, micro_batch_size=1, seq_len=t.seq_len, dtype=t.dtype,
-                            lora_rank=cfg.finetune.lora_rank or None)
+    profile = _profile(cfg, 1)
     cluster = parse_cluster(local_cluster(env))
     micro = t.micro_batch_size or None
     try:

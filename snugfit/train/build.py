@@ -91,7 +91,9 @@ def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
         return RunData(splits.train, splits.val, instruct=False)
     if not d.path:
         raise SnugfitError("data.format 'instruct' needs data.path: a .jsonl with prompt/response fields")
-    examples = load_instruct(d.path, tokenizer, seq, d.prompt_field, d.response_field)
+    # The byte tokenizer has no end-of-sequence token: responses end with byte 0, which text never holds.
+    eos = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+    examples = load_instruct(d.path, tokenizer, seq, d.prompt_field, d.response_field, eos_id=eos)
     n_val = int(len(examples) * d.val_fraction)
     if len(examples) - n_val < 1:
         raise SnugfitError(f"{d.path} has too few examples to hold out {d.val_fraction:.0%} for validation")

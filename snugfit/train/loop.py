@@ -16,6 +16,7 @@ import torch.distributed as dist
 from snugfit.config import RunConfig
 from snugfit.errors import SnugfitError
 from snugfit.plan import Plan, PlanError
+from snugfit.report.trace import StepTrace
 from snugfit.runtime.apply import build_engine
 from snugfit.runtime.dist import DistEnv, init_distributed
 from snugfit.runtime.engine import Engine, OptimConfig
@@ -152,9 +153,17 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
         engine.set_lr(lr)
         engine.track_memory = log_now  # count saved tensors only on the steps we report
         batch = sampler.next_batch()
+        if done == t.trace_step:
+            engine.trace = StepTrace()
+            if dist.is_initialized():
+                dist.barrier()  # line the ranks' clocks up
+            engine.trace.begin()
         t0 = time.perf_counter()
         res = engine.train_step(batch)
         window.append(time.perf_counter() - t0)
+        if engine.trace is not None:
+            _draw_trace(cfg, env, plan, engine.trace, out / "timeline.png", bar)
+            engine.trace = None
         result.losses[done] = res.loss
         result.last_step = done
         bad_in_a_row = bad_in_a_row + 1 if res.skipped else 0
@@ -190,6 +199,20 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     if env.is_main:
         _report(cfg, out, result, checkpoints)
     return result
+
+
+def _draw_trace(cfg: RunConfig, env: DistEnv, plan: Plan, trace: StepTrace, out: Path, bar) -> None:
+    """Every rank's spans of the traced step, drawn on rank 0 beneath the time model's simulation of the plan."""
+    traces = [trace]
+    if dist.is_initialized() and env.world_size > 1:
+        traces = [None] * env.world_size
+        dist.all_gather_object(traces, trace)
+    if env.is_main:
+        from snugfit.report.timeline import draw_timeline
+        from snugfit.train.autoplan import predicted_timeline
+
+        sim, detail = predicted_timeline(cfg, env, plan)
+        _say(f"timeline of step {cfg.train.trace_step}: {draw_timeline(sim, plan, out, StepTrace.merge(traces), detail)}", bar)
 
 
 def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: RunConfig) -> int:
