@@ -47,6 +47,7 @@ def main() -> None:
     env = DistEnv()
     plan = resolve_plan(cfg, cfg.model, env)
     engine = build_engine(Decoder(cfg.model), plan, OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip), env)
+    engine.track_memory = False  # as the trainer runs every step but the ones it logs
     snug_sampler = BatchSampler(data.train, t.seq_len, plan.global_batch, t.seed)
 
     torch.manual_seed(0)

@@ -145,6 +145,10 @@ class Engine:
         self.track_memory = True
         self.trace: StepTrace | None = None  # set by the trainer for the steps it draws
 
+    def _sample(self) -> None:
+        if self.track_memory:
+            self.memory.sample()
+
     def _span(self, kind: str, mb: int = -1):
         """Time one action into the trace, when a step is being traced."""
         return self.trace.span(dist.get_rank(), kind, mb) if self.trace is not None else nullcontext()
@@ -169,11 +173,11 @@ class Engine:
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
             with self._span("F", i), self.memory.track_activations() if self.track_memory else nullcontext():
                 loss = self.model(inputs, targets) / len(micro)
-            self.memory.sample()
+            self._sample()
             with self._span("B", i):
                 loss.backward()
             total += loss.detach()
-        self.memory.sample()
+        self._sample()
         return self._update(total)
 
     def _update(self, loss: torch.Tensor) -> StepResult:
@@ -194,9 +198,9 @@ class Engine:
                 if coef < 1.0:
                     torch._foreach_mul_([local(g) for _, g in device_grads], coef)
                 self.optimizer.step()
-        self.memory.sample()  # the optimizer moment: gradients and states together
+        self._sample()  # the optimizer moment: gradients and states together
         self.model.zero_grad(set_to_none=True)
-        self.memory.sample()  # the next forward starts from here
+        self._sample()  # the next forward starts from here
         return StepResult(loss=loss.item(), grad_norm=grad_norm.item(), skipped=skipped)
 
     @torch.no_grad()
