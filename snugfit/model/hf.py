@@ -371,8 +371,6 @@ def _read_into(f, name: str, target: torch.Tensor, file: str) -> None:
         target.copy_(f.get_tensor(name))
 
 
-# -- saving --
-
 def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json + model.safetensors that transformers' from_pretrained loads as-is.
 
