@@ -84,8 +84,8 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
 
 
 def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
-    """The unsharded compute copy FSDP2 all-gathers for the piece."""
-    return sp.n_params * DTYPE_BYTES[plan.compute_dtype]
+    """The unsharded compute copy FSDP2 all-gathers for the piece (none when the model runs unwrapped)."""
+    return 0 if plan.runs_unwrapped else sp.n_params * DTYPE_BYTES[plan.compute_dtype]
 
 
 def accumulating_grad_bytes(plan: Plan, sp: StagePiece) -> int:

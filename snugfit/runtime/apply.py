@@ -68,7 +68,8 @@ def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, meshes: DataMeshes) -
     units = offload_units(model, plan)
     host = HostOffload(model, units, DTYPES[plan.compute_dtype]) if units else None
     model.to(env.device)
-    apply_fsdp(model, dict(model.blocks.items()), plan, meshes)
+    if not plan.runs_unwrapped:
+        apply_fsdp(model, dict(model.blocks.items()), plan, meshes)
     return model, host
 
 
