@@ -136,7 +136,7 @@ def main() -> int:
     # show up in either the profile's piece times or the measured steps.
     torch.set_num_threads(1)
     clock = time.process_time
-    local = profile_hardware(collectives=False)
+    local = profile_hardware()  # collectives and FSDP2 overheads between two ranks too
     print(f"hardware: fp32 {local.device.tflops['float32'] * 1e3:.1f} GFLOP/s, copy {local.device.hbm_gbps:.1f} GB/s, "
           f"fused AdamW {local.host.adam_params_per_s / 1e6:.0f} M params/s")
     cluster = parse_cluster("cpu")

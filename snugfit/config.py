@@ -71,7 +71,7 @@ class FinetuneConfig:
 @dataclass
 class ParallelConfig:
     nproc: int = 1  # local ranks to start (through torchrun's launcher)
-    plan: str = ""  # "auto": search the fastest plan that fits; a plan JSON to run as is; empty: data parallel
+    plan: str = "auto"  # "auto": search the fastest plan that fits; a plan JSON to run as is; "dp": data parallel
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # host:port of node 0, for multi-node runs

@@ -31,9 +31,9 @@ CFG = ModelConfig(dim=64, n_layers=3, n_heads=4, vocab_size=128, max_seq_len=32)
 SEQ, MBS, LORA = 32, 2, 4
 
 
-def _plan(dp: int, block: BlockPlan | None = None, root: BlockPlan | None = None, m: int = 1) -> Plan:
+def _plan(dp: int, block: BlockPlan | None = None, root: BlockPlan | None = None, m: int = 1, **kw) -> Plan:
     return Plan.uniform(CFG.n_layers, dp=dp, block=block, root=root, micro_batch_size=MBS, num_microbatches=m,
-                        seq_len=SEQ)
+                        seq_len=SEQ, **kw)
 
 
 # name -> (plan, LoRA applied)
@@ -51,6 +51,8 @@ TWO = {
     "zero3_offload_optimizer": (_plan(2, BlockPlan(zero=3, offload_optimizer=True), BlockPlan(zero=1)), False),
     "offload_params": (_plan(2, BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3), m=2), False),
     "lora_zero3": (_plan(2, BlockPlan(zero=3, activations="recompute"), BlockPlan(zero=2), m=2), True),
+    # pipeline stages count their own activations and are FSDP2 root units of their own
+    "pp2_1f1b": (_plan(1, m=4, pp=2, schedule="1f1b"), False),
 }
 
 

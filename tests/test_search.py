@@ -135,7 +135,7 @@ def test_local_cpu_cluster_plan_validates(world, tiny_profile):
 def test_knapsack_matches_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(20):
-        opts = [Cost(int(rng.integers(1, 40)) * 1000, 0, 0, float(rng.uniform(1, 10)), 0.0) for _ in range(4)]
+        opts = [Cost(int(rng.integers(1, 40)) * 1000, 0, 0, 0, float(rng.uniform(1, 10)), 0.0) for _ in range(4)]
         n, cap = 4, float(rng.integers(40, 120) * 1000)
         table = knapsack(None, opts, [0] * 4, [], resident=1, m=1, cap=cap, n_max=n, buffers=(0.0, 0.0))
         best = min((sum(opts[i].t_mb for i in combo) for combo in itertools.product(range(4), repeat=n)

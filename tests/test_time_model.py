@@ -95,3 +95,69 @@ def test_measured_piece_times_are_used_on_their_device():
     pred = estimate(Plan.uniform(8, seq_len=1024, compute_dtype="bfloat16", num_microbatches=2), prof,
                     parse_cluster("cpu"))
     assert pred.time_by_phase["compute"] == pytest.approx(2 * 10 * 0.03)
+
+
+def _cpu_cluster(ranks: int, contention: float = 1.0):
+    """`ranks` x this machine's CPU: 2 cores, known FSDP2 costs and contention measured for 2 ranks only."""
+    cluster = parse_cluster(f"{ranks}xcpu")
+    h = cluster.nodes[0].host
+    h.cores = 2
+    h.fsdp = {"2": {"gather": [1e-3, 1e-9], "regather": [5e-4, 1e-9], "reduce": [2e-3, 2e-9],
+                    "contention": [contention]}}
+    return cluster
+
+
+def _measured(prof):
+    prof.device = "cpu"
+    for p in prof.pieces:
+        p.fwd_time_s, p.bwd_time_s = 0.01, 0.02
+    return prof
+
+
+def test_cpu_ranks_pay_fsdp_costs_per_unit_and_zero3_gathers_twice():
+    """On CPU ranks FSDP2's measured costs add up (nothing overlaps): zero 3 > zero 1-2 > zero 0 by the hand sums."""
+    prof, cluster = _measured(synthetic_profile(dtype="float32")), _cpu_cluster(2)
+    bp = 10_000_000 * 4  # a block's parameter bytes (fp32)
+    root_bytes = 2_000_000 * 4  # embedding + head
+
+    def comm(zero):
+        plan = Plan.uniform(8, dp=2, block=BlockPlan(zero=zero), root=BlockPlan(zero=zero), seq_len=1024,
+                            num_microbatches=1)
+        return estimate(plan, prof, cluster).time_by_phase["dp_comm_exposed"]
+
+    reduce = sum(2e-3 + 2e-9 * n * 4 for n in [1_000_000] + [10_000_000] * 8 + [1_000_000])
+    assert comm(0) == pytest.approx(9 * 1e-3 + reduce)  # copies and hooks, no sharded bytes
+    assert comm(2) == pytest.approx(8 * (1e-3 + 1e-9 * bp) + 1e-3 + 1e-9 * root_bytes + reduce)
+    assert comm(3) == pytest.approx(comm(2) + 8 * (5e-4 + 1e-9 * bp))
+
+
+def test_cpu_ranks_beyond_the_cores_slow_down_and_gpus_ignore_host_fsdp_costs():
+    prof = _measured(synthetic_profile(dtype="float32"))
+    plan = lambda dp: Plan.uniform(8, dp=dp, seq_len=1024, num_microbatches=1)  # noqa: E731
+    two, four = estimate(plan(2), prof, _cpu_cluster(2, 1.25)), estimate(plan(4), prof, _cpu_cluster(4, 1.25))
+    assert two.time_by_phase["compute"] == pytest.approx(10 * 0.03 * 1.25)
+    # 4 ranks measured as 2: twice as slow on 2 cores, FSDP2's costs too
+    assert four.time_by_phase["compute"] == pytest.approx(2 * two.time_by_phase["compute"])
+    assert four.time_by_phase["dp_comm_exposed"] == pytest.approx(2 * two.time_by_phase["dp_comm_exposed"])
+    measured_four = _cpu_cluster(4, 1.25)
+    measured_four.nodes[0].host.fsdp["4"] = {**measured_four.nodes[0].host.fsdp["2"], "contention": [3.0]}
+    assert estimate(plan(4), prof, measured_four).time_by_phase["compute"] == pytest.approx(10 * 0.03 * 3.0)
+    gpu = parse_cluster("2xA100-80GB")
+    before = estimate(_plan(dp=2, block=BlockPlan(zero=3)), synthetic_profile(), gpu).step_time_s
+    gpu.nodes[0].host.fsdp = _cpu_cluster(2).nodes[0].host.fsdp
+    assert estimate(_plan(dp=2, block=BlockPlan(zero=3)), synthetic_profile(), gpu).step_time_s == before
+
+
+def test_unmeasured_pieces_have_a_dispatch_floor_and_scaling_keeps_measured_fixed_time():
+    prof, cpu = synthetic_profile(), parse_cluster("cpu").nodes[0].gpu
+    block = prof.blocks[0]
+    roofline = piece_compute(block, cpu, "bfloat16", None)
+    block.fwd_ops = block.bwd_ops = 10_000
+    floor = piece_compute(block, cpu, "bfloat16", None)
+    assert floor[0] == pytest.approx(roofline[0] + 10_000 * cpu.op_overhead_s)  # CPU: dispatch adds
+    h100 = parse_cluster("H100").nodes[0].gpu
+    assert piece_compute(block, h100, "bfloat16", None)[0] == pytest.approx(
+        max(block.fwd_flops / h100.flops_per_s("bfloat16") + block.fwd_mem_bytes / h100.mem_bytes_per_s(),
+            10_000 * h100.op_overhead_s))  # GPU: the host dispatches ahead, the slower one counts
+    block.fwd_time_s, block.fwd_fixed_s = 0.010, 0.004
+    assert prof.scaled(prof.micro_batch_size * 4).blocks[0].fwd_time_s == pytest.approx(0.004 + 4 * 0.006)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
@@ -32,6 +32,9 @@ class GPU:
     matmul_efficiency: float = 0.6
     mem_efficiency: float = 0.75
     context_bytes: int = GiB // 2  # CUDA context + library workspaces, outside the allocator
+    # Host time to dispatch one operator under autograd (eager PyTorch): a small microbatch's floor.
+    # Measured for this machine's CPU by profile_hardware; a typical figure for catalogue GPUs.
+    op_overhead_s: float = 10e-6
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matmul rate; dtypes the card lacks (bf16 on V100/T4) fall back to float16, then float32."""
@@ -56,6 +59,12 @@ class Host:
     ram_bytes: int = 256 * GiB
     adam_params_per_s: float = 1.5e9  # fused CPU AdamW (fp32 master + 2 states), all cores
     cores: int = 32
+    # What FSDP2 costs between N local CPU ranks (N = "2", and twice the cores), measured by profile_hardware and
+    # used where this host's CPU is the device (plan/timing.py): "gather" per unit and microbatch (zero 1-2),
+    # "regather" zero 3's extra, "reduce" per unit and step, each [seconds, seconds per byte of the unit's
+    # parameters]; "contention": [how many times slower each rank computes with N running]. Catalogue hosts
+    # have none: on GPUs the link's alpha-beta model and overlap with kernels apply instead.
+    fsdp: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
 
 def _gpu(name, mem_gb, fp32, tf32, bf16, fp16, hbm, pcie, nvlink=None, inter="eth-25g") -> GPU:
@@ -119,6 +128,13 @@ def default_cpu() -> GPU:
                matmul_efficiency=1.0, mem_efficiency=1.0, context_bytes=0)
 
 
+def _known(cls, d: dict):
+    """cls from the fields it has: a measurement cached by an older snugfit still loads (what it lacks
+    stays at the default, and `snugfit profile-hardware` measures it)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
 @dataclass
 class LocalHardware:
     """What profile_hardware measured here, in catalogue form."""
@@ -132,7 +148,8 @@ class LocalHardware:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LocalHardware":
-        return cls(GPU(**d["device"]), Host(**d["host"]), {k: Link(**v) for k, v in d.get("links", {}).items()})
+        links = {k: Link(**v) for k, v in d.get("links", {}).items()}
+        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links)
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ datasheet hardware alike. Kept short (about 10-20 s on 2 cores).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -51,6 +52,19 @@ def _copy_gbps(nbytes: int, src: str, dst: str, sync, pin: bool = False) -> floa
     return moved / _best_time(run, 3) / 1e9
 
 
+def op_overhead_s(device: str, sync, n: int = 200) -> float:
+    """Seconds per operator of a forward + backward through n tiny ops: dispatch and autograd, no math."""
+    x = torch.ones(4, device=device, requires_grad=True)
+
+    def run():
+        y = x
+        for _ in range(n):
+            y = y * 1.0
+        y.sum().backward()
+        sync()
+    return _best_time(run, 5) / (2 * n)  # each forward op has one backward op
+
+
 def _adam_params_per_s(n: int) -> float:
     p = torch.zeros(n, requires_grad=True)
     p.grad = torch.randn(n)
@@ -62,6 +76,64 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+FSDP_UNITS = 8  # units timed for FSDP2's own costs
+FSDP_WIDTHS = (8, 256)  # two unit sizes: a line through them gives a fixed and a per-byte cost
+
+
+def _fsdp_costs(world: int) -> dict[str, list[float]]:
+    """FSDP2's costs between `world` ranks on this machine's CPU, each as [seconds, seconds per byte of the
+    unit's parameters]: "gather" per unit and microbatch (zero 1-2: forward all-gather, hooks, copy-in/out),
+    "regather" the extra of zero 3 (backward gathers again), "reduce" per unit and step (gradient sync).
+
+    Measured rather than derived from the link: on CPU these collectives, FSDP2's copies and
+    its hooks share the cores with compute, and dominate the step of a small model.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def step_time(width: int, reshard: bool | None, sync: bool = False) -> float:
+        units = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
+                                      for _ in range(FSDP_UNITS)])
+        if reshard is not None:
+            for u in units:
+                fully_shard(u, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(units, mesh=mesh)
+            units.set_requires_gradient_sync(sync)
+        x = torch.randn(4, width)
+
+        def step():
+            units(x).sum().backward()
+        _best_time(step, 2)
+        torch.distributed.barrier()
+        return _best_time(step, 5) / FSDP_UNITS
+
+    points: dict[str, list[tuple[float, float]]] = {"gather": [], "regather": [], "reduce": []}
+    for width in FSDP_WIDTHS:
+        nbytes = 2 * (width * width + width) * 4
+        plain, kept, resharded = step_time(width, None), step_time(width, False), step_time(width, True)
+        synced = step_time(width, False, sync=True)
+        for name, t in (("gather", kept - plain), ("regather", resharded - kept), ("reduce", synced - kept)):
+            points[name].append((nbytes, max(t, 0.0)))
+    out = {}
+    for name, ((b1, t1), (b2, t2)) in points.items():
+        per_byte = max((t2 - t1) / (b2 - b1), 0.0)
+        out[name] = [max(t1 - per_byte * b1, 0.0), per_byte]
+    return out
+
+
+def _compute_probe() -> float:
+    """Seconds of a fixed single-threaded matmul loop (about 0.3 s here): timed alone, then on every rank at
+    once. The whole loop, not the best of short runs: ranks crowding the cores take turns in time slices."""
+    a = torch.randn(256, 256)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(300):
+        a @ a
+    return time.perf_counter() - t0
 
 
 def _collective_worker(rank: int, world: int, port: int, out: str, nbytes: int) -> None:
@@ -77,16 +149,20 @@ def _collective_worker(rank: int, world: int, port: int, out: str, nbytes: int) 
         dist.barrier()
         lat = _best_time(lambda: dist.all_reduce(small), 5)
         t = _best_time(lambda: dist.all_reduce(x), 3)
+        fsdp = _fsdp_costs(world)
+        dist.barrier()
+        together = _compute_probe()
         if rank == 0:
             # ring all-reduce moves 2 (w-1)/w of the buffer over each rank's link
             gbps = 2 * (world - 1) / world * nbytes / max(t - lat, 1e-9) / 1e9
-            Path(out).write_text(f"{gbps} {lat}")
+            Path(out).write_text(json.dumps({"gbps": gbps, "latency": lat, "fsdp": fsdp, "together": together}))
     finally:
         dist.destroy_process_group()
 
 
-def measure_collectives(world: int = 2, nbytes: int = 16 * 2**20) -> Link:
-    """All-reduce bus bandwidth and latency between `world` local gloo processes."""
+def measure_collectives(world: int = 2, nbytes: int = 16 * 2**20) -> tuple[Link, dict[str, list[float]], float]:
+    """All-reduce bus bandwidth and latency between `world` local gloo processes, FSDP2's costs there
+    (`_fsdp_costs`), and how long `_compute_probe` takes while every rank runs it."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
@@ -95,8 +171,26 @@ def measure_collectives(world: int = 2, nbytes: int = 16 * 2**20) -> Link:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
         mp.start_processes(_collective_worker, args=(world, _free_port(), out, nbytes), nprocs=world, join=True,
                            start_method=method)
-        gbps, lat = map(float, Path(out).read_text().split())
-    return Link("gloo-loopback", gbps, lat)
+        r = json.loads(Path(out).read_text())
+    return Link("gloo-loopback", r["gbps"], r["latency"]), r["fsdp"], r["together"]
+
+
+MAX_CROWDED = 8  # most local ranks measured (twice the cores, on machines small enough to be crowded)
+
+
+def measure_local_ranks(host: Host) -> Link:
+    """Fill host.fsdp for 2 local ranks and for twice as many ranks as cores (where ranks crowd the cores);
+    return the gloo link measured between 2."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    alone = _compute_probe()
+    torch.set_num_threads(threads)
+    link = None
+    for world in sorted({2} | ({2 * host.cores} if 2 * host.cores <= MAX_CROWDED else set())):
+        measured, costs, together = measure_collectives(world)
+        link = link or measured
+        host.fsdp[str(world)] = {**costs, "contention": [max(1.0, together / alone)]}
+    return link
 
 
 def _host_ram() -> int:
@@ -123,7 +217,8 @@ def profile_hardware(out: str | Path | None = None, collectives: bool = True) ->
         links["pcie-local"] = Link("pcie-local", min(h2d, d2h), 10e-6)
         hbm = _copy_gbps(512 * 2**20, dev, dev, sync)
         name = f"local-{acc.type}"
-        device = GPU(name, mem, tflops, hbm, 0, None, "gloo-loopback", 1.0, 1.0, GiB // 2)
+        device = GPU(name, mem, tflops, hbm, 0, None, "gloo-loopback", 1.0, 1.0, GiB // 2,
+                     op_overhead_s=op_overhead_s(dev, sync))
     else:
         sync = lambda: None  # noqa: E731
         base = default_cpu()
@@ -131,9 +226,9 @@ def profile_hardware(out: str | Path | None = None, collectives: bool = True) ->
                   "bfloat16": _matmul_tflops(torch.bfloat16, 128, "cpu", sync)}
         hbm = _copy_gbps(32 * 2**20, "cpu", "cpu", sync)
         device = GPU("cpu", host.ram_bytes, tflops, hbm, 0, None, "gloo-loopback",
-                     base.matmul_efficiency, base.mem_efficiency, 0)
+                     base.matmul_efficiency, base.mem_efficiency, 0, op_overhead_s=op_overhead_s("cpu", sync))
     if collectives:
-        links["gloo-loopback"] = measure_collectives()
+        links["gloo-loopback"] = measure_local_ranks(host)
     local = LocalHardware(device, host, links)
     local.save(out or hardware_cache_path())
     return local

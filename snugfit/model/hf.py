@@ -36,6 +36,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from snugfit.errors import SnugfitError
 from snugfit.model.decoder import cross_entropy
+from snugfit.model.lora import init_adapters, merged_state_dict, plain_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -292,14 +293,16 @@ def load_hf(path: str | Path, blocks: set[int] | None = None, device: str | torc
 
 
 def materialize(model: HFCausalLM, device: str | torch.device, folder: str | Path,
-                index: dict[str, Path] | None = None) -> list[str]:
+                index: dict[str, Path] | None = None, seed: int = 0) -> list[str]:
     """Allocate a meta-device model (possibly FSDP2-sharded) on `device` and fill it from `folder`.
 
     The rotary embedding's inverse frequencies are derived from the config, not
-    stored, so they are recomputed; a tied head shares the embedding again.
-    Returns the names of the tensors read.
+    stored, so they are recomputed; a tied head shares the embedding again; LoRA
+    adapters, which no checkpoint holds, are drawn from `seed` as `apply_lora`
+    draws them. Returns the names of the tensors read.
     """
     model.to_empty(device=device)
+    init_adapters(model, seed)
     if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
         out = model.head[-1] if isinstance(model.head, nn.Sequential) else model.head
         if out.weight is not model.embed.tokens.weight:  # to_empty gives each module its own tensor
@@ -327,8 +330,6 @@ def load_weights(model: HFCausalLM, folder: str | Path, index: dict[str, Path] |
     (a model built on the meta device, sharded, then `to_empty`) read only
     their local rows.
     """
-    from snugfit.model.lora import plain_named_tensors
-
     folder = Path(folder)
     index = index if index is not None else _weight_index(folder)
     targets = plain_named_tensors(model)  # LoRA-wrapped layers load their base weights
@@ -378,8 +379,6 @@ def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Te
     the folder is a plain HF model. `state_dict`: full tensors under the
     model's names (e.g. gathered from a sharded engine); default: the model's own.
     """
-    from snugfit.model.lora import merged_state_dict
-
     if not isinstance(model, HFCausalLM):
         raise SnugfitError("save_hf needs an HFCausalLM; export the built-in Decoder with `snugfit export`")
     sd = merged_state_dict(model, state_dict)

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from snugfit.errors import SnugfitError
 
@@ -58,9 +59,12 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def reset_adapter(self, generator: torch.Generator | None = None) -> None:
-        """A ~ Kaiming-uniform (as nn.Linear), B = 0."""
+        """A ~ Kaiming-uniform (as nn.Linear), B = 0; drawn whole on CPU, so a sharded A keeps its own rows of it."""
         bound = 1.0 / math.sqrt(self.lora_a.shape[1])
         a = torch.rand(self.lora_a.shape, generator=generator, dtype=torch.float32) * 2 * bound - bound
+        if isinstance(self.lora_a, DTensor):  # FSDP2 sharded it (a model built on meta, filled after sharding)
+            a = distribute_tensor(a.to(self.lora_a.device), self.lora_a.device_mesh, self.lora_a.placements,
+                                  src_data_rank=None)
         self.lora_a.copy_(a)
         self.lora_b.zero_()
 
@@ -96,20 +100,28 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
     model.requires_grad_(False)
     wrapped, candidates = [], set()
     for bname, block in model.blocks.items():
-        gen = torch.Generator().manual_seed(seed * 100_003 + int(bname))
         for name, mod in list(block.named_modules()):
             if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
                 candidates.add(re.sub(r"^layer\.", "", name))
             if name and any(name == t or name.endswith("." + t) for t in targets) and not isinstance(mod, LoRALinear):
                 parent_name, _, leaf = name.rpartition(".")
-                lora = LoRALinear(mod, rank, alpha, dropout)
-                lora.reset_adapter(gen)
-                setattr(block.get_submodule(parent_name), leaf, lora)
+                setattr(block.get_submodule(parent_name), leaf, LoRALinear(mod, rank, alpha, dropout))
                 wrapped.append(f"blocks.{bname}.{name}")
     if not wrapped and len(model.blocks):
         raise SnugfitError(f"LoRA targets {list(targets)} match no layer; "
                            f"linear layers of a block: {sorted(candidates)}")
+    init_adapters(model, seed)
     return wrapped
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Adapters from one generator per block (seed, block index), in module order: the same values on every
+    rank and pipeline split, and again after a meta-device model is allocated (`model.hf.materialize`)."""
+    for bname, block in model.blocks.items():
+        gen = torch.Generator().manual_seed(seed * 100_003 + int(bname))
+        for mod in block.modules():
+            if isinstance(mod, LoRALinear):
+                mod.reset_adapter(gen)
 
 
 _PIECES = ("embed", "norm", "head", "blocks")

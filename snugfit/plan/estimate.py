@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.memory import device_bytes, host_bytes, rank_memory, rank_stages
+from snugfit.plan.memory import StagePiece, device_bytes, host_bytes, rank_memory, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
@@ -31,6 +31,43 @@ def _dp_group(plan: Plan, pp_rank: int) -> list[int]:
     return [pp_rank * plan.dp + i for i in range(plan.dp)]
 
 
+def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
+    """rank -> the first rank alike to it (same pipeline rank, same kind of node, same data-parallel link).
+
+    Alike ranks have the same times and memory, so estimate() computes each kind once: a
+    1024-GPU plan then costs what its pipeline ranks cost, not 1024 walks of the schedule.
+    """
+    first: dict[tuple, int] = {}
+    out = {}
+    for rank in range(plan.world_size):
+        pp_rank = rank // plan.dp
+        node = cluster.nodes[cluster.node_of(rank)]
+        key = (pp_rank, repr(node), repr(cluster.link_for(_dp_group(plan, pp_rank))))
+        out[rank] = first.setdefault(key, rank)
+    return out
+
+
+def stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster) -> tuple[
+        dict[int, dict[int, list[StagePiece]]], dict[int, int], dict[int, dict[int, StageTime]]]:
+    """(pipeline rank -> stage -> pieces, rank -> its kind's first rank, kind rank -> stage -> times per microbatch).
+
+    prof: already scaled to the plan's micro-batch size.
+    """
+    stages_of = {r: rank_stages(plan, prof, r) for r in range(plan.pp)}
+    kind = _rank_kinds(plan, cluster)
+    times: dict[int, dict[int, StageTime]] = {}
+    for rank in sorted(set(kind.values())):
+        pp_rank = rank // plan.dp
+        node = cluster.nodes[cluster.node_of(rank)]
+        dp_link = cluster.link_for(_dp_group(plan, pp_rank))
+        times[rank] = {
+            k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.dp,
+                          dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped)
+            for k, sps in stages_of[pp_rank].items()
+        }
+    return stages_of, kind, times
+
+
 def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_bytes: int | None = None) -> Prediction:
     """Predict per-rank peak memory by category and step time by phase; fills and returns plan.predicted.
 
@@ -44,21 +81,10 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
     if profile.micro_batch_size != plan.micro_batch_size:
         notes.append(f"profile scaled linearly from micro-batch {profile.micro_batch_size}")
 
-    # -- per-rank stage times --
-    times: dict[int, dict[int, StageTime]] = {}
-    stages_of = {r: rank_stages(plan, prof, r) for r in range(pp)}
-    for rank in range(plan.world_size):
-        pp_rank = rank // dp
-        node = cluster.nodes[cluster.node_of(rank)]
-        dp_link = cluster.link_for(_dp_group(plan, pp_rank))
-        times[rank] = {
-            k: stage_time(sps, gpu=node.gpu, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=dp,
-                          dp_link=dp_link, pcie=node.pcie, measured_on=prof.device)
-            for k, sps in stages_of[pp_rank].items()
-        }
+    stages_of, kind, times = stage_times(plan, prof, cluster)
     # the slowest data-parallel member sets each stage's pace
-    f = [max(times[r][k].f_total for r in _dp_group(plan, k % pp)) for k in range(n_stages)]
-    b = [max(times[r][k].b_total for r in _dp_group(plan, k % pp)) for k in range(n_stages)]
+    f = [max(times[kind[r]][k].f_total for r in _dp_group(plan, k % pp)) for k in range(n_stages)]
+    b = [max(times[kind[r]][k].b_total for r in _dp_group(plan, k % pp)) for k in range(n_stages)]
     p2p, move = [0.0] * n_stages, [0.0] * n_stages
     for k in range(n_stages):
         r = (k % pp) * dp
@@ -71,19 +97,19 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
     sim = simulate(plan.schedule, pp, m, f, b, v=v, p2p=p2p, bound=bound, move=move)
 
     # -- per-rank totals --
-    mem, tracked, step, phases_of = [], [], -1.0, {}
-    for rank in range(plan.world_size):
+    mem, tracked, step, phases_of = {}, {}, -1.0, {}
+    for rank in sorted(set(kind.values())):
         pp_rank = rank // dp
         node = cluster.nodes[cluster.node_of(rank)]
         rm = rank_memory(plan, prof, node.gpu, rank, sim)
-        mem.append(rm.cats)
-        tracked.append(rm.tracked)
+        mem[rank], tracked[rank] = rm.cats, rm.tracked
         notes += rm.notes
         sts = times[rank]
         pieces = [sp for k in sorted(sts) for sp in stages_of[pp_rank][k]]
         bwd_last = sum(st.bwd + st.recompute for st in sts.values())
         reduce = grad_reduce_exposed([(sts[k], stages_of[pp_rank][k]) for k in sorted(sts)], dp,
-                                     cluster.link_for(_dp_group(plan, pp_rank)), bwd_last)
+                                     cluster.link_for(_dp_group(plan, pp_rank)), bwd_last,
+                                     cpu=node if node.gpu.name == "cpu" else None)
         ranks_on_host = cluster.nodes[cluster.node_of(rank)].count
         opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
@@ -100,8 +126,9 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
         if total > step:
             step, phases_of = total, phases
     phases_of["bubble"] = max(0.0, step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble"))
-    pred = _finish(plan, prof, cluster, mem, step, phases_of, sim, notes, memory_budget_bytes)
-    pred.tracked_by_rank = tracked
+    pred = _finish(plan, prof, cluster, [mem[kind[r]] for r in range(plan.world_size)], step, phases_of, sim,
+                   notes, memory_budget_bytes)
+    pred.tracked_by_rank = [tracked[kind[r]] for r in range(plan.world_size)]
     return pred
 
 

@@ -14,7 +14,7 @@ Pure: no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from snugfit.plan.memory import (
     FRAGMENTATION, StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, param_state,
 )
 from snugfit.plan.plan import BlockPlan, Plan
-from snugfit.plan.timing import optimizer_time, ring_time, stage_time
+from snugfit.plan.timing import optimizer_time, reduce_time, stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
 BUCKETS = 128  # memory resolution (rounded up: conservative by < blocks / BUCKETS of a stage's budget)
@@ -37,12 +37,15 @@ class Cost:
 
     static: int  # device bytes held all step (parameters, states, gathered copies of a zero 0-2 piece)
     grads: int  # device gradient bytes at the peak: unsharded (accumulating, or fresh in the first backward)
+    grads_reduced: int  # the same with one microbatch: only the reduced shard (sync is on as it is made)
     act: int  # device bytes per resident microbatch
     t_mb: float  # seconds per microbatch (forward, backward, recompute, exposed transfers)
     t_step: float  # seconds once per step (optimizer, gradient reduction)
+    host: int = 0  # host bytes held all step (offloaded parameters, gradients, optimizer states)
+    host_act: int = 0  # host bytes per resident microbatch (offloaded activations)
 
     def mem(self, resident: float, m: int) -> float:
-        return self.static + self.grads + resident * self.act
+        return self.static + (self.grads if m > 1 else self.grads_reduced) + resident * self.act
 
     def time(self, m: int) -> float:
         return m * self.t_mb + self.t_step
@@ -50,7 +53,11 @@ class Cost:
     @staticmethod
     def total(costs: list["Cost"]) -> "Cost":
         """Pieces that share one decision (embedding and head: the root) as one item."""
-        return Cost(*(sum(getattr(c, f) for c in costs) for f in ("static", "grads", "act", "t_mb", "t_step")))
+        return Cost(*(sum(getattr(c, f) for c in costs)
+                      for f in ("static", "grads", "grads_reduced", "act", "t_mb", "t_step", "host", "host_act")))
+
+    def host_mem(self, resident: float) -> float:
+        return self.host + resident * self.host_act
 
 
 def resident_microbatches(schedule: str, pp: int, m: int, s: int, v: int = 1, bound: int | None = None) -> float:
@@ -89,7 +96,7 @@ class StageCosts:
         self.gpu = self.node.gpu
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
         self.dp_link = cluster.link_for(list(range(rank, rank + dp)))
-        self.stub = Plan(dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
+        self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
         self._cache: dict[tuple, Cost] = {}
 
     def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
@@ -100,23 +107,23 @@ class StageCosts:
 
     def _cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
         sp = StagePiece(p, o, p.num_params)
-        dev, _ = param_state(self.stub, sp)
-        dev.pop("gradients", 0)  # the reduced shard: below the unsharded gradients the peak holds
+        dev, host = param_state(self.stub, sp)
+        reduced = dev.pop("gradients", 0)  # the reduced shard: below the unsharded gradients the peak holds
         static = sum(dev.values())
         if not sp.is_block and o.zero == 3:  # the root's gathered copy stays from forward through backward
             static += gathered_bytes(self.stub, sp)
-        kw = dict(gpu=self.gpu, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
-                  pcie=self.node.pcie, measured_on=self.measured_on)
+        unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
+        kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
+                  measured_on=self.measured_on, wrapped=not unwrapped)
         one, two = stage_time([sp], **kw), stage_time([sp, sp], **kw)  # the marginal block: no first gather
         t_mb = two.f_total + two.b_total - one.f_total - one.b_total
         opt_dev, opt_host = optimizer_time([sp], gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
                                            reduce_dtype=self.rdtype, pcie=self.node.pcie,
                                            ranks_on_host=self.node.count, bwd_last=0.0)
-        g, c = DTYPE_BYTES[self.rdtype], DTYPE_BYTES[self.dtype]
-        reduce = ring_time("all_reduce" if o.zero <= 1 else "reduce_scatter", sp.n_params * g, self.dp, self.dp_link)
-        if o.zero in (1, 2):
-            reduce += ring_time("all_gather", sp.n_params * c, self.dp, self.dp_link)
-        return Cost(static, accumulating_grad_bytes(self.stub, sp), device_saved(sp), t_mb, opt_dev + opt_host + reduce)
+        reduce = reduce_time(sp, sp.n_trainable * DTYPE_BYTES[self.rdtype], self.dp, self.dp_link)
+        host_act = p.saved_bytes["keep"] if o.activations == "offload" and sp.is_block else 0
+        return Cost(static, accumulating_grad_bytes(self.stub, sp), reduced, device_saved(sp), t_mb,
+                    opt_dev + opt_host + reduce, sum(host.values()), host_act)
 
 
 def pareto(items: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
@@ -155,13 +162,24 @@ class Table:
         return sum(self.blocks[i].t_mb for i in idx) + (self.root[r].t_mb if r is not None else 0.0)
 
 
-def _layer(f: np.ndarray, items: list[tuple[float, float, int]], w: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """One more item: g[b] = min over options j of f[b - w_j] + t_j."""
-    src = np.arange(BUCKETS + 1)[None, :] - np.asarray(w)[:, None]
-    t = np.array([it[1] for it in items])[:, None]
-    cand = np.where(src >= 0, f[np.maximum(src, 0)] + t, INF)
-    arg = cand.argmin(axis=0)
-    return cand[arg, np.arange(BUCKETS + 1)], arg
+class _Layer:
+    """Adds one item to a knapsack table: g[b] = min over options j of f[b - w_j] + t_j.
+
+    The gather indices depend only on the weights, so they are built once per item set
+    and reused for every block added (the search adds thousands of layers).
+    """
+
+    def __init__(self, items: list[tuple[float, float, int]], w: list[int]):
+        src = np.arange(BUCKETS + 1)[None, :] - np.asarray(w)[:, None]
+        self.src = np.maximum(src, 0)
+        # out-of-range sources cost infinity: added as a penalty row to the item times
+        self.t = np.where(src >= 0, np.array([it[1] for it in items])[:, None], INF)
+        self.cols = np.arange(BUCKETS + 1)
+
+    def __call__(self, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        cand = f[self.src] + self.t
+        arg = cand.argmin(axis=0)
+        return cand[arg, self.cols], arg
 
 
 def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root_kinds: list[int], *,
@@ -193,11 +211,11 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root
             ritems = [it for it in ritems if it[0] <= c]
             if not ritems:
                 continue
-            f, arg = _layer(f, ritems, [math.ceil(x / unit) for x, _, _ in ritems])
+            f, arg = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems])(f)
             root_sol = (arg, ritems)
-        args = []
+        args, layer = [], _Layer(items, w)
         for n in range(1, n_max + 1):
-            f, arg = _layer(f, items, w)
+            f, arg = layer(f)
             args.append(arg)
             if not math.isfinite(f[BUCKETS]):
                 break

@@ -190,8 +190,10 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
     all_pieces = [sp for k in sorted(stages) for sp in stages[k]]
     static: dict[str, int] = {}
     host: dict[str, int] = {}
+    shard_grads: dict[str, int] = {}  # each piece's reduced gradient on device
     for sp in all_pieces:
         dev, h = param_state(plan, sp)
+        shard_grads[sp.piece.name] = dev.get("gradients", 0)
         _add(static, dev)
         _add(host, h)
     reduced = static.pop("gradients", 0)
@@ -202,6 +204,8 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
     zero3 = [gathered_bytes(plan, sp) for sp in all_pieces if sp.is_block and sp.decision.zero == 3]
     fresh = {sp.piece.name: accumulating_grad_bytes(plan, sp) for sp in all_pieces}
     accum = sum(fresh.values()) if plan.num_microbatches > 1 else reduced
+    if plan.num_microbatches == 1:  # the only microbatch syncs: each piece's gradient is reduced as it is made
+        fresh = shard_grads
     offloaded = [sp.piece.saved_bytes["keep"] for sp in all_pieces if device_saved(sp) == 0 and sp.piece.name != "embed"]
     window = 2 * max(offloaded) if offloaded else 0
     per_mb = {k: sum(device_saved(sp) for sp in sps) for k, sps in stages.items()}

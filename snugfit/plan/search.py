@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.estimate import estimate
+from snugfit.plan.estimate import HOST_USABLE, estimate
 from snugfit.plan.knapsack import (
     BUCKETS, INF, Cost, StageCosts, knapsack, resident_microbatches, split, usable, with_reserve, working,
 )
@@ -146,6 +146,7 @@ class Searcher:
         self._scaled: dict[int, ModelProfile] = {}
         self._costs: dict[tuple, StageCosts] = {}
         self._opts: dict[tuple[int, bool], list[BlockPlan]] = {}
+        self._fastest_of: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.verified, self.verify_s = 0, 0.0
         self.cpu_only = all(n.gpu.name == "cpu" for n in cluster.nodes)
 
@@ -203,13 +204,22 @@ class Searcher:
         """Every block at its fastest option, perfectly balanced over the fastest GPU kind."""
         best = INF
         for s in {self.cluster.node_of(s * cand.dp): s for s in range(cand.pp)}.values():
-            st, blk, _, opts, ropts, _ = self._stage(cand, s)
-            prof = self.profile(cand.mbs)
-            tb = min(st.cost(blk, o).time(cand.m) for o in opts)
-            tr = min(st.cost(prof.embed, o).time(cand.m) + st.cost(prof.head, o).time(cand.m) for o in ropts)
-            t_mb = min(st.cost(blk, o).t_mb for o in opts)
+            tb, tr, t_mb = self._fastest(cand, s)
             best = min(best, (self.n * tb + tr) / cand.pp + (cand.pp - 1) / cand.v * self.n * t_mb / cand.pp)
         return best
+
+    def _fastest(self, cand: Candidate, s: int) -> tuple[float, float, float]:
+        """(block seconds per step, root seconds per step, block seconds per microbatch) at the fastest options;
+        shared by the candidates (schedules) of one kind of stage and microbatch count."""
+        st, blk, _, opts, ropts, _ = self._stage(cand, s)
+        key = (id(st), cand.m)
+        if key not in self._fastest_of:
+            prof = self.profile(cand.mbs)
+            self._fastest_of[key] = (
+                min(st.cost(blk, o).time(cand.m) for o in opts),
+                min(st.cost(prof.embed, o).time(cand.m) + st.cost(prof.head, o).time(cand.m) for o in ropts),
+                min(st.cost(blk, o).t_mb for o in opts))
+        return self._fastest_of[key]
 
     def need(self, cand: Candidate, offload: bool = True) -> tuple[int, int, BlockPlan | None]:
         """(device bytes, of which static, block option) of the least-memory assignment on the worst GPU
@@ -246,7 +256,10 @@ class Searcher:
         return 2 * blk.num_params * DTYPE_BYTES[self.prof.dtype], 2 * blk.saved_bytes["keep"]
 
     def _extra(self, cand: Candidate, o: BlockPlan) -> float:
-        return sum(b for bit, b in zip((1, 2), self._buffers(cand)) if _kind(o) & bit)
+        kind = _kind(o)
+        if not kind:
+            return 0.0
+        return sum(b for bit, b in zip((1, 2), self._buffers(cand)) if kind & bit)
 
     def solve(self, cand: Candidate, slack: float = 0.0) -> None:
         """Fill cand.plan (None if nothing fits the knapsack) and cand.score."""
@@ -255,9 +268,13 @@ class Searcher:
         if sum(self._room(cand, s, slack) for s in range(pp)) < self.n:
             cand.plan, cand.score = None, INF
             return
-        tables, opts, ropts = [], [], []
+        tables, opts_of, ropts_of = [], [], []
         for s in range(pp):
             st, blk, roots, opts, ropts, r = self._stage(cand, s)
+            opts = self._host_fits(cand, st, blk, roots, opts, r)
+            ropts = self._host_fits(cand, st, None, roots, ropts, r)
+            opts_of.append(opts)
+            ropts_of.append(ropts)
             rcost = None
             if roots:
                 rcost = [Cost.total([st.cost(p, o) for p in roots]) for o in ropts]
@@ -271,9 +288,21 @@ class Searcher:
             return
         bubble = (pp - 1) / cand.v * max(t.t_mb(k) for t, k in zip(tables, sizes))
         cand.score = max(t.best[k] for t, k in zip(tables, sizes)) + bubble
-        cand.plan = self._build(cand, [t.choices(k) for t, k in zip(tables, sizes)], sizes, opts, ropts)
+        cand.plan = self._build(cand, [t.choices(k) for t, k in zip(tables, sizes)], sizes, opts_of, ropts_of)
 
-    def _build(self, cand: Candidate, choices, sizes: list[int], opts, ropts) -> Plan:
+    def _host_fits(self, cand: Candidate, st: StageCosts, blk, roots, opts: list[BlockPlan],
+                   r: float) -> list[BlockPlan]:
+        """The options whose host memory fits this rank's share of its node's RAM even if every block of an
+        even split took them (the knapsack weighs device bytes only; estimate() checks host memory)."""
+        if self.cpu_only:  # host and device are one memory: the budget already covers it
+            return opts
+        cap = HOST_USABLE * st.node.host.ram_bytes / st.node.count
+        share = math.ceil(self.n / cand.pp)
+        if blk is None:  # the root option: its own pieces
+            return [o for o in opts if sum(st.cost(p, o).host_mem(r) for p in roots) <= cap]
+        return [o for o in opts if share * st.cost(blk, o).host_mem(r) <= cap]
+
+    def _build(self, cand: Candidate, choices, sizes: list[int], opts_of, ropts_of) -> Plan:
         """Lay each rank's chosen options out over its (virtual) stages."""
         pp, v = cand.pp, cand.v
         chunks = [[k // v + (1 if i < k % v else 0) for i in range(v)] for k in sizes]
@@ -282,8 +311,8 @@ class Searcher:
         blocks: list[BlockPlan] = []
         for k, nb in enumerate(stage_blocks):
             take, per_rank[k % pp] = per_rank[k % pp][:nb], per_rank[k % pp][nb:]
-            blocks += [replace(opts[i]) for i in take]
-        roots = [ropts[r] for r in (choices[0][0], choices[-1][0]) if r is not None]
+            blocks += [replace(opts_of[k % pp][i]) for i in take]
+        roots = [ropts_of[s][choices[s][0]] for s in (0, pp - 1) if choices[s][0] is not None]
         root = min(roots, key=lambda o: (not o.offload_params, not o.offload_optimizer, -o.zero))  # the leaner
         return Plan(world_size=cand.dp * pp, dp=cand.dp, pp=pp, micro_batch_size=cand.mbs, num_microbatches=cand.m,
                     seq_len=self.prof.seq_len, schedule=cand.schedule, virtual_stages=v, stage_blocks=stage_blocks,
@@ -367,8 +396,15 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     res.bpipe = next((p for p in plans if p.schedule == "bpipe"), None)
     res.best_without_bpipe = next((p for p in plans if p.schedule != "bpipe"), None)
     res.solved, res.verified, res.verify_s = sum(x.solved for x in cands), srch.verified, srch.verify_s
-    needs = {id(x): srch.need(x) for x in cands}
-    res.least_need = min(x[:2] for x in needs.values())
+    needs: dict[int, tuple] = {}  # computed for families that fit nowhere only: they are what the report explains
+
+    def need(x: Candidate) -> tuple[int, int, BlockPlan | None]:
+        if id(x) not in needs:
+            needs[id(x)] = srch.need(x)
+        return needs[id(x)]
+
+    if not found:
+        res.least_need = min(need(x)[:2] for x in cands)
     best_time = res.best.predicted.step_time_s if res.best else INF
     for fam in dict.fromkeys(x.family for x in cands if not (found and x.family == found[0].family)):
         members = [x for x in cands if x.family == fam]
@@ -376,22 +412,23 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
             t = min(x.plan.predicted.step_time_s for x in members if x.fits)
             res.rejected.append(Rejection(fam, f"fits, but slower: {t:.3g} s/step vs {best_time:.3g}"))
             continue
-        least = min(members, key=lambda x: needs[id(x)])
-        need = needs[id(least)][0]
-        if need > budget:
-            reason = (f"needs {need / 2**30:.1f} GiB per GPU even with micro-batch {least.mbs} and every block "
-                      f"{describe(needs[id(least)][2])}, has {budget / 2**30:.1f}")
+        least = min(members, key=need)
+        least_bytes, _, option = need(least)
+        if least_bytes > budget:
+            reason = (f"needs {least_bytes / 2**30:.1f} GiB per GPU even with micro-batch {least.mbs} and every block "
+                      f"{describe(option)}, has {budget / 2**30:.1f}")
         else:
             t = min(x.score if x.solved else x.lower for x in members)
             reason = (f"slower: at best {t:.3g} s/step (knapsack) vs {best_time:.3g}" if best_time <= t < INF else
                       "no assignment the knapsack found passed the full estimate()")
-        res.rejected.append(Rejection(fam, reason, need))
+        res.rejected.append(Rejection(fam, reason, least_bytes))
     if res.best is not None and any(b.offload_optimizer or b.offload_params or b.activations == "offload"
                                     for b in res.best.blocks):
-        need = srch.need(found[0], offload=False)[0]
-        if need > budget:
+        plain_need = srch.need(found[0], offload=False)[0]
+        if plain_need > budget:
             res.rejected.insert(0, Rejection(f"{found[0].family} without offload",
-                                             f"needs {need / 2**30:.1f} GiB per GPU, has {budget / 2**30:.1f}", need))
+                                             f"needs {plain_need / 2**30:.1f} GiB per GPU, has {budget / 2**30:.1f}",
+                                             plain_need))
     if res.best is None:
         raise NoPlanError(f"no plan fits {budget / 2**30:.2f} GiB per GPU", res)
     return res

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     rank: int
     stage: int
@@ -27,7 +27,7 @@ class Event:
     end: float
 
 
-@dataclass
+@dataclass(slots=True)
 class Snapshot:
     """At the start of a compute event: what activations the rank holds, by (stage, microbatch).
 
@@ -106,19 +106,31 @@ def simulate(
     res = SimResult(snapshots={r: [] for r in range(pp)}, busy=[0.0] * pp)
     remaining = sum(len(o) for o in orders)
 
+    def inputs(r: int, kind: str, k: int, j: int) -> tuple[tuple[tuple[str, int, int], float], ...]:
+        """The actions this one waits for, each with its transfer delay to rank r."""
+        if kind == "F":
+            return ((("F", k - 1, j), 0.0 if (k - 1) % pp == r else p2p[k - 1]),) if k > 0 else ()
+        own = (("F", k, j), 0.0)
+        return (own, (("B", k + 1, j), 0.0 if (k + 1) % pp == r else p2p[k])) if k < n_stages - 1 else (own,)
+
+    waits = [[inputs(r, *a) for a in orders[r]] for r in range(pp)]
+
     def ready_at(r: int) -> float | None:
         """When rank r's next action could start, or None while its inputs are missing."""
-        kind, k, j = orders[r][pos[r]]
-        deps = [("F", k - 1, j)] if kind == "F" and k > 0 else []
-        if kind == "B":
-            deps += [("F", k, j)] + ([("B", k + 1, j)] if k < n_stages - 1 else [])
-        if any(d not in done for d in deps):
-            return None
-        return max([free[r]] + [done[d] + (0.0 if d[1] % pp == r else p2p[min(d[1], k)]) for d in deps])
+        t = free[r]
+        for d, delay in waits[r][pos[r]]:
+            end = done.get(d)
+            if end is None:
+                return None
+            t = max(t, end + delay)
+        return t
 
+    # When each rank's next action could start: an action changes only its own rank's and its
+    # neighbours' (the ranks it sends to and receives from), so only those are recomputed.
+    starts: list[float | None] = [ready_at(r) for r in range(pp)]
     while remaining:
         # run the action that can start first, so cross-rank state (evictions) changes in time order
-        cands = [(t, r) for r in range(pp) if pos[r] < len(orders[r]) and (t := ready_at(r)) is not None]
+        cands = [(t, r) for r, t in enumerate(starts) if t is not None]
         if not cands:
             raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={v}, m={m})")
         ready, r = min(cands)
@@ -148,6 +160,8 @@ def simulate(
         done[(kind, k, j)] = ev.end
         pos[r] += 1
         remaining -= 1
+        for q in {r, (r + 1) % pp, (r - 1) % pp}:
+            starts[q] = ready_at(q) if pos[q] < len(orders[q]) else None
         if kind == "F":
             held[r][(k, j)] = None
         else:

@@ -14,6 +14,12 @@ reduced once, in the last microbatch's backward (sync is off before it).
 What overlaps: gathers with the previous block's compute (prefetch), gradient
 reduction with the last microbatch's backward, activation offload with the
 block's compute, the host optimizer with the last backward; the rest is exposed.
+
+Where the device is this machine's CPU (gloo ranks), nothing overlaps: collectives
+and compute share the same cores. Ranks slow each other's compute, and FSDP2's
+gathers, copies, hooks and gradient reduction cost what profile_hardware measured
+among as many local ranks (Host.fsdp: a fixed and a per-byte part, measured for 2
+ranks and for twice the cores): on small models that is most of a multi-rank step.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU, Host, Link
+from snugfit.hardware.cluster import Node
 from snugfit.plan.memory import StagePiece
 from snugfit.profile.types import DTYPE_BYTES, PieceProfile
 
@@ -43,11 +50,18 @@ def transfer_time(nbytes: float, link: Link) -> float:
 
 
 def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None) -> tuple[float, float]:
-    """(forward, backward) seconds of one microbatch through one piece."""
+    """(forward, backward) seconds of one microbatch through one piece.
+
+    Unmeasured: the roofline, with a floor of one dispatch per operator. On a GPU the host
+    dispatches ahead of the kernels, so the slower of the two counts; on the CPU the same
+    thread dispatches and computes, so they add up.
+    """
     if measured_on == gpu.name and p.fwd_time_s is not None and p.bwd_time_s is not None:
         return p.fwd_time_s, p.bwd_time_s
     rate, bw = gpu.flops_per_s(dtype), gpu.mem_bytes_per_s()
-    return p.fwd_flops / rate + p.fwd_mem_bytes / bw, p.bwd_flops / rate + p.bwd_mem_bytes / bw
+    combine = (lambda a, b: a + b) if gpu.name == "cpu" else max
+    return (combine(p.fwd_flops / rate + p.fwd_mem_bytes / bw, p.fwd_ops * gpu.op_overhead_s),
+            combine(p.bwd_flops / rate + p.bwd_mem_bytes / bw, p.bwd_ops * gpu.op_overhead_s))
 
 
 def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, dtype: str, measured_on: str | None) -> float:
@@ -84,11 +98,35 @@ class StageTime:
         return self.bwd + self.recompute + self.comm_exposed / 2 + self.offload_exposed / 2
 
 
+def local_ranks(node: Node) -> tuple[dict[str, list[float]], float]:
+    """(FSDP2 costs, how many times slower each rank runs) for the node's CPU ranks, from the measurement
+    at the nearest rank count at or below theirs, slowed in proportion where they are more.
+
+    Without a measurement: no FSDP2 costs, and ranks beyond the cores share them evenly.
+    """
+    measured = {int(k): v for k, v in node.host.fsdp.items()}
+    if node.count == 1 or not measured:
+        return {}, max(1.0, node.count / node.host.cores)
+    world = max([w for w in measured if w <= node.count], default=min(measured))
+    more = max(1.0, node.count / world) if node.count > node.host.cores else 1.0
+    costs = measured[world]
+    return costs, costs["contention"][0] * more
+
+
+def cpu_share(node: Node) -> float:
+    """How many times slower each rank computes because the node's ranks share its CPU (1 on GPUs):
+    shared caches and memory bandwidth, and the division of the cores among more ranks than cores."""
+    return local_ranks(node)[1] if node.gpu.name == "cpu" else 1.0
+
+
 def stage_time(
-    pieces: list[StagePiece], *, gpu: GPU, dtype: str, reduce_dtype: str, dp: int, dp_link: Link, pcie: Link,
-    measured_on: str | None,
+    pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
+    measured_on: str | None, wrapped: bool = True,
 ) -> StageTime:
+    """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped)."""
+    gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
+    on_cpu, share = gpu.name == "cpu", cpu_share(node)
     st = StageTime(reduce_bytes=[])
     first_gather = True
     for sp in pieces:
@@ -96,34 +134,73 @@ def stage_time(
         f, b = piece_compute(p, gpu, dtype, measured_on)
         policy = d.activations if p.name.startswith("block") else "keep"
         rc = recompute_time(p, policy, f, gpu, dtype, measured_on)
-        st.fwd, st.bwd, st.recompute = st.fwd + f, st.bwd + b, st.recompute + rc
-        comm_f = comm_b = 0.0
-        if d.zero >= 1 and dp > 1:
+        st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share
+        if d.zero >= 1 and dp > 1 and not on_cpu:  # CPU ranks: FSDP2's measured costs below
             gather = ring_time("all_gather", sp.n_params * c, dp, dp_link)
             if d.offload_params:
                 gather += transfer_time(sp.n_params * c / dp, pcie)
-            comm_f = gather
             comm_b = gather if d.zero == 3 and p.name.startswith("block") else 0.0
             if first_gather:  # nothing to hide the first gather behind
                 st.comm_exposed += gather
                 first_gather = False
-        st.comm_exposed += max(0.0, comm_f - f) + max(0.0, comm_b - (b + rc))
+            st.comm_exposed += max(0.0, gather - f) + max(0.0, comm_b - (b + rc))
         if policy == "offload":
             move = transfer_time(p.saved_bytes["keep"], pcie)
-            st.offload_exposed += max(0.0, move - f) + max(0.0, move - b)
+            st.offload_exposed += 2 * move if on_cpu else max(0.0, move - f) + max(0.0, move - b)
         st.reduce_bytes.append(sp.n_trainable * g if dp > 1 else 0.0)
+    if wrapped and on_cpu:
+        st.comm_exposed += cpu_fsdp_time(pieces, node, dtype, dp)
     return st
 
 
-def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: int, link: Link, bwd_last: float) -> float:
-    """End-of-step gradient reduction, hidden behind the last microbatch's backward except the tail."""
+def _line(cost: list[float], nbytes: float) -> float:
+    return cost[0] + cost[1] * nbytes
+
+
+def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int) -> float:
+    """FSDP2's gathers, copies and hooks per microbatch on CPU ranks, from the costs profile_hardware measured:
+    every unit (each block, and the stage's root: embedding/norm/head) gathers in forward, zero-3 blocks again in
+    backward. Bytes count only where the unit is sharded over more than one rank."""
+    costs, share = local_ranks(node)
+    if not costs:
+        return 0.0
+    c = DTYPE_BYTES[dtype]
+    blocks = [sp for sp in pieces if sp.is_block]
+    root = [sp for sp in pieces if not sp.is_block]
+    units = [(sp.n_params * c, sp.decision.zero) for sp in blocks]
+    if root:
+        units.append((sum(sp.n_params for sp in root) * c, root[0].decision.zero))
+    total = 0.0
+    for nbytes, zero in units:
+        total += _line(costs["gather"], nbytes if zero >= 1 and dp > 1 else 0.0)
+    for nbytes, zero in units[:len(blocks)]:
+        if zero == 3:
+            total += _line(costs["regather"], nbytes if dp > 1 else 0.0)
+    # measured among ranks already running side by side: only more ranks than measured slow it further
+    return total * share / costs["contention"][0]
+
+
+def reduce_time(sp: StagePiece, nbytes: float, dp: int, link: Link) -> float:
+    """One piece's end-of-step gradient reduction: all-reduce when replicated, else reduce-scatter (FSDP2)."""
+    return ring_time("all_reduce" if sp.decision.zero == 0 else "reduce_scatter", nbytes, dp, link)
+
+
+def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: int, link: Link, bwd_last: float,
+                        cpu: Node | None = None) -> float:
+    """End-of-step gradient reduction, hidden behind the last microbatch's backward except the tail.
+
+    cpu: the node of CPU ranks, whose measured FSDP2 reduce cost applies instead, all of it exposed.
+    """
     if dp <= 1:
         return 0.0
+    costs, share = local_ranks(cpu) if cpu is not None else ({}, 1.0)
     times = []
     for st, pieces in stages:
         for nbytes, sp in zip(st.reduce_bytes, pieces):
-            kind = "all_reduce" if sp.decision.zero == 0 else "reduce_scatter"
-            times.append(ring_time(kind, nbytes, dp, link))
+            times.append(_line(costs["reduce"], nbytes) * share / costs["contention"][0] if costs
+                         else reduce_time(sp, nbytes, dp, link))
+    if cpu is not None:
+        return sum(times)
     tail = times[0] if times else 0.0  # the first piece's gradients are ready last
     return max(0.0, sum(times) - bwd_last) + tail
 

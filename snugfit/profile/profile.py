@@ -82,6 +82,7 @@ def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int], is_b
         saved_bytes=saved,
         fwd_peak_bytes=rec.fwd.peak_delta, bwd_peak_bytes=rec.bwd.peak_delta, fwd_flops=rec.fwd.flops,
         bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,
+        fwd_ops=rec.fwd.ops, bwd_ops=rec.bwd.ops,
     )
 
 
@@ -164,6 +165,9 @@ def profile_model(
     return prof
 
 
+SPAN = 4  # measured times are taken at the profile's micro-batch and at SPAN times it
+
+
 def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: int = 3,
                   clock: Callable[[], float] = time.perf_counter, lora_rank: int | None = None,
                   frozen: str | None = None) -> None:
@@ -173,8 +177,14 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
     """
     tune = (lora_rank, frozen)
     keep = _time_pieces(cfg, prof, device, repeats, clock, "keep", tune)
+    # at SPAN times the micro-batch too: the intercept of the line through both (the part no batch size
+    # changes: dispatch, launches) lets ModelProfile.scaled() move across the sizes the search tries
+    wide = _time_pieces(cfg, prof, device, repeats, clock, "keep", tune, rows=SPAN * prof.micro_batch_size)
     for piece in prof.pieces:
         piece.fwd_time_s, piece.bwd_time_s = keep[(piece.name, "fwd")], keep[(piece.name, "bwd")]
+        piece.fwd_fixed_s, piece.bwd_fixed_s = (
+            min(max(0.0, (SPAN * keep[(piece.name, ph)] - wide[(piece.name, ph)]) / (SPAN - 1)), keep[(piece.name, ph)])
+            for ph in ("fwd", "bwd"))
     for policy in ("recompute", "selective"):
         t = _time_pieces(cfg, prof, device, repeats, clock, policy, tune)
         for piece in prof.blocks:
@@ -184,7 +194,8 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
 
 
 def _time_pieces(cfg: ModelConfig, prof: ModelProfile, device: str, repeats: int, clock: Callable[[], float],
-                 policy: str, tune: tuple[int | None, str | None]) -> dict[tuple[str, str], float]:
+                 policy: str, tune: tuple[int | None, str | None],
+                 rows: int | None = None) -> dict[tuple[str, str], float]:
     """(piece, fwd|bwd) -> the fastest of `repeats` timed steps after two warm-ups (on a shared
     machine, interference only ever adds time).
 
@@ -212,7 +223,7 @@ def _time_pieces(cfg: ModelConfig, prof: ModelProfile, device: str, repeats: int
 
     handles = [m.register_forward_pre_hook(mark(n, "fwd")) for n, m in zip(names, mods)]
     handles += [m.register_full_backward_pre_hook(mark(n, "bwd")) for n, m in zip(names[:-1], mods[:-1])]
-    tokens = torch.randint(0, cfg.vocab_size, (prof.micro_batch_size, prof.seq_len), device=device)
+    tokens = torch.randint(0, cfg.vocab_size, (rows or prof.micro_batch_size, prof.seq_len), device=device)
     samples: dict[tuple[str, str], list[float]] = {}
     try:
         with warnings.catch_warnings():

@@ -39,6 +39,7 @@ _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
 class PhaseStats:
     flops: float = 0.0
     mem_bytes: float = 0.0  # traffic of non-matmul ops
+    ops: int = 0  # operators dispatched: each costs a fixed launch/dispatch time, whatever the batch
     peak_delta: int = 0  # peak live bytes above the live bytes at the piece's start
 
 
@@ -132,6 +133,7 @@ class StepRecorder(TorchDispatchMode):
         rec = self.pieces[piece]
         stats = getattr(rec, phase)
         name = str(func._overloadpacket)
+        stats.ops += 1
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if func._overloadpacket in flop_registry:
             stats.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)

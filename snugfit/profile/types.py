@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-PROFILE_VERSION = 2  # 2: trainable counts; HF models profiled as HFCausalLM
+PROFILE_VERSION = 3  # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -25,8 +25,12 @@ class PieceProfile:
     bwd_flops: float = 0.0
     fwd_mem_bytes: float = 0.0  # bytes moved by memory-bound (non-matmul) ops
     bwd_mem_bytes: float = 0.0
+    fwd_ops: int = 0  # operators dispatched (the same at any micro-batch size)
+    bwd_ops: int = 0
     fwd_time_s: float | None = None  # measured on ModelProfile.device, if measured
     bwd_time_s: float | None = None
+    fwd_fixed_s: float = 0.0  # of which the part no batch size changes (dispatch, launches): measured intercept
+    bwd_fixed_s: float = 0.0
     recompute_time_s: dict[str, float] = field(default_factory=dict)  # measured: policy -> extra seconds
     trainable: int | None = None  # trainable elements (LoRA, frozen pieces); None: all of them
 
@@ -86,11 +90,15 @@ class ModelProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def scaled(self, micro_batch_size: int) -> "ModelProfile":
-        """This profile at another micro-batch size: activations, FLOPs and times are linear in it."""
+        """This profile at another micro-batch size: activations, FLOPs and times are linear in it,
+        except the fixed part of measured times (fwd/bwd_fixed_s), which stays."""
         if micro_batch_size == self.micro_batch_size:
             return self
         r = micro_batch_size / self.micro_batch_size
         itemsize = DTYPE_BYTES[self.dtype]
+
+        def time(t: float | None, fixed: float) -> float | None:
+            return None if t is None else fixed + (t - fixed) * r
 
         def piece(p: PieceProfile) -> PieceProfile:
             grads = min(p.bwd_peak_bytes, p.param_bytes(itemsize))  # fresh gradients do not scale
@@ -100,9 +108,10 @@ class ModelProfile:
                 fwd_peak_bytes=int(p.fwd_peak_bytes * r), bwd_peak_bytes=grads + int((p.bwd_peak_bytes - grads) * r),
                 fwd_flops=p.fwd_flops * r, bwd_flops=p.bwd_flops * r, fwd_mem_bytes=p.fwd_mem_bytes * r,
                 bwd_mem_bytes=p.bwd_mem_bytes * r,
-                fwd_time_s=None if p.fwd_time_s is None else p.fwd_time_s * r,
-                bwd_time_s=None if p.bwd_time_s is None else p.bwd_time_s * r,
-                recompute_time_s={k: v * r for k, v in p.recompute_time_s.items()},
+                fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s), bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
+                # re-running a forward has the forward's fixed share
+                recompute_time_s={k: time(v, v * p.fwd_fixed_s / p.fwd_time_s if p.fwd_time_s else 0.0)
+                                  for k, v in p.recompute_time_s.items()},
             )
 
         return replace(self, micro_batch_size=micro_batch_size, embed=piece(self.embed),

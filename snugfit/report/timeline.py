@@ -15,11 +15,11 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.estimate import _dp_group, estimate
-from snugfit.plan.memory import device_saved, rank_stages
+from snugfit.plan.estimate import _dp_group, estimate, stage_times
+from snugfit.plan.memory import device_saved
 from snugfit.plan.plan import Plan
 from snugfit.plan.simulate import Event, SimResult, simulate
-from snugfit.plan.timing import grad_reduce_exposed, optimizer_time, stage_time, transfer_time
+from snugfit.plan.timing import grad_reduce_exposed, optimizer_time, transfer_time
 from snugfit.profile.types import ModelProfile
 from snugfit.report.trace import StepTrace
 
@@ -64,14 +64,8 @@ def timeline_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
     prof = profile.scaled(plan.micro_batch_size)
     pp, dp, m, v = plan.pp, plan.dp, plan.num_microbatches, plan.virtual_stages
     n = pp * v
-    stages_of = {r: rank_stages(plan, prof, r) for r in range(pp)}
-    times = {}
-    for rank in range(plan.world_size):
-        node = cluster.nodes[cluster.node_of(rank)]
-        times[rank] = {k: stage_time(sps, gpu=node.gpu, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype,
-                                     dp=dp, dp_link=cluster.link_for(_dp_group(plan, rank // dp)), pcie=node.pcie,
-                                     measured_on=prof.device)
-                       for k, sps in stages_of[rank // dp].items()}
+    stages_of, kind, by_kind = stage_times(plan, prof, cluster)
+    times = {r: by_kind[kind[r]] for r in range(plan.world_size)}
     # the slowest data-parallel member sets each stage's pace, as in estimate()
     slow = [max(_dp_group(plan, k % pp), key=lambda r, k=k: times[r][k].b_total) for k in range(n)]
     st = [times[slow[k]][k] for k in range(n)]
@@ -98,7 +92,8 @@ def timeline_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
         sts = times[rank]
         bwd_last = sum(s.bwd + s.recompute for s in sts.values())
         reduce = grad_reduce_exposed([(sts[k], stages_of[pr][k]) for k in sorted(sts)], dp,
-                                     cluster.link_for(_dp_group(plan, pr)), bwd_last)
+                                     cluster.link_for(_dp_group(plan, pr)), bwd_last,
+                                     cpu=node if node.gpu.name == "cpu" else None)
         pieces = [sp for k in sorted(sts) for sp in stages_of[pr][k]]
         opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
@@ -133,8 +128,11 @@ def _segments(ev: Event, d: StageDetail | None) -> list[tuple[str, float, float]
 
 
 def _draw_rows(ax, rows: dict[int, dict[str, list[tuple[float, float]]]], labels: list[str], end: float,
-               texts: list[tuple[int, float, float, str]]) -> set[str]:
-    """One row per entry of `rows` (top to bottom): a bubble band, compute lane, thin transfer lane."""
+               texts: list[tuple[int, float, float, str]], axis_end: float | None = None) -> set[str]:
+    """One row per entry of `rows` (top to bottom): a bubble band, compute lane, thin transfer lane.
+
+    axis_end: seconds the shared time axis spans (default `end`), which decides which bars have room for text.
+    """
     used = {"bubble"}
     ms = 1e3
     for y, by_kind in rows.items():
@@ -145,21 +143,26 @@ def _draw_rows(ax, rows: dict[int, dict[str, list[tuple[float, float]]]], labels
                            edgecolor="white", linewidth=0.3)
             used.add(kind)
     for y, s, w, text in texts:
-        if w > 0.012 * end:
+        if w > 0.012 * max(1.0, 0.5 * len(text)) * (axis_end or end):  # room for the text
             ax.text((s + w / 2) * ms, y - 0.11, text, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(list(rows), labels)
     ax.set_ylim(max(rows, default=0) + 0.6, -0.6)
     return used
 
 
-def _predicted_rows(sim: SimResult, d: StageDetail | None, pp: int):
+def _label(mb: int, stage: int, v: int) -> str:
+    """A compute bar's text: its microbatch, and its stage where a rank runs several (interleaved)."""
+    return f"{mb}" if v == 1 or stage < 0 else f"{mb}.s{stage}"
+
+
+def _predicted_rows(sim: SimResult, d: StageDetail | None, pp: int, v: int = 1):
     rows: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(pp)}
     texts = []
     for ev in sim.events:
         if ev.kind in ("F", "B"):
             for kind, s, w in _segments(ev, d):
                 rows[ev.rank][kind].append((s, w))
-            texts.append((ev.rank, ev.start, ev.end - ev.start, str(ev.mb)))
+            texts.append((ev.rank, ev.start, ev.end - ev.start, _label(ev.mb, ev.stage, v)))
             if d is not None and d.offload_move[ev.stage] > 0:
                 rows[ev.rank]["offload"].append((ev.start, d.offload_move[ev.stage]))
         else:
@@ -201,13 +204,14 @@ def draw_timeline(sim: SimResult, plan: Plan, out: str | Path, measured: StepTra
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ValueError(f"timeline file {out} must end in .png, .svg or .pdf")
     pp, dp = plan.pp, plan.dp
-    rows, texts, end = _predicted_rows(sim, detail, pp)
+    rows, texts, end = _predicted_rows(sim, detail, pp, plan.virtual_stages)
     n_meas = len(measured.ranks) if measured else 0
     heights = [0.5 * pp + 0.6] + ([0.5 * n_meas + 0.6] if n_meas else []) + [2.0]
     fig = Figure(figsize=(12, sum(heights) + 1.2), layout="constrained")
     axes = fig.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights})
     labels = [f"rank {r}" if dp == 1 else f"pp rank {r}\n(ranks {r * dp}-{r * dp + dp - 1})" for r in range(pp)]
-    used = _draw_rows(axes[0], rows, labels, end, texts)
+    axis_end = max(end, measured.duration if n_meas else 0.0)
+    used = _draw_rows(axes[0], rows, labels, end, texts, axis_end)
     axes[0].set_title(f"predicted: {plan.schedule}, dp {dp} x pp {pp}, {plan.num_microbatches} microbatches "
                       f"of {plan.micro_batch_size} x {plan.seq_len} tokens; step {end * 1e3:,.1f} ms", fontsize=9)
     if n_meas:
@@ -219,8 +223,9 @@ def draw_timeline(sim: SimResult, plan: Plan, out: str | Path, measured: StepTra
                 if s.rank == r:
                     mrows[y][s.kind].append((s.start, s.end - s.start))
                     if s.kind in ("F", "B") and s.mb >= 0:
-                        mtexts.append((y, s.start, s.end - s.start, str(s.mb)))
-        used |= _draw_rows(axes[1], mrows, [f"rank {r}" for r in measured.ranks], measured.duration, mtexts)
+                        mtexts.append((y, s.start, s.end - s.start, _label(s.mb, s.stage, plan.virtual_stages)))
+        used |= _draw_rows(axes[1], mrows, [f"rank {r}" for r in measured.ranks], measured.duration, mtexts,
+                           axis_end)
         axes[1].set_title(f"measured: step {measured.duration * 1e3:,.1f} ms", fontsize=9)
     mem = axes[-1]
     for r in range(pp):

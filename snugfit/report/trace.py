@@ -1,6 +1,6 @@
 """A tiny recorder of what each rank actually did during a step, to draw beside the plan's prediction.
 
-Engines wrap each action (`with trace.span(rank, "F", mb): ...`); every rank keeps its own
+Engines wrap each action (`with trace.span(rank, "F", mb): ...`, pipelines adding the stage); every rank keeps its own
 StepTrace, which is plain data (picklable, so `all_gather_object` can collect them) and
 merged on rank 0. Times are seconds since the trace's `begin()` on that rank, because
 perf_counter origins differ between processes; calling begin() right after a barrier makes
@@ -24,6 +24,7 @@ class Span(NamedTuple):
     mb: int  # microbatch, -1 for per-step work (optimizer, final reduce)
     start: float  # seconds since begin()
     end: float
+    stage: int = -1  # pipeline stage (global index) of F/B work, -1 where there is none or it is not known
 
 
 @dataclass
@@ -39,16 +40,24 @@ class StepTrace:
         self.origin = time.perf_counter()
 
     @contextmanager
-    def span(self, rank: int, kind: str, mb: int = -1) -> Iterator[None]:
+    def span(self, rank: int, kind: str, mb: int = -1, stage: int = -1) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.add(rank, kind, mb, start - self.origin, time.perf_counter() - self.origin)
+            self.add(rank, kind, mb, start - self.origin, time.perf_counter() - self.origin, stage)
 
-    def add(self, rank: int, kind: str, mb: int, start: float, end: float) -> None:
+    def add(self, rank: int, kind: str, mb: int, start: float, end: float, stage: int = -1) -> None:
         """Record a span measured elsewhere (e.g. CUDA events), in seconds since begin()."""
-        self.spans.append(Span(rank, kind, mb, start, end))
+        self.spans.append(Span(rank, kind, mb, start, end, stage))
+
+    def extend(self, rank: int, kind: str) -> None:
+        """End the rank's latest span of this kind now: fold work timed outside it (a pipeline
+        schedule's loss after the last stage's forward) into it."""
+        for i in range(len(self.spans) - 1, -1, -1):
+            if self.spans[i].rank == rank and self.spans[i].kind == kind:
+                self.spans[i] = self.spans[i]._replace(end=time.perf_counter() - self.origin)
+                return
 
     @property
     def ranks(self) -> list[int]:

@@ -175,6 +175,9 @@ class StageActivations:
         self._evicted: dict[object, int] = {}  # key -> bytes sent away
         self._accepted: dict[object, torch.Tensor] = {}  # partner's microbatches held here
         self._in_flight = 0  # bytes of evict buffers whose send has not finished
+        # called with the resident bytes after each microbatch's forward: the engine's MemoryTracker, on the
+        # steps it counts (its own saved-tensor hooks would not see the stages' activations)
+        self.observer: Callable[[int], None] | None = None
         self._lock = threading.RLock()  # a partner's microbatches arrive on a helper thread
         self.reset()
 
@@ -198,6 +201,9 @@ class StageActivations:
     def _fold(self) -> None:
         with self._lock:
             self._fold_locked()
+            resident = self.resident_bytes()
+        if self.observer is not None:
+            self.observer(resident)
 
     def _fold_locked(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())

@@ -3,13 +3,17 @@
 Reads like torchtitan's parallelize functions: one `apply_*` per technique,
 each taking only its part of the Plan. The per-block functions (`apply_fsdp`,
 `offload_units` + `HostOffload`) take blocks and a mesh, so a pipeline stage
-applies them to its own blocks on its data-parallel sub-mesh.
+applies them to its own blocks on its data-parallel sub-mesh. A model built on
+the meta device gets its weights after sharding, each rank reading only what it
+holds (`place`, `read_weights`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 
 from snugfit.plan import Plan, PlanError
@@ -20,6 +24,9 @@ from snugfit.runtime.offload import HostOffload
 from snugfit.runtime.sharding import DTYPES, DataMeshes, apply_fsdp, data_meshes
 
 log = logging.getLogger(__name__)
+
+# Fills a model built on the meta device: `weights(model, device)` (model.hf.materialize bound to a folder).
+Weights = Callable[[nn.Module, torch.device], object]
 
 
 def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
@@ -62,26 +69,70 @@ def apply_activations(blocks: dict[str, nn.Module], plan: Plan, indices: list[in
     log.info("activations: %s", {p: policies.count(p) for p in sorted(set(policies))})
 
 
-def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, meshes: DataMeshes) -> tuple[nn.Module, HostOffload | None]:
-    """Activation policies, partial offload (cast first), then FSDP2 per block and root, on env.device."""
-    apply_activations(dict(model.blocks.items()), plan)
+def reads_whole(plan: Plan) -> bool:
+    """Whether a model built on the meta device must be read whole (this rank's stages) before the plan applies.
+
+    Sharded plans read it after FSDP2 has sharded it, each rank its own rows.
+    Not these: an unwrapped model has nothing sharded; HostOffload copies whole
+    fp32 masters of its units before sharding; FSDP2's parameter offload wants
+    its shards allocated on host, where a load before sharding puts them.
+    """
+    units = [plan.root, *plan.blocks]
+    return plan.runs_unwrapped or any(u.offload_optimizer or u.offload_params for u in units)
+
+
+def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> HostOffload | None:
+    """Partial offload (casts its units, so before FSDP2), then the model on `device`.
+
+    A model still on the meta device stays there for `read_weights` after
+    sharding, unless the plan `reads_whole`: then it is read here, on CPU, as a
+    model loaded before the run would have been.
+    """
+    if weights is not None and reads_whole(plan):
+        weights(model, torch.device("cpu"))
     units = offload_units(model, plan)
     host = HostOffload(model, units, DTYPES[plan.compute_dtype]) if units else None
-    model.to(env.device)
+    if not _on_meta(model):
+        model.to(device)
+    return host
+
+
+def read_weights(model: nn.Module, device: torch.device, weights: Weights | None) -> None:
+    """Fill a sharded model still on the meta device: each rank reads only what it holds."""
+    if weights is not None and _on_meta(model):
+        weights(model, device)
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, meshes: DataMeshes,
+               weights: Weights | None = None) -> tuple[nn.Module, HostOffload | None]:
+    """Activation policies, partial offload (cast first), FSDP2 per block and root on env.device, then the weights
+    of a model built on the meta device (`weights`)."""
+    apply_activations(dict(model.blocks.items()), plan)
+    host = place(model, plan, env.device, weights)
     if not plan.runs_unwrapped:
         apply_fsdp(model, dict(model.blocks.items()), plan, meshes)
+    read_weights(model, env.device, weights)
     return model, host
 
 
-def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv) -> Engine:
-    """Validate the plan against the model and the launch, apply it, and return the engine that runs it."""
+def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
+                 weights: Weights | None = None) -> Engine:
+    """Validate the plan against the model and the launch, apply it, and return the engine that runs it.
+
+    weights: where a model built on the meta device (`train.build.build_model(cfg, on_meta=True)`)
+    gets its values; no process then holds the whole model unless the plan `reads_whole`.
+    """
     check_launch(model, plan, env)
     ensure_process_group(env)
     if plan.pp > 1:
         from snugfit.runtime.pipeline import build_pipeline_engine  # pipeline builds on this module
 
-        return build_pipeline_engine(model, plan, optim, env)
+        return build_pipeline_engine(model, plan, optim, env, weights=weights)
     meshes = data_meshes(env.device.type, plan.dp, plan.pp)
-    model, host = apply_plan(model, plan, env, meshes)
+    model, host = apply_plan(model, plan, env, meshes, weights)
     dp_group = meshes.group if plan.dp > 1 else None
     return Engine(model, plan, optim, env.device, dp_group=dp_group, host=host)

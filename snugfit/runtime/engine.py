@@ -4,7 +4,7 @@ The trainer only talks to an engine: `train_step`, `eval_loss`, `set_lr`,
 `state_dict`/`load_state_dict`. How the model was parallelised (see
 `runtime.apply`) is invisible to it, except for three things a data-parallel
 step needs: switching gradient sync off for all but the last microbatch, the
-data-parallel group (loss averaging, gradient-norm reduction), and the host
+data-parallel group (target counts, loss averaging, gradient-norm reduction), and the host
 optimizer of partially offloaded units (`runtime.offload`).
 """
 
@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_st
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from snugfit.data.instruct import IGNORE
 from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.memory import MemoryTracker, local
@@ -38,7 +39,7 @@ class OptimConfig:
 
 @dataclass
 class StepResult:
-    loss: float  # mean over the step's tokens (all microbatches, all data-parallel ranks)
+    loss: float  # mean over the step's target tokens (all microbatches, all data-parallel ranks)
     grad_norm: float  # global, before clipping
     skipped: bool  # non-finite loss or gradient: no update was made
 
@@ -75,6 +76,27 @@ def split_batch(batch: torch.Tensor, plan: Plan) -> list[tuple[torch.Tensor, tor
     tokens, labels = (batch, batch) if batch.dim() == 2 else (batch[:, 0], batch[:, 1])
     inputs, targets = tokens[:, :-1], labels[:, 1:]
     return list(zip(inputs.split(plan.micro_batch_size), targets.split(plan.micro_batch_size)))
+
+
+def loss_divisors(batch: torch.Tensor, plan: Plan, dp_group=None, device: torch.device | None = None) -> list[float]:
+    """What each microbatch's mean loss is divided by, so that the step loss is the mean over every target token
+    of the global batch, however the tokens fall into microbatches and ranks.
+
+    Summed over microbatches and averaged over dp ranks (as FSDP2 averages gradients),
+    mean_i / d_i with d_i = (targets in the global batch) / (dp x targets in microbatch i)
+    is (sum of token losses) / (targets in the global batch). Every position of a token
+    stream is a target, so there d_i is exactly num_microbatches, as it always was, and
+    nothing is counted; instruction data (prompts and padding masked) gathers its count
+    over dp. A microbatch without targets has no mean (NaN): the step is skipped.
+    """
+    m = plan.num_microbatches
+    if batch.dim() == 2:
+        return [float(m)] * m
+    counts = (batch[:, 1, 1:] != IGNORE).reshape(m, -1).sum(1)
+    total = counts.sum().to(device)
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+    return [total.item() / (plan.dp * max(c, 1)) for c in counts.tolist()]
 
 
 def shard_group(p: torch.Tensor):
@@ -116,7 +138,8 @@ class Engine:
 
     model: as `runtime.apply.apply_plan` returned it; dp_group: data-parallel
     process group (None: one process); host: the partially offloaded units;
-    stage_group: the pipeline group when `model` is one pipeline rank's part.
+    stage_group: the pipeline group when `model` is one pipeline rank's part;
+    units: FSDP2 root units outside `model` (its pipeline stages), for the memory tracker.
     `memory` (a MemoryTracker) is sampled at each phase of a step; after
     `train_step`, `memory.peak()` is that step's peak by category.
     """
@@ -130,6 +153,7 @@ class Engine:
         dp_group=None,
         host: HostOffload | None = None,
         stage_group=None,
+        units: tuple[nn.Module, ...] = (),
     ):
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
         self.dp_group, self.host, self.stage_group = dp_group, host, stage_group
@@ -139,7 +163,7 @@ class Engine:
         # None when every unit is offloaded (torch refuses an optimizer without parameters).
         self.optimizer = make_adamw(device_params, optim) if device_params else None
         sources = [host.memory] if host is not None else []
-        self.memory = MemoryTracker(model, [self.optimizer] if self.optimizer else [], sources)
+        self.memory = MemoryTracker(model, [self.optimizer] if self.optimizer else [], sources, units)
         # Counting saved tensors costs a Python hook per tensor (~20% of a small model's step on CPU),
         # so the trainer turns it on only for the steps whose memory it reports.
         self.track_memory = True
@@ -166,13 +190,14 @@ class Engine:
         """One optimizer step over this rank's (num_microbatches x micro_batch_size) rows."""
         self.model.train()
         micro = split_batch(batch.to(self.device, non_blocking=True), self.plan)
+        divisors = loss_divisors(batch, self.plan, self.dp_group, self.device)
         total = torch.zeros((), device=self.device)
         self.memory.reset_peak()
         for i, (inputs, targets) in enumerate(micro):
             if isinstance(self.model, FSDPModule):  # reduce gradients once, after the last microbatch
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
             with self._span("F", i), self.memory.track_activations() if self.track_memory else nullcontext():
-                loss = self.model(inputs, targets) / len(micro)
+                loss = self.model(inputs, targets) / divisors[i]
             self._sample()
             with self._span("B", i):
                 loss.backward()
@@ -205,12 +230,12 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
-        """Mean loss of the batch, averaged over data-parallel ranks like the training loss."""
+        """Mean loss over the target tokens of the batch on every data-parallel rank, as the training loss."""
         self.model.eval()
         micro = split_batch(batch.to(self.device), self.plan)
         total = torch.zeros((), device=self.device)
-        for inputs, targets in micro:
-            total += self.model(inputs, targets).float() / len(micro)
+        for (inputs, targets), divisor in zip(micro, loss_divisors(batch, self.plan, self.dp_group, self.device)):
+            total += self.model(inputs, targets).float() / divisor
         if self.dp_group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
         return total.item()

@@ -73,22 +73,25 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) 
     return total
 
 
-def _fsdp_groups(model: nn.Module) -> list:
-    """FSDP2 parameter groups. FSDP2 has no public query of what is unsharded: read its state."""
-    groups = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = fully_shard.state(m)._fsdp_param_group
-            if group is not None:
-                groups.append(group)
-    return groups
+def _fsdp_groups(roots: Iterable[nn.Module]) -> list:
+    """FSDP2 parameter groups under `roots`, once each. FSDP2 has no public query of what is unsharded:
+    read its state."""
+    groups = {}
+    for root in roots:
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                group = fully_shard.state(m)._fsdp_param_group
+                if group is not None:
+                    groups[id(group)] = group
+    return list(groups.values())
 
 
 class MemoryTracker:
     """Bytes held by this rank, by category and place; peaks since `reset_peak()`.
 
     model: the (parallelised) model; optimizers: device optimizers whose state to
-    count; sources: extra accounting (see `Source`).
+    count; sources: extra accounting (see `Source`); units: FSDP2 roots outside `model` that hold
+    its parameters (pipeline stages wrap the model's pieces in their own root units).
     """
 
     def __init__(
@@ -96,11 +99,12 @@ class MemoryTracker:
         model: nn.Module,
         optimizers: Iterable[torch.optim.Optimizer] = (),
         sources: Iterable[Source] = (),
+        units: Iterable[nn.Module] = (),
     ):
         self.model = model
         self.optimizers = list(optimizers)
         self.sources = list(sources)
-        self._groups = _fsdp_groups(model)
+        self._groups = _fsdp_groups([model, *units])
         # While a unit is unsharded, model.parameters() yields its unsharded parameters;
         # the parameters at rest are FSDP2's sharded ones.
         managed = {id(fp.sharded_param) for g in self._groups for fp in g.fsdp_params}
@@ -169,6 +173,12 @@ class MemoryTracker:
     def peak(self) -> dict[str, int]:
         """Largest value seen per key since `reset_peak()` (totals: largest simultaneous sum)."""
         return dict(self._peak)
+
+    def fold_activations(self, nbytes: int) -> None:
+        """Fold in what is held now with `nbytes` of activations counted elsewhere (pipeline stages)."""
+        snap = self._measure_static()
+        snap["device.activations"] = nbytes
+        self._fold(_with_totals(snap))
 
     def reset_peak(self) -> None:
         self._peak = dict.fromkeys((*KEYS, "device.total", "host.total"), 0)

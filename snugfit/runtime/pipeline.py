@@ -23,10 +23,17 @@ dp on the last microbatch's backward only. Optimizer step, exact clipping
 Every stage forward runs under `StageActivations.microbatch`, so each rank
 measures its peak activation bytes and resident microbatches per step
 (`PipelineEngine.stage_stats`), whichever schedule runs it.
+
+On traced steps (`Engine.trace` set) every schedule records an F and a B span
+per microbatch and stage, numbered as the time model's simulation numbers them
+(`report.timeline` draws the two side by side): BPipe times its own program,
+pipelining's schedules are timed by `trace_stage`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -38,12 +45,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from snugfit.model.decoder import Decoder, cross_entropy
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.activations import StageActivations
-from snugfit.runtime.apply import apply_activations, offload_units
+from snugfit.runtime.apply import Weights, apply_activations, place, read_weights
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import Engine, OptimConfig, StepResult, split_batch
-from snugfit.runtime.offload import HostOffload
+from snugfit.runtime.engine import Engine, OptimConfig, StepResult, loss_divisors, split_batch
 from snugfit.runtime.schedules import BPipeSchedule, PipelineError, StageComms
-from snugfit.runtime.sharding import DTYPES, apply_fsdp, data_meshes
+from snugfit.runtime.sharding import apply_fsdp, data_meshes
 
 
 class StageModule(nn.Module):
@@ -73,6 +79,35 @@ class StageModule(nn.Module):
             for block in self.blocks:
                 h = block(h, self.decoder.rope)
             return self.head(self.norm(h)) if self.head is not None else h
+
+
+def trace_stage(stage: PipelineStage, engine: Engine) -> None:
+    """Time `stage`'s per-microbatch forward and backward into `engine.trace` as F and B spans, on traced steps.
+
+    Wraps the stage instance's `forward_one_chunk` and `backward_one_chunk`: the public per-microbatch
+    entry points every torch schedule calls (Schedule1F1B directly, the interleaved ones through their
+    action runner), with the schedule's own microbatch index, after it has waited for that
+    microbatch's receive -- so a span is the stage's compute, as in the time model. Neither is called
+    by pipelining's shape inference. The alternatives were worse: StageModule.forward would time
+    forwards but not backwards, and autograd hooks cannot mark a stage's whole backward (the last
+    stage's starts at the loss, which has no gradient to hook; the first stage's inputs are tokens,
+    which get none at its end) and run among FSDP's own hooks. Zero-bubble schedules' input/weight
+    split (backward_one_chunk(full_backward=False) + backward_weight_one_chunk) would time only the
+    input half; no plan runs those. Untraced steps pay one attribute test per call.
+    """
+    for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        run = getattr(stage, name)
+        first = next(iter(inspect.signature(run).parameters))  # fwd_chunk_id / bwd_chunk_id
+
+        @functools.wraps(run)
+        def timed(*args, _run=run, _kind=kind, _first=first, **kwargs):
+            if engine.trace is None:
+                return _run(*args, **kwargs)
+            mb = args[0] if args else kwargs[_first]
+            with engine.trace.span(dist.get_rank(), _kind, mb, stage.stage_index):
+                return _run(*args, **kwargs)
+
+        setattr(stage, name, timed)
 
 
 def prune_to_rank(model: Decoder, plan: Plan, pp_rank: int) -> list[int]:
@@ -110,7 +145,8 @@ def pipeline_groups(plan: Plan, env: DistEnv, timeout_s: float):
 class PipelineEngine(Engine):
     """`Engine` (step, clipping, host offload, checkpoints) over this rank's stages, run by the plan's schedule."""
 
-    def __init__(self, model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv, timeout_s: float = 300.0):
+    def __init__(self, model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv, timeout_s: float = 300.0,
+                 weights: Weights | None = None):
         if plan.schedule not in ("1f1b", "interleaved", "bpipe"):
             raise PlanError(f"plan.schedule {plan.schedule!r} is not a pipeline schedule")
         if model.cfg.tie_embeddings:
@@ -119,9 +155,7 @@ class PipelineEngine(Engine):
         self.pp_group, self.evict_group = pipeline_groups(plan, env, timeout_s)
         self.stages = prune_to_rank(model, plan, self.pp_rank)
         apply_activations(dict(model.blocks.items()), plan)
-        units = offload_units(model, plan)
-        host = HostOffload(model, units, DTYPES[plan.compute_dtype]) if units else None
-        model.to(env.device)
+        host = place(model, plan, env.device, weights)  # a model on meta: read after sharding, this rank's stages only
         self.acts = StageActivations([model])
         ranges = plan.stage_ranges()
         n = len(ranges)
@@ -131,42 +165,59 @@ class PipelineEngine(Engine):
             chunk = StageModule(model, ranges[k], k == 0, k == n - 1, k, self.acts)
             apply_fsdp(chunk, {str(i): model.blocks[str(i)] for i in ranges[k]}, plan, meshes)
             self.chunks.append(chunk)
+        read_weights(model, env.device, weights)
         super().__init__(model, plan, optim, env.device, dp_group=meshes.group if plan.dp > 1 else None,
-                         host=host, stage_group=self.pp_group)
+                         host=host, stage_group=self.pp_group, units=tuple(self.chunks))
         self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len, model.cfg.dim, device=env.device)
+        self.divisors: list[float] = []  # this step's, per microbatch (`loss_divisors`)
         self.comms = StageComms(self.pp_group, self.pp_rank, plan.pp, timeout_s)
         self.is_last = self.stages[-1] == n - 1
         self.schedule = self._make_schedule()
 
     def _make_schedule(self):
-        """Losses come out of `_loss` already divided by the microbatch count, so no schedule rescales gradients
+        """Losses come out of `_loss` already scaled to their share of the step, so no schedule rescales gradients
         (pipelining's rescaling would miss gradients that host offload has already moved off the device)."""
         plan, m = self.plan, self.plan.num_microbatches
         if plan.schedule == "bpipe":
             schedule = BPipeSchedule(self.chunks[0], self.comms, self.evict_group, self.acts, m, plan.bpipe_bound(),
                                      self.hidden, self._loss)
-            schedule.span = self._span
+            stage = self.stages[0]
+            schedule.span = lambda kind, mb: (self.trace.span(dist.get_rank(), kind, mb, stage)
+                                              if self.trace is not None else nullcontext())
             return schedule
         n = len(plan.stage_ranges())
         stages = [PipelineStage(c, c.index, n, self.device, group=self.pp_group) for c in self.chunks]
+        for stage in stages:
+            trace_stage(stage, self)
         for c in self.chunks:  # pipelining infers shapes with one extra forward per stage in its first step
             c.untracked = 1
         if plan.schedule == "interleaved":
-            return ScheduleInterleaved1F1B(stages, m, loss_fn=self._loss, scale_grads=False)
-        return Schedule1F1B(stages[0], m, loss_fn=self._loss, scale_grads=False)
+            return ScheduleInterleaved1F1B(stages, m, loss_fn=self._traced_loss, scale_grads=False)
+        return Schedule1F1B(stages[0], m, loss_fn=self._traced_loss, scale_grads=False)
+
+    def _traced_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`_loss`, counted (on traced steps) in the last stage's forward span, as Engine and BPipe time it:
+        pipelining computes the loss after forward_one_chunk returns, right after it."""
+        loss = self._loss(logits, targets)
+        if self.trace is not None:
+            self.trace.extend(dist.get_rank(), "F")
+        return loss
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This microbatch's share of the step loss, counted as the last stage's activations of that microbatch."""
         last = self.chunks[-1]
         with self.acts.microbatch((last.index, last.microbatch - 1)):
-            return cross_entropy(logits, targets) / self.plan.num_microbatches
+            return cross_entropy(logits, targets) / self.divisors[last.microbatch - 1]
 
     def train_step(self, batch: torch.Tensor) -> StepResult:
         self.model.train()
         batch = batch.to(self.device)
         micro = split_batch(batch, self.plan)
+        self.divisors = loss_divisors(batch, self.plan, self.dp_group, self.device)
         inputs, targets = (torch.cat(t) for t in zip(*micro))  # pipelining takes whole inputs, BPipe `micro`
         self.acts.reset(external=(batch, inputs))
+        self.memory.reset_peak()
+        self.acts.observer = self.memory.fold_activations if self.track_memory else None
         if self.host is not None:
             self.host.wait()  # the root unit waits in a Decoder.forward hook, and stages never call Decoder.forward
         for c in self.chunks:
@@ -196,6 +247,7 @@ class PipelineEngine(Engine):
         total = torch.zeros((), device=self.device)
         n = len(self.plan.stage_ranges())
         micro = split_batch(batch.to(self.device), self.plan)
+        divisors = loss_divisors(batch, self.plan, self.dp_group, self.device)
         for mb, (tokens, targets) in enumerate(micro):
             for chunk in self.chunks:
                 k = chunk.index
@@ -203,7 +255,7 @@ class PipelineEngine(Engine):
                     torch.empty_like(self.hidden), (k - 1) % self.plan.pp, 0, f"eval recv mb {mb}")
                 y = chunk(x)
                 if k == n - 1:
-                    total += cross_entropy(y, targets).float() / len(micro)
+                    total += cross_entropy(y, targets).float() / divisors[mb]
                 else:
                     self.comms.send(y, (k + 1) % self.plan.pp, 0, f"eval send mb {mb}")
             self.comms.finish_sends()
@@ -220,6 +272,6 @@ class PipelineEngine(Engine):
 
 
 def build_pipeline_engine(model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv,
-                          timeout_s: float = 300.0) -> PipelineEngine:
+                          timeout_s: float = 300.0, weights: Weights | None = None) -> PipelineEngine:
     """Cut `model` into this rank's stages and return the engine that runs the plan's schedule."""
-    return PipelineEngine(model, plan, optim, env, timeout_s)
+    return PipelineEngine(model, plan, optim, env, timeout_s, weights)

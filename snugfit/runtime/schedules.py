@@ -186,7 +186,7 @@ class BPipeSchedule:
     """Runs one stage's `bpipe_program` for a step; the last stage computes the loss.
 
     chunk: the stage module (hidden states or tokens in, hidden states or logits out), FSDP2 root or not.
-    loss_fn: the microbatch's share of the step loss (already divided by the microbatch count).
+    loss_fn: the microbatch's share of the step loss (already scaled: `runtime.engine.loss_divisors`).
     evict_group: a second process group over the pipeline ranks, for evictions only.
     hidden: an empty tensor of the hidden-state shape and dtype passed between stages.
     """

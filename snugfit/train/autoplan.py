@@ -1,4 +1,5 @@
-"""`--plan auto`: profile the model, search the plan for the launched ranks, and explain it."""
+"""`--plan auto` (the default): measure this machine once, profile the model, search the plan for the launched
+ranks, and explain it."""
 
 from __future__ import annotations
 
@@ -54,12 +55,31 @@ def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
     return timeline_for(plan, _profile(cfg, plan.micro_batch_size), parse_cluster(local_cluster(env)))
 
 
+def measure_once(env: DistEnv) -> None:
+    """Measure this machine when the planner has no measurement of it yet (cached for later runs).
+
+    Only CPU ranks need it (GPUs come from the catalogue); collectives and FSDP2's
+    costs are measured once more than one rank will run.
+    """
+    from snugfit.hardware.catalogue import hardware_cache_path, load_local
+    from snugfit.hardware.measure import profile_hardware
+
+    local = load_local()
+    multi = env.world_size > 1
+    if env.device.type != "cpu" or (local is not None and (not multi or local.host.fsdp)):
+        return
+    log.info("measuring this machine once for the planner (%s)%s", hardware_cache_path(),
+             ", collectives between two ranks included" if multi else "")
+    profile_hardware(collectives=multi)
+
+
 def _search(cfg: RunConfig, env: DistEnv) -> Plan:
     from snugfit.hardware.cluster import parse_cluster
     from snugfit.plan.explain import format_result
     from snugfit.plan.search import Constraints, NoPlanError, search
 
     t = cfg.train
+    measure_once(env)
     profile = _profile(cfg, 1)
     cluster = parse_cluster(local_cluster(env))
     micro = t.micro_batch_size or None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,10 @@ from snugfit.data.instruct import InstructSampler, instruct_eval_batches, load_i
 from snugfit.data.tokenizer import Tokenizer
 from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
+from snugfit.model.hf import load_hf, materialize
 from snugfit.model.lora import apply_lora, freeze, trainable_summary
 from snugfit.plan import Plan
+from snugfit.runtime.apply import Weights
 
 log = logging.getLogger("snugfit")
 
@@ -29,13 +32,26 @@ def model_identity(cfg: RunConfig) -> dict:
     return {**base, "lora_rank": f.lora_rank, "lora_targets": f.lora_targets, "freeze": f.freeze}
 
 
-def build_model(cfg: RunConfig) -> nn.Module:
-    """The model on CPU, identical on every rank (same seed); adapters and frozen pieces applied."""
+def model_weights(cfg: RunConfig) -> Weights | None:
+    """What fills the model `build_model(cfg, on_meta=True)` builds: the Hugging Face folder's tensors, LoRA
+    adapters drawn from the run's seed as on CPU. None for a random init (built-in model, config.json)."""
+    folder = Path(cfg.model.name) if cfg.model.name else None
+    if folder is None or not folder.is_dir():
+        return None
+    return functools.partial(materialize, folder=folder, seed=cfg.train.seed)
+
+
+def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
+    """The model on CPU, identical on every rank (same seed); adapters and frozen pieces applied.
+
+    on_meta: a model whose weights are in a folder (`model_weights`) is built on
+    the meta device instead, holding nothing: the runtime reads the weights
+    after it has placed the model (`runtime.apply.build_engine`).
+    """
     torch.manual_seed(cfg.train.seed)
     if cfg.model.name:
-        from snugfit.model.hf import load_hf
-
-        model = load_hf(cfg.model.name, seed=cfg.train.seed)
+        device = "meta" if on_meta and model_weights(cfg) is not None else "cpu"
+        model = load_hf(cfg.model.name, device=device, seed=cfg.train.seed)
     else:
         model = Decoder(cfg.model)
     f = cfg.finetune

@@ -20,7 +20,7 @@ from snugfit.report.trace import StepTrace
 from snugfit.runtime.apply import build_engine
 from snugfit.runtime.dist import DistEnv, init_distributed
 from snugfit.runtime.engine import Engine, OptimConfig
-from snugfit.train.build import build_data, build_model, model_identity
+from snugfit.train.build import build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields
 
@@ -45,13 +45,13 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
-    """The plan searched for this run (`auto`), a plan file as written, or plain data parallelism over every rank."""
+    """The plan searched for this run (`auto`), a plan file as written, or plain data parallelism (`dp`)."""
     t = cfg.train
     if cfg.parallel.plan == "auto":
         from snugfit.train.autoplan import search_plan
 
         return search_plan(cfg, env)
-    if cfg.parallel.plan:
+    if cfg.parallel.plan != "dp":
         try:
             plan = Plan.from_json(Path(cfg.parallel.plan).read_text())
         except OSError as e:
@@ -94,7 +94,8 @@ def train(cfg: RunConfig) -> TrainResult:
 def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     t = cfg.train
     out = Path(t.out_dir)
-    model = build_model(cfg)
+    weights = model_weights(cfg)  # read once the plan has placed the model: no process holds it whole
+    model = build_model(cfg, on_meta=weights is not None)
     data = build_data(cfg, model.cfg.vocab_size)
     plan = resolve_plan(cfg, model.cfg, env)
 
@@ -109,7 +110,8 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
         )
 
     try:
-        engine = build_engine(model, plan, OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip), env)
+        optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+        engine = build_engine(model, plan, optim, env, weights)
     except PlanError as e:
         raise SnugfitError(str(e)) from None
     dp_rank = env.rank % plan.dp

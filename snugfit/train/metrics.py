@@ -74,13 +74,18 @@ def measured_memory(engine) -> dict:
 
 
 def predicted_fields(plan) -> dict:
-    """The plan's predictions beside the measurements, when the plan carries them."""
+    """The plan's predictions beside the measurements, when the plan carries them.
+
+    Memory is what the runtime's MemoryTracker is predicted to see (held tensors, the
+    measured side's view), not the full peak with its transients.
+    """
     from snugfit.plan.memory import device_bytes
 
     p = plan.predicted
     if p is None:
         return {}
-    device = [device_bytes(r) for r in p.memory_by_rank] or [p.peak_memory_bytes]
+    device = ([t["device.total"] for t in p.tracked_by_rank] or [device_bytes(r) for r in p.memory_by_rank]
+              or [p.peak_memory_bytes])
     return {"predicted_step_time_s": p.step_time_s, "predicted_peak_memory_bytes": device}
 
 
