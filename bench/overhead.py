@@ -38,7 +38,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="steps per loop per round")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    cfg = build_config(None, {"progress": False})
+    # data parallel over one rank: the whole batch in one microbatch, as the plain loop runs it
+    cfg = build_config(None, {"progress": False, "plan": "dp"})
     t = cfg.train
     tokens = load_tokens("", "auto", load_tokenizer("byte"))
     data = split(tokens, t.seq_len, 0.0, cfg.model.vocab_size)
