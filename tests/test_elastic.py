@@ -15,7 +15,7 @@ from snugfit.train.export import load_checkpoint_model
 ARGS = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "--max-seq-len", "16",
         "--batch-size", "4", "--steps", "48", "--warmup-steps", "2", "--eval-every", "0", "--log-every", "4",
         "--checkpoint-every", "8", "--keep-checkpoints", "8", "--progress", "false", "--plot", "false",
-        "--nproc", "2", "--max-restarts", "1", "--timeout-s", "30"]
+        "--nproc", "2", "--max-restarts", "1", "--timeout-s", "30", "--plan", "dp"]
 
 
 def launch(out: Path) -> subprocess.Popen:

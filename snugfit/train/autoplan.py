@@ -4,6 +4,7 @@ ranks, and explain it."""
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from snugfit.plan import Plan
 from snugfit.runtime.dist import DistEnv
 
 log = logging.getLogger("snugfit")
+MEASURE_WAIT_S = 600  # how long other ranks wait for rank 0's first measurement of this machine and the search
 
 
 def local_cluster(env: DistEnv) -> str:
@@ -32,10 +34,14 @@ def local_cluster(env: DistEnv) -> str:
 def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
     """The fastest plan that fits, found on rank 0 and sent to every rank (the profile cache is written once)."""
     plan_json = [None]
+    multi = dist.is_initialized() and env.world_size > 1
+    # rank 0 may first measure this machine (tens of seconds on CPU), longer than a collective's timeout
+    patient = dist.new_group(backend="gloo", timeout=timedelta(seconds=MEASURE_WAIT_S)) if multi else None
     if env.is_main:
         plan_json[0] = _search(cfg, env).to_json()
-    if dist.is_initialized() and env.world_size > 1:
-        dist.broadcast_object_list(plan_json, src=0)
+    if multi:
+        dist.broadcast_object_list(plan_json, src=0, group=patient)
+        dist.destroy_process_group(patient)
     return Plan.from_json(plan_json[0])
 
 
@@ -55,21 +61,30 @@ def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
     return timeline_for(plan, _profile(cfg, plan.micro_batch_size), parse_cluster(local_cluster(env)))
 
 
-def measure_once(env: DistEnv) -> None:
+def measure_once(ranks: int, on_cpu: bool = True) -> None:
     """Measure this machine when the planner has no measurement of it yet (cached for later runs).
 
-    Only CPU ranks need it (GPUs come from the catalogue); collectives and FSDP2's
-    costs are measured once more than one rank will run.
+    Only CPU ranks need it (GPUs come from the catalogue). For more than one rank it
+    also measures collectives and FSDP2's costs between local processes, which it
+    must start itself: `snugfit train --nproc N` does that before launching. A rank
+    of a job already running cannot (its process group would be inherited), so it
+    measures the rest and says how to complete it.
     """
     from snugfit.hardware.catalogue import hardware_cache_path, load_local
     from snugfit.hardware.measure import profile_hardware
 
     local = load_local()
-    multi = env.world_size > 1
-    if env.device.type != "cpu" or (local is not None and (not multi or local.host.fsdp)):
+    multi = ranks > 1
+    if not on_cpu or (local is not None and (not multi or local.host.fsdp)):
+        return
+    if multi and dist.is_initialized():
+        log.warning("no measurement of collectives and FSDP2 costs between local ranks: the plan's time "
+                    "estimates leave them out; run `snugfit profile-hardware` once to add them")
+        if local is None:
+            profile_hardware(collectives=False)
         return
     log.info("measuring this machine once for the planner (%s)%s", hardware_cache_path(),
-             ", collectives between two ranks included" if multi else "")
+             ", collectives and FSDP2 costs between local ranks included" if multi else "")
     profile_hardware(collectives=multi)
 
 
@@ -79,7 +94,7 @@ def _search(cfg: RunConfig, env: DistEnv) -> Plan:
     from snugfit.plan.search import Constraints, NoPlanError, search
 
     t = cfg.train
-    measure_once(env)
+    measure_once(env.world_size, env.device.type == "cpu")
     profile = _profile(cfg, 1)
     cluster = parse_cluster(local_cluster(env))
     micro = t.micro_batch_size or None
