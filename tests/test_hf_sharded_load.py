@@ -127,6 +127,8 @@ def _train(env, folder: str, plan: Plan, lora: int, on_meta: bool) -> dict:
     rows = MBS * NMB
     dp_rank = env.rank % plan.dp
     losses = [engine.train_step(b[dp_rank * rows:(dp_rank + 1) * rows]).loss for b in _batches(plan.dp)]
+    if engine.host is not None:  # the last host optimizer step runs on a worker thread until the next forward
+        engine.host.wait()
     params = {n: _full(p) for n, p in engine.model.named_parameters()}
     buffers = {n: b.clone() for n, b in engine.model.named_buffers()}
     return {"losses": losses, "grads": grads, "params": params, "buffers": buffers, "read": read}
