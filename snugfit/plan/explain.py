@@ -9,7 +9,8 @@ from dataclasses import replace
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.memory import FRAGMENTATION, device_bytes
 from snugfit.plan.plan import Plan
-from snugfit.plan.search import Constraints, NoPlanError, SearchResult, describe, search
+from snugfit.plan.options import Constraints, describe
+from snugfit.plan.search import NoPlanError, SearchResult, search
 from snugfit.profile.types import ModelProfile
 
 GIB = 2**30

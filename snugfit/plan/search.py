@@ -26,7 +26,8 @@ from snugfit.plan.knapsack import (
     BUCKETS, INF, Cost, StageCosts, knapsack, resident_microbatches, split, usable, with_reserve, working,
 )
 from snugfit.plan.memory import device_bytes
-from snugfit.plan.plan import ACTIVATION_POLICIES, BlockPlan, Plan, PlanError
+from snugfit.plan.options import Constraints, block_options, describe
+from snugfit.plan.plan import BlockPlan, Plan, PlanError
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
@@ -40,25 +41,6 @@ class NoPlanError(PlanError):
         super().__init__(message)
         self.result = result
 
-
-@dataclass
-class Constraints:
-    """Parts of the plan fixed by the user; None = search it."""
-
-    dp: int | None = None
-    pp: int | None = None
-    micro_batch: int | None = None
-    num_microbatches: int | None = None
-    schedule: str | None = None
-    virtual_stages: int | None = None
-    zero: int | None = None
-    activations: str | None = None
-    offload_optimizer: bool | None = None  # True: every block and the root; False: none
-    offload_params: bool | None = None
-    evict_bound: int | None = None
-
-    def fixed(self) -> dict:
-        return {k: v for k, v in vars(self).items() if v is not None}
 
 @dataclass
 class Candidate:
@@ -109,29 +91,6 @@ def budget_for(cluster: Cluster, memory_budget: int | None) -> int:
     """The per-GPU limit estimate() applies: the smallest GPU's memory, or less if the user says so."""
     gpu_mem = min(cluster.gpu_of(r).memory_bytes for r in range(cluster.world_size))
     return min(memory_budget, gpu_mem) if memory_budget else gpu_mem
-
-
-def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan]:
-    """Every per-block decision the constraints allow (with dp 1, ZeRO matters only for offload_params)."""
-    acts = ["keep"] if root else ([c.activations] if c.activations else list(ACTIVATION_POLICIES))
-    out = []
-    for z in [c.zero] if c.zero is not None else [0, 1, 2, 3]:
-        for mode in ("none", "optimizer", "params"):
-            params = mode == "params"
-            if (params and z != 3) or (c.offload_params is not None and params != c.offload_params):
-                continue
-            if (c.offload_optimizer is not None and (mode == "optimizer") != c.offload_optimizer) or \
-                    (dp == 1 and c.zero is None and z != (3 if mode == "params" else 0)):
-                continue
-            out += [BlockPlan(z, mode == "optimizer", mode == "params", a) for a in acts]
-    return out
-
-
-def describe(o: BlockPlan, root: bool = False) -> str:
-    parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
-    parts += ["optimizer offload"] * o.offload_optimizer + ["parameter offload"] * o.offload_params
-    acts = {"keep": "activations kept", "offload": "activations offloaded"}.get(o.activations, o.activations)
-    return " + ".join(parts + ([] if root else [acts]))
 
 
 class Searcher:
