@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # what DCP uses to slice
 
 from snugfit.errors import SnugfitError
-from snugfit.model.decoder import cross_entropy
+from snugfit.model.decoder import Decoder
 from snugfit.model.lora import init_adapters, merged_state_dict, plain_named_tensors
 
 log = logging.getLogger(__name__)
@@ -187,14 +187,8 @@ class HFCausalLM(nn.Module):
         self.head_weight = "head.1.weight" if s.project_out is not None else "head.weight"
         self.tokens_hf_name = self.hf_names["embed.tokens.weight"]
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(tokens) if self.embed is not None else tokens
-        for block in self.blocks.values():
-            h = block(h, self.rope)
-        if self.head is None:
-            return h
-        logits = self.head(self.norm(h))
-        return logits if targets is None else cross_entropy(logits, targets)
+    # the built-in decoder's walk over the same pieces (embed, blocks, norm, head; pruned ones skipped)
+    forward = Decoder.forward
 
     def prune(self, blocks: set[int] | None = None, embed: bool = True, head: bool = True) -> None:
         """Keep only the given blocks (names stay stable) and pieces, as a pipeline stage does."""
