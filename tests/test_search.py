@@ -10,7 +10,8 @@ from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate
 from snugfit.plan.explain import advise, explain_bpipe, format_result
 from snugfit.plan.knapsack import BUCKETS, Cost, knapsack, split
-from snugfit.plan.search import Constraints, NoPlanError, budget_for, search
+from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.search import Constraints, NoPlanError, Searcher, budget_for, search
 from snugfit.profile.types import ModelProfile, PieceProfile
 
 GiB = 2**30
@@ -93,6 +94,21 @@ def test_infeasible_request_gives_smallest_change_advice():
     advice = advise(prof, cluster, global_batch=4, constraints=c, memory_budget=12 * GiB, result=res)
     assert any(a.startswith("drop --zero 0") for a in advice)
     assert any("GPUs" in a or "LoRA" in a or "sequence" in a for a in advice)
+
+
+@pytest.mark.parametrize("model,spec,pp", [("wide", "2xRTX4090", 1), ("mid", "4xA10", 2)])
+def test_reported_need_is_what_that_plan_evaluates_to(model, spec, pp):
+    """A rejected family's "needs X GiB" is the device peak estimate() gives the plan it describes (not a
+    looser bound: a user would otherwise buy memory they do not need)."""
+    prof, cluster = MODELS[model], parse_cluster(spec)
+    c = Constraints(pp=pp, zero=0, activations="recompute", offload_optimizer=True, schedule="1f1b" if pp > 1 else None)
+    srch = Searcher(prof, cluster, 8, c, budget_for(cluster, None))
+    for cand in srch.candidates():
+        need, _, option = srch.need(cand)
+        plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=pp, block=option, schedule=cand.schedule,
+                            root=BlockPlan(zero=0, offload_optimizer=True), micro_batch_size=cand.mbs,
+                            num_microbatches=cand.m, seq_len=prof.seq_len, compute_dtype=prof.dtype)
+        assert need == pytest.approx(estimate(plan, prof, cluster).peak_memory_bytes, rel=0.01), cand
 
 
 def test_bpipe_only_when_it_beats_the_best_plan_without_it():

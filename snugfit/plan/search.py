@@ -195,7 +195,7 @@ class Searcher:
             b = min(opts, key=lambda o: share * st.cost(blk, o).mem(r, cand.m) + self._extra(cand, o))
             ro = min(ropts, key=lambda o: sum(st.cost(p, o).mem(r, cand.m) for p in roots))
             static = sum(st.cost(p, ro).static for p in roots) + share * st.cost(blk, b).static
-            total = (max(working(p) for p in [blk, *roots]) + sum(st.cost(p, ro).mem(r, cand.m) for p in roots)
+            total = (self._working(st, blk, roots, opts, ropts) + sum(st.cost(p, ro).mem(r, cand.m) for p in roots)
                      + share * st.cost(blk, b).mem(r, cand.m) + self._extra(cand, b))
             if with_reserve(st.gpu, total) > worst[0]:
                 worst = (with_reserve(st.gpu, total), int(static), b)
@@ -204,10 +204,17 @@ class Searcher:
     def _room(self, cand: Candidate, s: int, slack: float) -> int:
         """Most blocks stage s could hold at all (each at its leanest option); 0 if fewer than v."""
         st, blk, roots, opts, ropts, r = self._stage(cand, s)
-        free = usable(st.gpu, self.budget) - max(working(p) for p in [blk, *roots]) - slack
+        free = usable(st.gpu, self.budget) - self._working(st, blk, roots, opts, ropts) - slack
         free -= min((sum(st.cost(p, o).mem(r, cand.m) for p in roots) for o in ropts), default=0)
         most = max(((free - self._extra(cand, o)) // max(st.cost(blk, o).mem(r, cand.m), 1) for o in opts), default=0)
         return int(most) if most >= cand.v else 0
+
+    @staticmethod
+    def _working(st: StageCosts, blk, roots, opts: list[BlockPlan], ropts: list[BlockPlan]) -> float:
+        """The largest piece's working peak above the held bytes the knapsack counts. Those include the piece's
+        own saved activations of the microbatch in flight, which working() counts too (memory.stage_walk counts
+        them once), so they come off, at the piece's leanest option to stay an upper bound."""
+        return max(working(p) - min(st.cost(p, o).act for o in (opts if p is blk else ropts)) for p in [blk, *roots])
 
     def _buffers(self, cand: Candidate) -> tuple[float, float]:
         """(ZeRO-3 gather buffers, activation-offload window): two blocks of each, as memory.py counts them."""
@@ -237,7 +244,7 @@ class Searcher:
             rcost = None
             if roots:
                 rcost = [Cost.total([st.cost(p, o) for p in roots]) for o in ropts]
-            cap = usable(st.gpu, self.budget) - max(working(p) for p in [blk, *roots]) - slack
+            cap = usable(st.gpu, self.budget) - self._working(st, blk, roots, opts, ropts) - slack
             tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [_kind(o) for o in opts],
                                    [int(o.zero == 3) for o in ropts], resident=r, m=cand.m, cap=cap, n_max=n_max,
                                    buffers=self._buffers(cand)))
