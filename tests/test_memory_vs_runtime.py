@@ -53,6 +53,8 @@ TWO = {
     "lora_zero3": (_plan(2, BlockPlan(zero=3, activations="recompute"), BlockPlan(zero=2), m=2), True),
     # pipeline stages count their own activations and are FSDP2 root units of their own
     "pp2_1f1b": (_plan(1, m=4, pp=2, schedule="1f1b"), False),
+    # stage 0 keeps one microbatch, evicting the others to stage 1, which holds them beside its own
+    "pp2_bpipe_evict": (_plan(1, m=4, pp=2, schedule="bpipe", evict_bound=1), False),
 }
 
 

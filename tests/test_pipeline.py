@@ -13,6 +13,7 @@ import torch
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan, PlanError
+from snugfit.plan.simulate import simulate
 from snugfit.runtime.engine import OptimConfig, split_batch
 from snugfit.runtime.memory import local
 from snugfit.runtime.offload import local_shard
@@ -173,6 +174,17 @@ def test_bpipe_program_keeps_bound(p):
                     if stage < p - 1 - stage:
                         assert len(resident) <= bound
                 assert not resident and not evicted
+
+
+@pytest.mark.parametrize("p", [2, 4, 5])
+def test_time_model_moves_activations_as_bpipe_program_does(p):
+    """The memory model reads what each rank holds from the simulation, so its evictions and loads are the runtime's."""
+    for m in (p, 2 * p + 1):
+        for bound in range(1, p + 1):
+            sim = simulate("bpipe", p, m, [1.0] * p, [2.0] * p, bound=bound, move=[0.1] * p)
+            for stage in range(p):
+                moves = [(e.kind.upper(), e.mb) for e in sim.events if e.rank == stage]
+                assert moves == bpipe_program(p, m, stage, bound), (m, bound, stage)
 
 
 def test_split_batch_takes_instruction_pairs():

@@ -77,7 +77,7 @@ def explain_bpipe(res: SearchResult) -> str:
     bp_time = bp.predicted.time_by_phase
     lines.append(f"moves cost: bubble {bp_time.get('bubble', 0):.3g} s vs "
                  f"{plain.predicted.time_by_phase.get('bubble', 0):.3g} s (evictions hide in the forward of the "
-                 f"next microbatch, loads in the backward before; what they do not hide shows up as bubble)")
+                 f"next microbatch, loads in the wait for the gradient; what they do not hide shows up as bubble)")
     gain = plain.predicted.step_time_s / bp.predicted.step_time_s - 1
     verdict = "chosen" if res.best is bp else "not chosen"
     lines.append(f"verdict: BPipe is {gain:+.1%} faster -> {verdict}")

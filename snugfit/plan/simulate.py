@@ -6,10 +6,12 @@ of pp*v stages runs on rank k % pp. The result keeps every event (for Gantt
 charts), busy time and bubble per rank, and which (stage, microbatch) activations
 each rank holds whenever it starts computing, which is what the memory model needs.
 
-BPipe: a rank about to start a forward while holding `bound` microbatches evicts
-the one whose backward comes last to its partner rank p-1-x (overlapped with that
-forward), and loads the oldest evicted one back as soon as a backward frees a slot (before that microbatch's
-backward needs it).
+BPipe moves follow the runtime's program (runtime.schedules.bpipe_program), so
+a heavy rank x < p-1-x never holds more than `bound` microbatches: before a
+forward at the bound it evicts the one whose backward comes last to its partner
+p-1-x (overlapped with that forward); before the backward of an evicted one it
+makes room the same way, then loads it back once the partner's backward of it is
+done (the backward waits for the load).
 """
 
 from __future__ import annotations
@@ -102,7 +104,6 @@ def simulate(
     done: dict[tuple[str, int, int], float] = {}
     held: list[dict[tuple[int, int], None]] = [{} for _ in range(pp)]  # insertion-ordered sets
     evicted: list[dict[tuple[int, int], None]] = [{} for _ in range(pp)]  # by owner rank: held by the partner
-    load_ready: dict[tuple[int, int], float] = {}
     res = SimResult(snapshots={r: [] for r in range(pp)}, busy=[0.0] * pp)
     remaining = sum(len(o) for o in orders)
 
@@ -128,6 +129,19 @@ def simulate(
     # When each rank's next action could start: an action changes only its own rank's and its
     # neighbours' (the ranks it sends to and receives from), so only those are recomputed.
     starts: list[float | None] = [ready_at(r) for r in range(pp)]
+
+    def make_room(r: int, t: float) -> float:
+        """Evict rank r's microbatches whose backward comes last until one more fits under the bound, from t;
+        returns when the evictions are sent."""
+        sent = t
+        while len(held[r]) >= bound:
+            victim = max(held[r], key=lambda s: s[1])
+            del held[r][victim]
+            evicted[r][victim] = None
+            res.events.append(Event(r, victim[0], "evict", victim[1], t, t + move[victim[0]]))
+            sent = max(sent, res.events[-1].end)
+        return sent
+
     while remaining:
         # run the action that can start first, so cross-rank state (evictions) changes in time order
         cands = [(t, r) for r, t in enumerate(starts) if t is not None]
@@ -135,21 +149,19 @@ def simulate(
             raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={v}, m={m})")
         ready, r = min(cands)
         kind, k, j = orders[r][pos[r]]
-        if kind == "B" and (k, j) in evicted[r]:  # not loaded back early enough: load now
+        partner = pp - 1 - r
+        if kind == "F" and schedule == "bpipe" and r < partner and bound:  # only heavy ranks evict
+            make_room(r, ready)
+        if kind == "B" and (k, j) in evicted[r]:
+            # room first (loading into a full rank would exceed the bound), then the load, which the partner
+            # serves once its own backward of j is done: both overlap this rank's wait for the gradient
+            start = max(make_room(r, free[r]), done[("B", partner, j)])
             del evicted[r][(k, j)]
             held[r][(k, j)] = None
-            load_ready[(k, j)] = ready + move[k]
-            res.events.append(Event(r, k, "load", j, ready, load_ready[(k, j)]))
-        if kind == "B" and (k, j) in load_ready:
-            ready = max(ready, load_ready.pop((k, j)))
+            res.events.append(Event(r, k, "load", j, start, start + move[k]))
+            ready = max(ready, start + move[k])
         dur = fwd[k] if kind == "F" else bwd[k]
         ev = Event(r, k, kind, j, ready, ready + dur)
-        partner = pp - 1 - r
-        if kind == "F" and schedule == "bpipe" and partner != r and bound and len(held[r]) >= bound:
-            victim = max(held[r], key=lambda s: s[1])  # its backward comes last
-            del held[r][victim]
-            evicted[r][victim] = None
-            res.events.append(Event(r, victim[0], "evict", victim[1], ready, ready + move[victim[0]]))
         resident = [s for s in held[r] if s != (k, j)]
         if schedule == "bpipe" and partner != r:
             resident += list(evicted[partner])
@@ -166,11 +178,5 @@ def simulate(
             held[r][(k, j)] = None
         else:
             del held[r][(k, j)]
-            if evicted[r] and (bound is None or len(held[r]) < bound):
-                back = min(evicted[r], key=lambda s: s[1])  # needed soonest
-                del evicted[r][back]
-                held[r][back] = None
-                load_ready[back] = ev.end + move[back[0]]
-                res.events.append(Event(r, back[0], "load", back[1], ev.end, load_ready[back]))
     res.makespan = max(e.end for e in res.events)
     return res
