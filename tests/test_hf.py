@@ -19,6 +19,7 @@ from snugfit.errors import SnugfitError  # noqa: E402
 from snugfit.model.hf import HFCausalLM, load_hf, save_hf  # noqa: E402
 from snugfit.model.lora import apply_lora  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
+from tests.safetensors_spy import SafetensorsSpy  # noqa: E402
 
 LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=64)
@@ -98,32 +99,9 @@ def write_sharded(hf, folder) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def reads(monkeypatch):
     """The tensor names load_hf actually reads from disk."""
-    names: list[str] = []
-    real = hfmod.safe_open
-
-    class Recording:
-        def __init__(self, *a, **kw):
-            self.f = real(*a, **kw)
-
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, name):  # every read goes through here (shape check, then rows or all)
-            names.append(name)
-            return self.inner.get_slice(name)
-
-        def get_tensor(self, name):
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(hfmod, "safe_open", Recording)
-    return names
+    spy = SafetensorsSpy(hfmod.safe_open)
+    monkeypatch.setattr(hfmod, "safe_open", spy)
+    return spy.names
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

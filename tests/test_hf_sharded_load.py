@@ -20,6 +20,7 @@ from snugfit.config import build_config  # noqa: E402
 from snugfit.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.runtime.engine import OptimConfig  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
+from tests.safetensors_spy import SafetensorsSpy  # noqa: E402
 
 SEQ, MBS, NMB, STEPS, VOCAB = 16, 2, 2, 2, 128
 OPT = OptimConfig(lr=1e-2, grad_clip=0.5)
@@ -49,47 +50,7 @@ def save_llama(folder, tied: bool = False) -> int:
         return sum(f.get_tensor(k).nbytes for k in f.keys())
 
 
-REAL_OPEN = hfmod.safe_open
-
-
-class CountingOpen:
-    """safetensors' safe_open, counting the bytes every read returns (whole tensors or row slices)."""
-
-    nbytes = 0
-
-    def __init__(self, *args, **kwargs):
-        self.f = REAL_OPEN(*args, **kwargs)
-
-    def __enter__(self):
-        self.inner = self.f.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.f.__exit__(*exc)
-
-    def keys(self):
-        return self.inner.keys()
-
-    def get_slice(self, name):
-        return CountingSlice(self.inner.get_slice(name))
-
-    def get_tensor(self, name):
-        t = self.inner.get_tensor(name)
-        CountingOpen.nbytes += t.nbytes
-        return t
-
-
-class CountingSlice:
-    def __init__(self, sl):
-        self.sl = sl
-
-    def get_shape(self):
-        return self.sl.get_shape()
-
-    def __getitem__(self, index):
-        t = self.sl[index]
-        CountingOpen.nbytes += t.nbytes
-        return t
+SPY = SafetensorsSpy(hfmod.safe_open)  # installed in each rank process by _compare
 
 
 def _batches(dp: int) -> list[torch.Tensor]:
@@ -110,9 +71,9 @@ def _train(env, folder: str, plan: Plan, lora: int, on_meta: bool) -> dict:
 
     cfg = build_config(None, {"model.name": folder, "lora_rank": lora, "seed": 3})
     weights = model_weights(cfg) if on_meta else None
-    CountingOpen.nbytes = 0
+    SPY.clear()
     engine = build_engine(build_model(cfg, on_meta=on_meta), plan, OPT, env, weights)
-    read = CountingOpen.nbytes
+    read = SPY.nbytes
     grads: dict[str, torch.Tensor] = {}
     update = engine._update
 
@@ -135,7 +96,7 @@ def _train(env, folder: str, plan: Plan, lora: int, on_meta: bool) -> dict:
 
 
 def _compare(env, folders: dict[bool, str]) -> dict:
-    hfmod.safe_open = CountingOpen
+    hfmod.safe_open = SPY
     out = {}
     for name, (spec, lora, tied) in CASES.items():
         plan = Plan.uniform(4, micro_batch_size=MBS, num_microbatches=NMB, seq_len=SEQ, **spec)

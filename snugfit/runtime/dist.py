@@ -31,6 +31,21 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _backend(device: torch.device) -> str:
+    """gloo on CPU; the accelerator's backend for its tensors, with gloo for host tensors.
+
+    Plain "gloo", not "cpu:gloo": torch sets a process group's default backend
+    from a "device:backend" string only when NCCL is in it or no backend plugin
+    is registered, and importing torch.distributed.fsdp registers the "fake"
+    plugin. The group is then left without a default backend and
+    destroy_process_group warns "No backend of type 0 found". Plain "gloo"
+    differs only in also serving CUDA tensors, which a CPU run has none of.
+    """
+    if device.type == "cpu":
+        return "gloo"
+    return f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
+
+
 def init_distributed(timeout_s: float = 300.0) -> DistEnv:
     """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU).
 
@@ -43,7 +58,7 @@ def init_distributed(timeout_s: float = 300.0) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
     if not dist.is_initialized():
-        backend = "cpu:gloo" if device.type == "cpu" else f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
+        backend = _backend(device)
         timeout = timedelta(seconds=timeout_s)
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
         # torchrun's agent store outlives a restart and still holds the dead attempt's addresses,
@@ -59,5 +74,5 @@ def ensure_process_group(env: DistEnv) -> None:
     """A one-rank process group when none was launched, so one process runs the same FSDP2 code path."""
     if not dist.is_initialized():
         device = env.device
-        backend = "cpu:gloo" if device.type == "cpu" else f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
+        backend = _backend(device)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
