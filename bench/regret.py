@@ -125,7 +125,8 @@ def main() -> int:
     torch.set_num_threads(1)
     if not args.reuse_hardware or load_local() is None:
         profile_hardware()  # the predictions use this machine as it is now, like the measurements
-    prof = profile_model(CFG, micro_batch_size=1, seq_len=SEQ, measure_on="cpu", clock=time.process_time)
+    prof = profile_model(CFG, micro_batch_size=1, seq_len=SEQ, measure_on="cpu", clock=time.process_time,
+                         use_cache=False)  # measured now, as the hardware and the steps are
     ok = True
     for world in args.worlds:
         cluster = parse_cluster(f"{world}xcpu")

@@ -18,8 +18,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan, PlanError
+from snugfit.plan.estimate import estimate
+from snugfit.plan.search import search
+from snugfit.profile import profile_model
 from snugfit.runtime.apply import build_engine
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import OptimConfig
@@ -47,6 +51,29 @@ def mixed(dp: int) -> Plan:
         BlockPlan(zero=3, offload_optimizer=True),
         BlockPlan(zero=3, offload_params=True),
     ])
+
+
+def searched(world: int) -> tuple[Plan, int]:
+    """The planner's choice for `world` CPU ranks and a global batch of 8 under a per-rank budget of 0.8 x what
+    replicated data parallelism needs (so the choice matters), and that budget."""
+    prof = profile_model(CFG, micro_batch_size=1, seq_len=SEQ, use_cache=False)
+    cluster = parse_cluster(f"{world}xcpu")
+    replicated = Plan.uniform(CFG.n_layers, dp=world, micro_batch_size=8 // world, seq_len=SEQ)
+    budget = int(0.8 * estimate(replicated, prof, cluster).peak_memory_bytes)
+    return search(prof, cluster, global_batch=8, memory_budget=budget, alternatives=0).best, budget
+
+
+SEARCHED = {world: searched(world) for world in (1, 2, 4)}
+
+
+def assert_searched_plan_ran(world: int, per_rank: list) -> None:
+    """The chosen plan trains as the reference does, and each rank's tracked peak (device and host: one memory
+    on CPU) stays under the budget it was chosen for."""
+    plan, budget = SEARCHED[world]
+    out, params, _ = per_rank[0]
+    assert_matches(plan, out, params)
+    for _, _, peak in per_rank:
+        assert peak["device.total"] + peak["host.total"] <= budget, (peak, budget)
 
 
 def batches(plan: Plan, steps: int = STEPS, seed: int = 1) -> list[torch.Tensor]:
@@ -161,6 +188,10 @@ def test_one_rank_plans_match_reference(one_rank):
         assert_matches(plan, out, params)
 
 
+def test_one_rank_searched_plan_runs_under_its_budget(one_rank):
+    assert_searched_plan_ran(1, run_plans(one_rank, [SEARCHED[1][0]]))
+
+
 # -- two ranks --
 TWO = [make_plan(2, BlockPlan(zero=z)) for z in (0, 1, 2, 3)] + [
     make_plan(2, BlockPlan(zero=3, offload_params=True)),
@@ -174,7 +205,7 @@ BF16 = [make_plan(2, BlockPlan(zero=3), compute_dtype="bfloat16"),
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_ranks(run_plans, 2, TWO + BF16, str(tmp_path_factory.mktemp("ckpt")))
+    return run_ranks(run_plans, 2, TWO + BF16 + [SEARCHED[2][0]], str(tmp_path_factory.mktemp("ckpt")))
 
 
 @pytest.mark.parametrize("i", range(len(TWO)), ids=["zero0", "zero1", "zero2", "zero3", "offload_params",
@@ -192,6 +223,10 @@ def test_bf16_stays_close_to_fp32(two_ranks):
         for (loss, _), (ref_loss, _) in zip(out, ref_out):
             assert loss == pytest.approx(ref_loss, abs=2e-2)
         assert all(torch.as_tensor(v).isfinite().all() for v in params.values())
+
+
+def test_two_ranks_searched_plan_runs_under_its_budget(two_ranks):
+    assert_searched_plan_ran(2, [rank[len(TWO) + len(BF16)] for rank in two_ranks])
 
 
 def test_checkpoint_loads_under_another_plan(two_ranks):
@@ -219,13 +254,17 @@ FOUR = [make_plan(4, BlockPlan(zero=3)), make_plan(4, BlockPlan(zero=1)),
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_ranks(run_plans, 4, FOUR)
+    return run_ranks(run_plans, 4, FOUR + [SEARCHED[4][0]])
 
 
 @pytest.mark.parametrize("i", range(len(FOUR)), ids=["zero3", "zero1", "offload_optim_zero3", "mixed"])
 def test_four_ranks_match_reference(four_ranks, i):
     out, params, _ = four_ranks[0][i]
     assert_matches(FOUR[i], out, params)
+
+
+def test_four_ranks_searched_plan_runs_under_its_budget(four_ranks):
+    assert_searched_plan_ran(4, [rank[len(FOUR)] for rank in four_ranks])
 
 
 def test_sharded_state_is_a_quarter_per_rank(four_ranks):

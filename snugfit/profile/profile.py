@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -174,72 +175,90 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
     """Fill fwd/bwd_time_s of every piece, and each block's recompute_time_s: the extra
     seconds of a step with the block under "recompute" / "selective" (checkpointing has
     overheads beyond re-running the forward, large for small blocks).
+
+    The variants are timed in rounds, one step of each per round, and a recompute extra is
+    the median of its per-round differences: on a shared machine whose speed drifts over
+    seconds, variants timed one after another would each see a different machine.
     """
     tune = (lora_rank, frozen)
-    keep = _time_pieces(cfg, prof, device, repeats, clock, "keep", tune)
-    # at SPAN times the micro-batch too: the intercept of the line through both (the part no batch size
-    # changes: dispatch, launches) lets ModelProfile.scaled() move across the sizes the search tries
-    wide = _time_pieces(cfg, prof, device, repeats, clock, "keep", tune, rows=SPAN * prof.micro_batch_size)
+    timers = {policy: _PieceTimer(cfg, prof, device, clock, policy, tune) for policy in ("keep", *RECOMPUTED)}
+    mbs = prof.micro_batch_size
+    tokens = {rows: torch.randint(0, cfg.vocab_size, (rows, prof.seq_len), device=device) for rows in (mbs, SPAN * mbs)}
+    # "wide": keep at SPAN times the micro-batch, for the intercept of the line through both sizes (the part no
+    # batch size changes: dispatch, launches) that lets ModelProfile.scaled() move across the sizes searched
+    runs = {"keep": ("keep", mbs), "wide": ("keep", SPAN * mbs), **{p: (p, mbs) for p in RECOMPUTED}}
+    samples: dict[str, list[dict[tuple[str, str], float]]] = {name: [] for name in runs}
+    try:
+        for it in range(repeats + 2):  # two warm-ups
+            for name, (policy, rows) in runs.items():
+                sample = timers[policy].step(tokens[rows])
+                if it >= 2:
+                    samples[name].append(sample)
+    finally:
+        for timer in timers.values():
+            timer.close()
+    # the fastest of the repeats: on a shared machine, interference only ever adds time
+    keep, wide = ({k: min(s[k] for s in samples[name]) for k in samples[name][0]} for name in ("keep", "wide"))
     for piece in prof.pieces:
         piece.fwd_time_s, piece.bwd_time_s = keep[(piece.name, "fwd")], keep[(piece.name, "bwd")]
         piece.fwd_fixed_s, piece.bwd_fixed_s = (
             min(max(0.0, (SPAN * keep[(piece.name, ph)] - wide[(piece.name, ph)]) / (SPAN - 1)), keep[(piece.name, ph)])
             for ph in ("fwd", "bwd"))
-    for policy in ("recompute", "selective"):
-        t = _time_pieces(cfg, prof, device, repeats, clock, policy, tune)
+    for policy in RECOMPUTED:
         for piece in prof.blocks:
-            extra = t[(piece.name, "fwd")] + t[(piece.name, "bwd")] - piece.fwd_time_s - piece.bwd_time_s
-            piece.recompute_time_s[policy] = max(0.0, extra)
+            extras = [sum(s[(piece.name, ph)] - k[(piece.name, ph)] for ph in ("fwd", "bwd"))
+                      for s, k in zip(samples[policy], samples["keep"])]
+            piece.recompute_time_s[policy] = max(0.0, statistics.median(extras))
     prof.device = device
 
 
-def _time_pieces(cfg: ModelConfig, prof: ModelProfile, device: str, repeats: int, clock: Callable[[], float],
-                 policy: str, tune: tuple[int | None, str | None],
-                 rows: int | None = None) -> dict[tuple[str, str], float]:
-    """(piece, fwd|bwd) -> the fastest of `repeats` timed steps after two warm-ups (on a shared
-    machine, interference only ever adds time).
+RECOMPUTED = ("recompute", "selective")
+
+
+class _PieceTimer:
+    """One model under one activation policy, with hooks that time each piece's forward and backward.
 
     Piece boundaries come from module hooks; each piece's time runs until the next
     piece starts (so glue code between pieces is charged to the piece before it).
     """
-    from snugfit.plan.plan import BlockPlan, Plan
-    from snugfit.profile.measure_step import apply_recompute
 
-    torch.manual_seed(0)
-    model = Decoder(cfg).to(device=device, dtype=getattr(torch, prof.dtype))
-    fine_tune(model, *tune)
-    apply_recompute(model, Plan.uniform(cfg.n_layers, block=BlockPlan(activations=policy)))
-    parts = model_parts(model)
-    names = ["embed"] + [f"block.{i}" for i in range(len(parts.blocks))] + ["head"]
-    mods = [parts.embed[0], *parts.blocks, parts.last[0]]
-    marks: list[tuple[str, str, float]] = []
-    sync = torch.accelerator.synchronize if device != "cpu" else (lambda: None)
+    def __init__(self, cfg: ModelConfig, prof: ModelProfile, device: str, clock: Callable[[], float], policy: str,
+                 tune: tuple[int | None, str | None]):
+        from snugfit.plan.plan import BlockPlan, Plan
+        from snugfit.profile.measure_step import apply_recompute
 
-    def mark(name, phase):
-        def hook(*_):
-            sync()
-            marks.append((name, phase, clock()))
-        return hook
+        torch.manual_seed(0)
+        self.model = Decoder(cfg).to(device=device, dtype=getattr(torch, prof.dtype))
+        fine_tune(self.model, *tune)
+        apply_recompute(self.model, Plan.uniform(cfg.n_layers, block=BlockPlan(activations=policy)))
+        parts = model_parts(self.model)
+        names = ["embed"] + [f"block.{i}" for i in range(len(parts.blocks))] + ["head"]
+        mods = [parts.embed[0], *parts.blocks, parts.last[0]]
+        self.marks: list[tuple[str, str, float]] = []
+        sync = torch.accelerator.synchronize if device != "cpu" else (lambda: None)
 
-    handles = [m.register_forward_pre_hook(mark(n, "fwd")) for n, m in zip(names, mods)]
-    handles += [m.register_full_backward_pre_hook(mark(n, "bwd")) for n, m in zip(names[:-1], mods[:-1])]
-    tokens = torch.randint(0, cfg.vocab_size, (rows or prof.micro_batch_size, prof.seq_len), device=device)
-    samples: dict[tuple[str, str], list[float]] = {}
-    try:
+        def mark(name, phase):
+            def hook(*_):
+                sync()
+                self.marks.append((name, phase, clock()))
+            return hook
+
+        self.mark = mark
+        self.handles = [m.register_forward_pre_hook(mark(n, "fwd")) for n, m in zip(names, mods)]
+        self.handles += [m.register_full_backward_pre_hook(mark(n, "bwd")) for n, m in zip(names[:-1], mods[:-1])]
+
+    def step(self, tokens: torch.Tensor) -> dict[tuple[str, str], float]:
+        """(piece, fwd|bwd) -> seconds of one forward and backward."""
+        self.marks.clear()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")  # embedding: int inputs
-            for it in range(repeats + 2):
-                marks.clear()
-                loss = model(tokens, tokens)
-                mark("head", "bwd")()
-                loss.backward()
-                mark("end", "end")()
-                model.zero_grad(set_to_none=True)
-                if it < 2:
-                    continue
-                for (n, ph, t0), (_, _, t1) in zip(marks, marks[1:]):
-                    samples.setdefault((n, ph), []).append(t1 - t0)
-    finally:
-        for h in handles:
+            loss = self.model(tokens, tokens)
+            self.mark("head", "bwd")()
+            loss.backward()
+            self.mark("end", "end")()
+        self.model.zero_grad(set_to_none=True)
+        return {(n, ph): t1 - t0 for (n, ph, t0), (_, _, t1) in zip(self.marks, self.marks[1:])}
+
+    def close(self) -> None:
+        for h in self.handles:
             h.remove()
-    return {k: min(v) for k, v in samples.items()}

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-PROFILE_VERSION = 3  # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts
+PROFILE_VERSION = 4  # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
