@@ -167,6 +167,7 @@ def profile_model(
 
 
 SPAN = 4  # measured times are taken at the profile's micro-batch and at SPAN times it
+RECOMPUTED = ("recompute", "selective")  # policies whose extra time is measured against "keep"
 
 
 def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: int = 3,
@@ -178,7 +179,8 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
 
     The variants are timed in rounds, one step of each per round, and a recompute extra is
     the median of its per-round differences: on a shared machine whose speed drifts over
-    seconds, variants timed one after another would each see a different machine.
+    seconds, variants timed one after another would each see a different machine. The price:
+    three copies of the model (one per policy) are alive at once.
     """
     tune = (lora_rank, frozen)
     timers = {policy: _PieceTimer(cfg, prof, device, clock, policy, tune) for policy in ("keep", *RECOMPUTED)}
@@ -210,9 +212,6 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
                       for s, k in zip(samples[policy], samples["keep"])]
             piece.recompute_time_s[policy] = max(0.0, statistics.median(extras))
     prof.device = device
-
-
-RECOMPUTED = ("recompute", "selective")
 
 
 class _PieceTimer:
