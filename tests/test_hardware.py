@@ -4,6 +4,7 @@ import pytest
 
 from snugfit.errors import SnugfitError
 from snugfit.hardware import GPUS, LocalHardware, get_gpu, load_cluster_toml, load_local, parse_cluster
+from snugfit.hardware.catalogue import FSDP_COSTS
 
 REQUIRED = ["V100-32GB", "T4", "A10", "L4", "A100-40GB-PCIe", "A100-40GB-SXM", "A100-80GB-PCIe", "A100-80GB-SXM",
             "RTX3090", "RTX4090", "RTX5090", "H100-PCIe", "H100-SXM", "H200"]
@@ -57,6 +58,9 @@ def test_profile_hardware_measures_this_machine(tmp_path):
     assert local.device.name == "cpu" and local.device.tflops["float32"] > 1e-3
     assert local.host.adam_params_per_s > 1e6 and local.device.hbm_gbps > 0.1
     assert load_local(out) == local == LocalHardware.from_dict(local.to_dict())
+    local.host.fsdp = {"2": {"gather": [1e-3, 0.0], "contention": [1.0]}}  # what an older snugfit measured
+    local.save(out)
+    assert load_local(out) is None  # so it is measured again, not read with costs missing
 
 
 def test_gloo_collective_bandwidth_and_fsdp_overheads_between_two_processes():
@@ -64,7 +68,7 @@ def test_gloo_collective_bandwidth_and_fsdp_overheads_between_two_processes():
 
     link, fsdp, together = measure_collectives(2, nbytes=2**20)
     assert link.gbps > 0.01 and 0 < link.latency_s < 1 and 0 < together < 10
-    assert set(fsdp) == {"gather", "regather", "reduce"}
+    assert set(fsdp) == set(FSDP_COSTS)
     # a gather of a 1 MB unit costs at least the collective's latency (timings beyond that are bench/'s)
     assert link.latency_s / 2 < fsdp["gather"][0] + 1e6 * fsdp["gather"][1] < 0.1
     assert all(fixed >= 0 and per_byte >= 0 for fixed, per_byte in fsdp.values())

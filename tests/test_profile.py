@@ -124,3 +124,6 @@ def test_measured_times_are_positive():
     cfg = ModelConfig(arch="llama", dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=32)
     prof = profile_model(cfg, micro_batch_size=1, seq_len=32, use_cache=False, measure_on="cpu", repeats=1)
     assert prof.device == "cpu" and all(p.fwd_time_s > 0 and p.bwd_time_s > 0 for p in prof.pieces)
+    for block in prof.blocks:  # each recomputation policy measured with its own intercept, within its total
+        assert set(block.recompute_fixed_s) == set(block.recompute_time_s) == {"recompute", "selective"}
+        assert all(0 <= block.recompute_fixed_s[k] <= block.recompute_time_s[k] for k in block.recompute_time_s)

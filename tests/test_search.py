@@ -174,3 +174,25 @@ def test_split_minimises_the_slowest_stage():
 def test_budget_is_the_smallest_gpu_or_the_users():
     cluster = parse_cluster("2xRTX4090+2xA10")
     assert budget_for(cluster, None) == 24 * GiB and budget_for(cluster, 20 * GiB) == 20 * GiB
+
+
+@pytest.mark.parametrize("model,spec", [("small", "2xRTX4090"), ("small", "4xA10"), ("mid", "8xA100-40GB-SXM")])
+def test_no_uniform_plan_that_fits_beats_the_choice(model, spec):
+    """The knapsack rounds memory up; the search still finds plans at least as fast as any uniform one that fits
+    (every block and the root on one option, over the search's own outer candidates)."""
+    prof, cluster = MODELS[model], parse_cluster(spec)
+    for budget_gib in (8, 16, 24):
+        budget = budget_for(cluster, budget_gib * GiB)
+        try:
+            best = search(prof, cluster, global_batch=8, memory_budget=budget, alternatives=0).best
+        except NoPlanError:
+            continue
+        srch = Searcher(prof, cluster, 8, Constraints(), budget)
+        for cand in srch.candidates():
+            for o in srch.options(cand.dp):
+                plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=cand.pp, block=o, root=o, seq_len=prof.seq_len,
+                                    schedule=cand.schedule, virtual_stages=cand.v, micro_batch_size=cand.mbs,
+                                    num_microbatches=cand.m, compute_dtype=prof.dtype)
+                pred = estimate(plan, prof, cluster, budget)
+                assert not pred.fits or best.predicted.step_time_s <= pred.step_time_s * 1.01, (
+                    f"{budget_gib} GiB: uniform {plan.to_dict()} beats the choice")

@@ -102,8 +102,9 @@ def _cpu_cluster(ranks: int, contention: float = 1.0):
     cluster = parse_cluster(f"{ranks}xcpu")
     h = cluster.nodes[0].host
     h.cores = 2
-    h.fsdp = {"2": {"gather": [1e-3, 1e-9], "regather": [5e-4, 1e-9], "reduce": [2e-3, 2e-9],
-                    "contention": [contention]}}
+    h.fsdp = {"2": {"replicate": [3e-4, 1e-10], "gather": [1e-3, 1e-9], "regather": [5e-4, 1e-9],
+                    "allreduce": [1e-3, 3e-9], "reduce": [2e-3, 2e-9], "update": [4e-4, 1e-10],
+                    "stage": [3e-3, 0.0], "contention": [contention]}}
     return cluster
 
 
@@ -115,7 +116,8 @@ def _measured(prof):
 
 
 def test_cpu_ranks_pay_fsdp_costs_per_unit_and_zero3_gathers_twice():
-    """On CPU ranks FSDP2's measured costs add up (nothing overlaps): zero 3 > zero 1-2 > zero 0 by the hand sums."""
+    """On CPU ranks FSDP2's measured costs add up (nothing overlaps): zero 3 > zero 1-2 > zero 0 by the hand sums,
+    the root (embedding + head) one unit."""
     prof, cluster = _measured(synthetic_profile(dtype="float32")), _cpu_cluster(2)
     bp = 10_000_000 * 4  # a block's parameter bytes (fp32)
     root_bytes = 2_000_000 * 4  # embedding + head
@@ -125,10 +127,19 @@ def test_cpu_ranks_pay_fsdp_costs_per_unit_and_zero3_gathers_twice():
                             num_microbatches=1)
         return estimate(plan, prof, cluster).time_by_phase["dp_comm_exposed"]
 
-    reduce = sum(2e-3 + 2e-9 * n * 4 for n in [1_000_000] + [10_000_000] * 8 + [1_000_000])
-    assert comm(0) == pytest.approx(9 * 1e-3 + reduce)  # copies and hooks, no sharded bytes
-    assert comm(2) == pytest.approx(8 * (1e-3 + 1e-9 * bp) + 1e-3 + 1e-9 * root_bytes + reduce)
+    def reduce(fixed, per_byte):
+        return sum(fixed + per_byte * n * 4 for n in [10_000_000] * 8 + [2_000_000])
+
+    assert comm(0) == pytest.approx(8 * (3e-4 + 1e-10 * bp) + 3e-4 + 1e-10 * root_bytes + reduce(1e-3, 3e-9))
+    assert comm(2) == pytest.approx(8 * (1e-3 + 1e-9 * bp) + 1e-3 + 1e-9 * root_bytes + reduce(2e-3, 2e-9))
     assert comm(3) == pytest.approx(comm(2) + 8 * (5e-4 + 1e-9 * bp))
+    # the optimizer step's DTensor work: once per unit and step, whatever the sharding
+    plan = Plan.uniform(8, dp=2, seq_len=1024, num_microbatches=1)
+    no_update = _cpu_cluster(2)
+    no_update.nodes[0].host.fsdp["2"]["update"] = [0.0, 0.0]
+    extra = estimate(plan, prof, cluster).time_by_phase["optimizer"] - estimate(plan, prof, no_update).time_by_phase[
+        "optimizer"]
+    assert extra == pytest.approx(8 * (4e-4 + 1e-10 * bp) + 4e-4 + 1e-10 * root_bytes)
 
 
 def test_cpu_ranks_beyond_the_cores_slow_down_and_gpus_ignore_host_fsdp_costs():
@@ -160,4 +171,20 @@ def test_unmeasured_pieces_have_a_dispatch_floor_and_scaling_keeps_measured_fixe
         max(block.fwd_flops / h100.flops_per_s("bfloat16") + block.fwd_mem_bytes / h100.mem_bytes_per_s(),
             10_000 * h100.op_overhead_s))  # GPU: the host dispatches ahead, the slower one counts
     block.fwd_time_s, block.fwd_fixed_s = 0.010, 0.004
-    assert prof.scaled(prof.micro_batch_size * 4).blocks[0].fwd_time_s == pytest.approx(0.004 + 4 * 0.006)
+    block.recompute_time_s, block.recompute_fixed_s = {"selective": 0.005}, {"selective": 0.004}
+    wide = prof.scaled(prof.micro_batch_size * 4).blocks[0]
+    assert wide.fwd_time_s == pytest.approx(0.004 + 4 * 0.006)
+    assert wide.recompute_time_s["selective"] == pytest.approx(0.004 + 4 * 0.001)  # its own intercept
+
+
+def test_cpu_pipeline_stages_pay_the_measured_runtime_cost_per_microbatch():
+    prof = _measured(synthetic_profile(dtype="float32"))
+    plan = Plan.uniform(8, pp=2, schedule="1f1b", seq_len=1024, num_microbatches=4)
+    with_cost, free = _cpu_cluster(2), _cpu_cluster(2)
+    free.nodes[0].host.fsdp["2"]["stage"] = [0.0, 0.0]
+    a, b = estimate(plan, prof, with_cost), estimate(plan, prof, free)
+    assert a.time_by_phase["pipeline_runtime"] == pytest.approx(4 * 3e-3)
+    # on every stage's critical path: the 4 microbatches of the slowest stage and the bubble's one of the other
+    assert a.step_time_s - b.step_time_s == pytest.approx(5 * 3e-3, rel=0.05)
+    dp = Plan.uniform(8, dp=2, seq_len=1024, num_microbatches=4)  # no pipeline: no such cost
+    assert "pipeline_runtime" not in {k for k, v in estimate(dp, prof, with_cost).time_by_phase.items() if v}

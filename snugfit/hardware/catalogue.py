@@ -54,16 +54,21 @@ class Link:
     latency_s: float
 
 
+# per unit and microbatch: "replicate" (zero 0), "gather" (zero 1-2), "regather" (zero 3's extra);
+# per unit and step: "allreduce" (zero 0), "reduce" (zero 1-3), "update" (the optimizer step's DTensor work);
+# per pipeline stage and microbatch: "stage" (the pipeline runtime's own work)
+FSDP_COSTS = ("replicate", "gather", "regather", "allreduce", "reduce", "update", "stage")
+
+
 @dataclass
 class Host:
     ram_bytes: int = 256 * GiB
     adam_params_per_s: float = 1.5e9  # fused CPU AdamW (fp32 master + 2 states), all cores
     cores: int = 32
-    # What FSDP2 costs between N local CPU ranks (N = "2", and twice the cores), measured by profile_hardware and
-    # used where this host's CPU is the device (plan/timing.py): "gather" per unit and microbatch (zero 1-2),
-    # "regather" zero 3's extra, "reduce" per unit and step, each [seconds, seconds per byte of the unit's
-    # parameters]; "contention": [how many times slower each rank computes with N running]. Catalogue hosts
-    # have none: on GPUs the link's alpha-beta model and overlap with kernels apply instead.
+    # What FSDP2 (and pipelining) cost between N local CPU ranks (N = "2", and twice the cores), measured by
+    # profile_hardware and used where this host's CPU is the device (plan/timing.py): FSDP_COSTS, each [seconds,
+    # seconds per byte of the unit's parameters]; "contention": [how many times slower each rank computes with N
+    # running]. Catalogue hosts have none: on GPUs the link's alpha-beta model and overlap with kernels apply.
     fsdp: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
 
@@ -157,9 +162,13 @@ class LocalHardware:
 
 
 def load_local(path: str | Path | None = None) -> LocalHardware | None:
-    """The cached measurement of this machine, or None when it was never measured."""
+    """The cached measurement of this machine, or None when it was never measured or an older snugfit
+    measured fewer FSDP2 costs than the time model uses (then it is measured again)."""
     p = Path(path) if path else hardware_cache_path()
-    return LocalHardware.from_dict(json.loads(p.read_text())) if p.exists() else None
+    if not p.exists():
+        return None
+    local = LocalHardware.from_dict(json.loads(p.read_text()))
+    return local if all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values()) else None
 
 
 def _suggest(name: str, known: list[str]) -> str:

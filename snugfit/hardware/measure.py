@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +28,18 @@ def _best_time(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _typical_time(fn, repeats: int) -> float:
+    """The median: what a training step meets, where gloo's collectives have a long tail of slow calls
+    (the best of a few is the lucky case, up to 2x below the typical one here)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _matmul_tflops(dtype: torch.dtype, n: int, device: str, sync) -> float:
@@ -78,51 +91,112 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-FSDP_UNITS = 8  # units timed for FSDP2's own costs
-FSDP_WIDTHS = (8, 256)  # two unit sizes: a line through them gives a fixed and a per-byte cost
+FSDP_UNITS = 4  # blocks timed for FSDP2's own costs
+FSDP_WIDTHS = (32, 256)  # two block widths: a line through them gives a fixed and a per-byte cost
 
 
 def _fsdp_costs(world: int) -> dict[str, list[float]]:
     """FSDP2's costs between `world` ranks on this machine's CPU, each as [seconds, seconds per byte of the
-    unit's parameters]: "gather" per unit and microbatch (zero 1-2: forward all-gather, hooks, copy-in/out),
-    "regather" the extra of zero 3 (backward gathers again), "reduce" per unit and step (gradient sync).
+    unit's parameters], for units wrapped as runtime/sharding.py wraps them: "replicate" per unit and
+    microbatch of zero 0 (HSDP over (world, 1): copies and hooks, no collective), "gather" the same for zero 1-2
+    (forward all-gather), "regather" the extra of zero 3 (backward gathers again); per unit and step,
+    "allreduce" (zero 0) and "reduce" (zero 1-3, reduce-scatter) for the gradient sync, and "update": the
+    runtime's update of the unit's DTensors (global norm, AdamW) beyond what a plain fused AdamW costs.
 
     Measured rather than derived from the link: on CPU these collectives, FSDP2's copies and
-    its hooks share the cores with compute, and dominate the step of a small model.
+    its hooks share the cores with compute, and dominate the step of a small model. The units are the
+    built-in decoder's blocks (and its root: embedding, norm, head), at two widths: FSDP2's cost depends on
+    the unit's tensors and hooks, not only its bytes, and the planner applies it to decoder blocks.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    from snugfit.model.decoder import Decoder, ModelConfig
+    from snugfit.runtime.engine import OptimConfig, global_grad_norm, make_adamw
 
-    def step_time(width: int, reshard: bool | None, sync: bool = False) -> float:
-        units = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
-                                      for _ in range(FSDP_UNITS)])
-        if reshard is not None:
-            for u in units:
-                fully_shard(u, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(units, mesh=mesh)
-            units.set_requires_gradient_sync(sync)
-        x = torch.randn(4, width)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "one"))
+    meshes = {"replicate": mesh, "shard": mesh["dp"]}
+    units = FSDP_UNITS + 1  # the blocks and the root
+
+    def step_time(cfg: ModelConfig, wrap: str | None = None, reshard: bool = False, sync: bool = False,
+                  update: bool = False) -> float:
+        """Seconds per unit of a forward and backward (and, with `update`, the runtime's update after it)."""
+        torch.manual_seed(0)
+        model = Decoder(cfg)
+        if wrap is not None:
+            for block in model.blocks.values():
+                fully_shard(block, mesh=meshes[wrap], reshard_after_forward=reshard)
+            fully_shard(model, mesh=meshes[wrap])
+            model.set_requires_gradient_sync(sync)
+        tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len + 1))
+        params = list(model.parameters())
+        optimizer = make_adamw(params, OptimConfig())
 
         def step():
-            units(x).sum().backward()
-        _best_time(step, 2)
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            if update:
+                global_grad_norm([(p, p.grad) for p in params], torch.device("cpu")).item()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        step()
         torch.distributed.barrier()
-        return _best_time(step, 5) / FSDP_UNITS
+        return _typical_time(step, 9) / units
 
-    points: dict[str, list[tuple[float, float]]] = {"gather": [], "regather": [], "reduce": []}
+    points: dict[str, list[tuple[float, float]]] = {}
     for width in FSDP_WIDTHS:
-        nbytes = 2 * (width * width + width) * 4
-        plain, kept, resharded = step_time(width, None), step_time(width, False), step_time(width, True)
-        synced = step_time(width, False, sync=True)
-        for name, t in (("gather", kept - plain), ("regather", resharded - kept), ("reduce", synced - kept)):
-            points[name].append((nbytes, max(t, 0.0)))
+        cfg = ModelConfig(dim=width, n_layers=FSDP_UNITS, n_heads=4, vocab_size=64, max_seq_len=16)
+        nbytes = 4 * sum(p.numel() for p in Decoder(cfg).blocks["0"].parameters())
+        plain, kept = step_time(cfg), step_time(cfg, "shard")
+        replicated = step_time(cfg, "replicate")
+        synced = step_time(cfg, "replicate", sync=True)
+        plain_update = step_time(cfg, update=True) - plain  # the time model's fused AdamW rate covers this
+        for name, t in (("replicate", replicated - plain), ("gather", kept - plain),
+                        ("regather", step_time(cfg, "shard", reshard=True) - kept),
+                        ("allreduce", synced - replicated), ("reduce", step_time(cfg, "shard", sync=True) - kept),
+                        ("update", step_time(cfg, "replicate", sync=True, update=True) - synced - plain_update)):
+            points.setdefault(name, []).append((nbytes, max(t, 0.0)))
     out = {}
     for name, ((b1, t1), (b2, t2)) in points.items():
         per_byte = max((t2 - t1) / (b2 - b1), 0.0)
         out[name] = [max(t1 - per_byte * b1, 0.0), per_byte]
     return out
+
+
+PIPE_EXTRA_MICROBATCHES = 6  # two 1F1B steps, with as many microbatches as stages and this many more
+
+
+def _pipeline_stage_cost(world: int, replicate: list[float]) -> float:
+    """Seconds per microbatch and pipeline stage that the pipeline runtime adds on CPU ranks beyond compute and
+    FSDP2 (PipelineStage's bookkeeping, point-to-point transfers that spend both ranks' cores, per-microbatch
+    activation accounting): the slope over microbatches of a 1F1B step through `world` one-block stages of a
+    tiny decoder, less what the time model already charges a stage per microbatch (its two FSDP2 units as
+    `replicate`, and its compute). Measured through the runtime itself: those costs are its own."""
+    from snugfit.model.decoder import Decoder, ModelConfig
+    from snugfit.plan.plan import Plan
+    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.dist import DistEnv
+    from snugfit.runtime.engine import OptimConfig
+
+    cfg = ModelConfig(dim=16, n_layers=world, n_heads=2, vocab_size=32, max_seq_len=8)
+    rank = torch.distributed.get_rank()
+    env = DistEnv(rank, world, rank, torch.device("cpu"))
+
+    def step_time(m: int) -> float:
+        plan = Plan.uniform(world, dp=1, pp=world, schedule="1f1b", micro_batch_size=1, num_microbatches=m,
+                            seq_len=cfg.max_seq_len)
+        torch.manual_seed(0)
+        engine = build_engine(Decoder(cfg), plan, OptimConfig(), env)
+        engine.track_memory = False
+        tokens = torch.randint(0, cfg.vocab_size, (m, cfg.max_seq_len + 1))
+        engine.train_step(tokens)
+        torch.distributed.barrier()
+        return _typical_time(lambda: engine.train_step(tokens), 7)
+
+    slope = (step_time(world + PIPE_EXTRA_MICROBATCHES) - step_time(world)) / PIPE_EXTRA_MICROBATCHES
+    model = Decoder(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len + 1))
+    compute = _typical_time(lambda: model(tokens[:, :-1], tokens[:, 1:]).backward(), 7) / world
+    return max(0.0, slope - 2 * replicate[0] - compute)
 
 
 def _compute_probe() -> float:
@@ -150,6 +224,7 @@ def _collective_worker(rank: int, world: int, port: int, out: str, nbytes: int) 
         lat = _best_time(lambda: dist.all_reduce(small), 5)
         t = _best_time(lambda: dist.all_reduce(x), 3)
         fsdp = _fsdp_costs(world)
+        fsdp["stage"] = [_pipeline_stage_cost(world, fsdp["replicate"]), 0.0]
         dist.barrier()
         together = _compute_probe()
         if rank == 0:

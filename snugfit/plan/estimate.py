@@ -62,7 +62,8 @@ def stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster) -> tuple[
         dp_link = cluster.link_for(_dp_group(plan, pp_rank))
         times[rank] = {
             k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.dp,
-                          dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped)
+                          dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped,
+                          pipelined=plan.pp > 1)
             for k, sps in stages_of[pp_rank].items()
         }
     return stages_of, kind, times
@@ -120,9 +121,10 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
             "bubble": sim.bubble(pp_rank) if pp > 1 else 0.0,
             "dp_comm_exposed": m * sum(st.comm_exposed for st in sts.values()) + reduce,
             "offload_exposed": m * sum(st.offload_exposed for st in sts.values()) + opt_host,
-            "optimizer": opt_dev,
+            "pipeline_runtime": m * sum(st.pipe for st in sts.values()),
+            "optimizer": opt_dev + sum(st.update for st in sts.values()),
         }
-        total = sim.makespan + reduce + opt_host + opt_dev
+        total = sim.makespan + reduce + opt_host + phases["optimizer"]
         if total > step:
             step, phases_of = total, phases
     phases_of["bubble"] = max(0.0, step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble"))

@@ -24,7 +24,7 @@ from snugfit.plan.memory import (
     FRAGMENTATION, StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, param_state,
 )
 from snugfit.plan.plan import BlockPlan, Plan
-from snugfit.plan.timing import optimizer_time, reduce_time, stage_time
+from snugfit.plan.timing import grad_reduce_exposed, optimizer_time, reduce_time, stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
 BUCKETS = 128  # memory resolution (rounded up: conservative by < blocks / BUCKETS of a stage's budget)
@@ -49,12 +49,6 @@ class Cost:
 
     def time(self, m: int) -> float:
         return m * self.t_mb + self.t_step
-
-    @staticmethod
-    def total(costs: list["Cost"]) -> "Cost":
-        """Pieces that share one decision (embedding and head: the root) as one item."""
-        return Cost(*(sum(getattr(c, f) for c in costs)
-                      for f in ("static", "grads", "grads_reduced", "act", "t_mb", "t_step", "host", "host_act")))
 
     def host_mem(self, resident: float) -> float:
         return self.host + resident * self.host_act
@@ -100,30 +94,55 @@ class StageCosts:
         self._cache: dict[tuple, Cost] = {}
 
     def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
+        """A block under option o (what one more such block adds to the stage). Called in the search's inner
+        loops: the cache lookup is kept to one tuple."""
         key = (p.name, o.zero, o.offload_optimizer, o.offload_params, o.activations)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = self._cost((p,), o)
+        return found
+
+    def root(self, pieces: list[PieceProfile], o: BlockPlan) -> Cost:
+        """The stage's root pieces (embedding, final norm, head) under option o: one FSDP2 unit."""
+        key = ("+".join(p.name for p in pieces), o.zero, o.offload_optimizer, o.offload_params, o.activations)
         if key not in self._cache:
-            self._cache[key] = self._cost(p, o)
+            self._cache[key] = self._cost(tuple(pieces), o)
         return self._cache[key]
 
-    def _cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
-        sp = StagePiece(p, o, p.num_params)
-        dev, host = param_state(self.stub, sp)
-        reduced = dev.pop("gradients", 0)  # the reduced shard: below the unsharded gradients the peak holds
-        static = sum(dev.values())
-        if not sp.is_block and o.zero == 3:  # the root's gathered copy stays from forward through backward
-            static += gathered_bytes(self.stub, sp)
+    def _cost(self, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> Cost:
+        sps = [StagePiece(p, o, p.num_params) for p in pieces]
+        block = sps[0].is_block
+        static = reduced = grads = host_bytes = act = host_act = 0
+        for sp in sps:
+            dev, host = param_state(self.stub, sp)
+            reduced += dev.pop("gradients", 0)  # the reduced shard: below the unsharded gradients the peak holds
+            static += sum(dev.values())
+            if not block and o.zero == 3:  # the root's gathered copy stays from forward through backward
+                static += gathered_bytes(self.stub, sp)
+            grads += accumulating_grad_bytes(self.stub, sp)
+            host_bytes += sum(host.values())
+            act += device_saved(sp)
+            host_act += sp.piece.saved_bytes["keep"] if o.activations == "offload" and block else 0
         unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped)
-        one, two = stage_time([sp], **kw), stage_time([sp, sp], **kw)  # the marginal block: no first gather
-        t_mb = two.f_total + two.b_total - one.f_total - one.b_total
-        opt_dev, opt_host = optimizer_time([sp], gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
+        one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
+        # what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
+        # costs the same wherever it is, and the root's per-unit costs count once for its pieces
+        t_mb = one.f_total + one.b_total
+        if self.gpu.name != "cpu":
+            t_mb = two.f_total + two.b_total - t_mb
+        opt_dev, opt_host = optimizer_time(sps, gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
                                            reduce_dtype=self.rdtype, pcie=self.node.pcie,
                                            ranks_on_host=self.node.count, bwd_last=0.0)
-        reduce = reduce_time(sp, sp.n_trainable * DTYPE_BYTES[self.rdtype], self.dp, self.dp_link)
-        host_act = p.saved_bytes["keep"] if o.activations == "offload" and sp.is_block else 0
-        return Cost(static, accumulating_grad_bytes(self.stub, sp), reduced, device_saved(sp), t_mb,
-                    opt_dev + opt_host + reduce, sum(host.values()), host_act)
+        if self.gpu.name == "cpu":  # CPU ranks: what estimate() charges, the measured FSDP2 cost, all exposed
+            reduce = grad_reduce_exposed([(one, sps)], self.dp, self.dp_link, 0.0, cpu=self.node)
+        else:  # a block's reduction hides behind the next block's backward (estimate() overlaps the sum)
+            reduce = sum(reduce_time(sp, sp.n_trainable * DTYPE_BYTES[self.rdtype], self.dp, self.dp_link)
+                         for sp in sps)
+            if block:
+                reduce = max(0.0, reduce - one.bwd - one.recompute)
+        return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act)
 
 
 def pareto(items: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:

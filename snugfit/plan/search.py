@@ -23,15 +23,20 @@ from dataclasses import dataclass, field, replace
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.estimate import HOST_USABLE, estimate
 from snugfit.plan.knapsack import (
-    BUCKETS, INF, Cost, StageCosts, knapsack, resident_microbatches, split, usable, with_reserve, working,
+    BUCKETS, INF, StageCosts, knapsack, resident_microbatches, split, usable, with_reserve, working,
 )
 from snugfit.plan.memory import device_bytes
 from snugfit.plan.options import Constraints, block_options, describe
 from snugfit.plan.plan import BlockPlan, Plan, PlanError
+from snugfit.plan.timing import cpu_stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
 MAX_MICRO_BATCH = 8
+SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time are verified before giving up
+MAX_EXTRA = 2
+POLISH_WITHIN = 1.1  # verified candidates this close to the fastest get the knapsack's unseen room back
+POLISH_ROOM = (1, 2)  # multiples of that room tried
 
 
 class NoPlanError(PlanError):
@@ -164,7 +169,9 @@ class Searcher:
         best = INF
         for s in {self.cluster.node_of(s * cand.dp): s for s in range(cand.pp)}.values():
             tb, tr, t_mb = self._fastest(cand, s)
-            best = min(best, (self.n * tb + tr) / cand.pp + (cand.pp - 1) / cand.v * self.n * t_mb / cand.pp)
+            pipe = cpu_stage_time(self.costs(cand, s).node) * cand.v if cand.pp > 1 else 0.0
+            best = min(best, (self.n * tb + tr) / cand.pp + cand.m * pipe
+                       + (cand.pp - 1) / cand.v * (self.n * t_mb / cand.pp + pipe))
         return best
 
     def _fastest(self, cand: Candidate, s: int) -> tuple[float, float, float]:
@@ -176,7 +183,7 @@ class Searcher:
             prof = self.profile(cand.mbs)
             self._fastest_of[key] = (
                 min(st.cost(blk, o).time(cand.m) for o in opts),
-                min(st.cost(prof.embed, o).time(cand.m) + st.cost(prof.head, o).time(cand.m) for o in ropts),
+                min(st.root([prof.embed, prof.head], o).time(cand.m) for o in ropts),
                 min(st.cost(blk, o).t_mb for o in opts))
         return self._fastest_of[key]
 
@@ -243,7 +250,7 @@ class Searcher:
             ropts_of.append(ropts)
             rcost = None
             if roots:
-                rcost = [Cost.total([st.cost(p, o) for p in roots]) for o in ropts]
+                rcost = [st.root(roots, o) for o in ropts]
             cap = usable(st.gpu, self.budget) - self._working(st, blk, roots, opts, ropts) - slack
             tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [_kind(o) for o in opts],
                                    [int(o.zero == 3) for o in ropts], resident=r, m=cand.m, cap=cap, n_max=n_max,
@@ -252,8 +259,10 @@ class Searcher:
         if sizes is None:
             cand.plan, cand.score = None, INF
             return
-        bubble = (pp - 1) / cand.v * max(t.t_mb(k) for t, k in zip(tables, sizes))
-        cand.score = max(t.best[k] for t, k in zip(tables, sizes)) + bubble
+        # the pipeline runtime's own work per stage and microbatch (CPU ranks), whatever the blocks do
+        pipe = max(cpu_stage_time(self.costs(cand, s).node) for s in range(pp)) * cand.v if pp > 1 else 0.0
+        bubble = (pp - 1) / cand.v * (max(t.t_mb(k) for t, k in zip(tables, sizes)) + pipe)
+        cand.score = max(t.best[k] for t, k in zip(tables, sizes)) + cand.m * pipe + bubble
         cand.plan = self._build(cand, [t.choices(k) for t, k in zip(tables, sizes)], sizes, opts_of, ropts_of)
 
     def _host_fits(self, cand: Candidate, st: StageCosts, blk, roots, opts: list[BlockPlan],
@@ -305,11 +314,37 @@ class Searcher:
         cand.fits, cand.plan = False, None
         return False
 
+    def polish(self, cand: Candidate) -> None:
+        """Give the winner back the room the knapsack could not see: it rounds memory up and puts the largest
+        piece's working peak on every stage, so a plan estimate() says fits can leave a few percent free that a
+        faster assignment would use. Re-solve with that room (then twice it, while what comes back fits) and
+        keep the fastest that estimate() says fits."""
+        room = self.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
+        if room <= self.budget / BUCKETS:
+            return
+        for factor in POLISH_ROOM:
+            trial = replace(cand, plan=None)
+            self.solve(trial, slack=-factor * room)
+            if trial.plan is None or trial.plan.to_dict()["blocks"] == cand.plan.to_dict()["blocks"] and \
+                    trial.plan.root == cand.plan.root:
+                continue
+            t0 = time.perf_counter()
+            pred = estimate(trial.plan, self.prof, self.cluster, self.budget)
+            self.verified, self.verify_s = self.verified + 1, self.verify_s + time.perf_counter() - t0
+            if not pred.fits:
+                return
+            if pred.step_time_s < cand.plan.predicted.step_time_s:
+                cand.plan, cand.score = trial.plan, trial.score
+
     def best_first(self, cands: list[Candidate], want: int) -> list[Candidate]:
-        """Up to `want` verified fitting candidates, fastest (by knapsack score) first."""
+        """Up to `want` verified fitting candidates, fastest by estimate() first. Candidates are verified in
+        knapsack-score order, and (at most MAX_EXTRA more) beyond `want` while their score is within SCORE_ERROR
+        of the fastest verified time: the knapsack's additive step time (even stage split, bubble from the slowest rank, per-block
+        overlap) is an approximation of estimate()'s."""
         pending = sorted((x for x in cands if not x.solved), key=lambda x: x.lower)
         found = [x for x in cands if x.fits]
-        while len(found) < want:
+        extra = 0
+        while True:
             open_ = [x for x in cands if x.solved and x.plan is not None and x.fits is None]
             top = min(open_, key=lambda x: x.score, default=None)
             while pending and (top is None or pending[0].lower < top.score):
@@ -319,8 +354,16 @@ class Searcher:
                     top = nxt
             if top is None:
                 break
+            if len(found) >= want:
+                if extra == MAX_EXTRA or top.score >= min(x.plan.predicted.step_time_s for x in found) / SCORE_ERROR:
+                    break
+                extra += 1
             if self.verify(top):
                 found.append(top)
+        fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
+        for x in found:  # those that more room could make the fastest
+            if x.plan.predicted.step_time_s < POLISH_WITHIN * fastest:
+                self.polish(x)
         return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
 
 

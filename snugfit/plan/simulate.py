@@ -126,7 +126,7 @@ def simulate(
             t = max(t, end + delay)
         return t
 
-    # When each rank's next action could start: an action changes only its own rank's and its
+    # When each rank's next action could start: an action changes only its own rank's and its waiting
     # neighbours' (the ranks it sends to and receives from), so only those are recomputed.
     starts: list[float | None] = [ready_at(r) for r in range(pp)]
 
@@ -172,8 +172,10 @@ def simulate(
         done[(kind, k, j)] = ev.end
         pos[r] += 1
         remaining -= 1
-        for q in {r, (r + 1) % pp, (r - 1) % pp}:
-            starts[q] = ready_at(q) if pos[q] < len(orders[q]) else None
+        starts[r] = ready_at(r) if pos[r] < len(orders[r]) else None
+        for q in ((r + 1) % pp, (r - 1) % pp):  # a neighbour already ready has all its inputs: unchanged
+            if starts[q] is None and pos[q] < len(orders[q]):
+                starts[q] = ready_at(q)
         if kind == "F":
             held[r][(k, j)] = None
         else:

@@ -18,8 +18,9 @@ block's compute, the host optimizer with the last backward; the rest is exposed.
 Where the device is this machine's CPU (gloo ranks), nothing overlaps: collectives
 and compute share the same cores. Ranks slow each other's compute, and FSDP2's
 gathers, copies, hooks and gradient reduction cost what profile_hardware measured
-among as many local ranks (Host.fsdp: a fixed and a per-byte part, measured for 2
-ranks and for twice the cores): on small models that is most of a multi-rank step.
+among as many local ranks (Host.fsdp: a fixed and a per-byte part, replicated and sharded
+units apart, measured for 2 ranks and for twice the cores): on small models that is most
+of a multi-rank step.
 """
 
 from __future__ import annotations
@@ -88,14 +89,16 @@ class StageTime:
     comm_exposed: float = 0.0  # ZeRO-3 gathers not hidden behind compute
     offload_exposed: float = 0.0  # activation / parameter transfers not hidden
     reduce_bytes: list[float] | None = None  # per piece: gradient bytes reduced at the end of the step
+    update: float = 0.0  # per step: the optimizer step's FSDP2 (DTensor) work on CPU ranks
+    pipe: float = 0.0  # the pipeline runtime's own work for this stage on CPU ranks (transfers, bookkeeping)
 
     @property
     def f_total(self) -> float:
-        return self.fwd + self.comm_exposed / 2 + self.offload_exposed / 2
+        return self.fwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
     @property
     def b_total(self) -> float:
-        return self.bwd + self.recompute + self.comm_exposed / 2 + self.offload_exposed / 2
+        return self.bwd + self.recompute + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
 
 def local_ranks(node: Node) -> tuple[dict[str, list[float]], float]:
@@ -121,9 +124,10 @@ def cpu_share(node: Node) -> float:
 
 def stage_time(
     pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
-    measured_on: str | None, wrapped: bool = True,
+    measured_on: str | None, wrapped: bool = True, pipelined: bool = False,
 ) -> StageTime:
-    """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped)."""
+    """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped); pipelined: they are a stage
+    of a pipeline (pp > 1)."""
     gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     on_cpu, share = gpu.name == "cpu", cpu_share(node)
@@ -150,32 +154,43 @@ def stage_time(
         st.reduce_bytes.append(sp.n_trainable * g if dp > 1 else 0.0)
     if wrapped and on_cpu:
         st.comm_exposed += cpu_fsdp_time(pieces, node, dtype, dp)
+        st.update = cpu_fsdp_time(pieces, node, dtype, dp, "update")
+    if pipelined and on_cpu:
+        st.pipe = cpu_stage_time(node)
     return st
+
+
+def cpu_stage_time(node: Node) -> float:
+    """What the pipeline runtime itself costs per stage and microbatch on CPU ranks, as profile_hardware measured."""
+    costs, share = local_ranks(node)
+    return costs["stage"][0] * share / costs["contention"][0] if costs else 0.0
 
 
 def _line(cost: list[float], nbytes: float) -> float:
     return cost[0] + cost[1] * nbytes
 
 
-def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int) -> float:
-    """FSDP2's gathers, copies and hooks per microbatch on CPU ranks, from the costs profile_hardware measured:
-    every unit (each block, and the stage's root: embedding/norm/head) gathers in forward, zero-3 blocks again in
-    backward. Bytes count only where the unit is sharded over more than one rank."""
+def fsdp_units(pieces: list[StagePiece], nbytes: list[float]) -> list[tuple[float, int, bool]]:
+    """(bytes, zero, is a block) per FSDP2 unit of a stage, given bytes per piece: each block is its own unit,
+    the root pieces (embedding, final norm, head) are one."""
+    units = [(b, sp.decision.zero, True) for sp, b in zip(pieces, nbytes) if sp.is_block]
+    root = [(b, sp.decision.zero) for sp, b in zip(pieces, nbytes) if not sp.is_block]
+    return units + ([(sum(b for b, _ in root), root[0][1], False)] if root else [])
+
+
+def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int, cost: str = "") -> float:
+    """FSDP2's copies, hooks and gathers per microbatch on CPU ranks, from the costs profile_hardware measured:
+    every unit (each block, and the stage's root: embedding/norm/head) as runtime/sharding.py wraps it —
+    replicated (zero 0, or one data-parallel rank) or sharded and gathered in forward, zero-3 blocks again in
+    backward. `cost`: instead, that one measured cost summed over the units."""
     costs, share = local_ranks(node)
     if not costs:
         return 0.0
-    c = DTYPE_BYTES[dtype]
-    blocks = [sp for sp in pieces if sp.is_block]
-    root = [sp for sp in pieces if not sp.is_block]
-    units = [(sp.n_params * c, sp.decision.zero) for sp in blocks]
-    if root:
-        units.append((sum(sp.n_params for sp in root) * c, root[0].decision.zero))
-    total = 0.0
-    for nbytes, zero in units:
-        total += _line(costs["gather"], nbytes if zero >= 1 and dp > 1 else 0.0)
-    for nbytes, zero in units[:len(blocks)]:
-        if zero == 3:
-            total += _line(costs["regather"], nbytes if dp > 1 else 0.0)
+    units = fsdp_units(pieces, [sp.n_params * DTYPE_BYTES[dtype] for sp in pieces])
+    if cost:
+        return sum(_line(costs[cost], nbytes) for nbytes, _, _ in units) * share / costs["contention"][0]
+    total = sum(_line(costs["gather" if zero and dp > 1 else "replicate"], nbytes) for nbytes, zero, _ in units)
+    total += sum(_line(costs["regather"], nbytes) for nbytes, zero, block in units if block and zero == 3 and dp > 1)
     # measured among ranks already running side by side: only more ranks than measured slow it further
     return total * share / costs["contention"][0]
 
@@ -194,12 +209,11 @@ def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: in
     if dp <= 1:
         return 0.0
     costs, share = local_ranks(cpu) if cpu is not None else ({}, 1.0)
-    times = []
-    for st, pieces in stages:
-        for nbytes, sp in zip(st.reduce_bytes, pieces):
-            times.append(_line(costs["reduce"], nbytes) * share / costs["contention"][0] if costs
-                         else reduce_time(sp, nbytes, dp, link))
-    if cpu is not None:
+    if costs:
+        return sum(_line(costs["reduce" if zero else "allreduce"], nbytes) for st, pieces in stages
+                   for nbytes, zero, _ in fsdp_units(pieces, st.reduce_bytes)) * share / costs["contention"][0]
+    times = [reduce_time(sp, nbytes, dp, link) for st, pieces in stages for nbytes, sp in zip(st.reduce_bytes, pieces)]
+    if cpu is not None:  # CPU ranks not measured: the link's cost, nothing overlaps
         return sum(times)
     tail = times[0] if times else 0.0  # the first piece's gradients are ready last
     return max(0.0, sum(times) - bwd_last) + tail

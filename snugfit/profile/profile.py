@@ -188,7 +188,9 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
     tokens = {rows: torch.randint(0, cfg.vocab_size, (rows, prof.seq_len), device=device) for rows in (mbs, SPAN * mbs)}
     # "wide": keep at SPAN times the micro-batch, for the intercept of the line through both sizes (the part no
     # batch size changes: dispatch, launches) that lets ModelProfile.scaled() move across the sizes searched
-    runs = {"keep": ("keep", mbs), "wide": ("keep", SPAN * mbs), **{p: (p, mbs) for p in RECOMPUTED}}
+    # (recomputation has its own fixed part: checkpointing's per-operator overheads, large for small blocks)
+    runs = {"keep": ("keep", mbs), "wide": ("keep", SPAN * mbs), **{p: (p, mbs) for p in RECOMPUTED},
+            **{f"{p} wide": (p, SPAN * mbs) for p in RECOMPUTED}}
     samples: dict[str, list[dict[tuple[str, str], float]]] = {name: [] for name in runs}
     try:
         for it in range(repeats + 2):  # two warm-ups
@@ -208,9 +210,12 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
             for ph in ("fwd", "bwd"))
     for policy in RECOMPUTED:
         for piece in prof.blocks:
-            extras = [sum(s[(piece.name, ph)] - k[(piece.name, ph)] for ph in ("fwd", "bwd"))
-                      for s, k in zip(samples[policy], samples["keep"])]
-            piece.recompute_time_s[policy] = max(0.0, statistics.median(extras))
+            narrow, broad = (
+                max(0.0, statistics.median(sum(s[(piece.name, ph)] - k[(piece.name, ph)] for ph in ("fwd", "bwd"))
+                                           for s, k in zip(samples[name], samples[base])))
+                for name, base in ((policy, "keep"), (f"{policy} wide", "wide")))
+            piece.recompute_time_s[policy] = narrow
+            piece.recompute_fixed_s[policy] = min(max(0.0, (SPAN * narrow - broad) / (SPAN - 1)), narrow)
     prof.device = device
 
 

@@ -6,7 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-PROFILE_VERSION = 4  # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing
+# 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing; 5: recompute intercepts
+PROFILE_VERSION = 5
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -32,6 +33,7 @@ class PieceProfile:
     fwd_fixed_s: float = 0.0  # of which the part no batch size changes (dispatch, launches): measured intercept
     bwd_fixed_s: float = 0.0
     recompute_time_s: dict[str, float] = field(default_factory=dict)  # measured: policy -> extra seconds
+    recompute_fixed_s: dict[str, float] = field(default_factory=dict)  # of which the part no batch size changes
     trainable: int | None = None  # trainable elements (LoRA, frozen pieces); None: all of them
 
     @property
@@ -109,9 +111,7 @@ class ModelProfile:
                 fwd_flops=p.fwd_flops * r, bwd_flops=p.bwd_flops * r, fwd_mem_bytes=p.fwd_mem_bytes * r,
                 bwd_mem_bytes=p.bwd_mem_bytes * r,
                 fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s), bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
-                # re-running a forward has the forward's fixed share
-                recompute_time_s={k: time(v, v * p.fwd_fixed_s / p.fwd_time_s if p.fwd_time_s else 0.0)
-                                  for k, v in p.recompute_time_s.items()},
+                recompute_time_s={k: time(v, p.recompute_fixed_s.get(k, 0.0)) for k, v in p.recompute_time_s.items()},
             )
 
         return replace(self, micro_batch_size=micro_batch_size, embed=piece(self.embed),

@@ -98,7 +98,8 @@ def timeline_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
         opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
                                            ranks_on_host=node.count, bwd_last=bwd_last)
-        tail.append({"collective": reduce, "host optimizer": opt_host, "optimizer": opt_dev})
+        tail.append({"collective": reduce, "host optimizer": opt_host,
+                     "optimizer": opt_dev + sum(s.update for s in sts.values())})
         cats = pred.memory_by_rank[rank]
         static.append(sum(v_ for c, v_ in cats.items() if not c.startswith("host:") and c not in TRANSIENT))
         peak.append(sum(v_ for c, v_ in cats.items() if not c.startswith("host:")))
