@@ -6,6 +6,7 @@ Each rank compares its own gradient shards (device or host) with a reference
 it computes itself, and reports what did not match.
 """
 
+import os
 import time
 
 import pytest
@@ -224,3 +225,28 @@ def test_dead_peer_names_the_stage():
     for schedule, (message, elapsed) in results.items():
         assert "stage" in message and "0" in message and "rank 0" in message, (schedule, message)
         assert elapsed < 5 * DEAD_PEER_TIMEOUT_S, (schedule, elapsed)
+
+
+def _rebuilt_engines(env) -> list[int]:
+    """Native threads of this rank after each of several engines built in turn (pipelines and data parallel)."""
+    import os
+
+    from snugfit.runtime.apply import build_engine
+
+    cfg = _cfg(4, 64)
+    plans = [Plan.uniform(4, pp=2, schedule="bpipe", num_microbatches=2, seq_len=16),
+             Plan.uniform(4, dp=2, block=BlockPlan(zero=2), num_microbatches=2, seq_len=16)]
+    threads = []
+    for i in range(6):
+        engine = build_engine(Decoder(cfg), plans[i % 2], OptimConfig(), env)
+        engine.train_step(torch.randint(0, 64, (2, 17)))  # each rank: 2 microbatches of 1
+        del engine
+        threads.append(len(os.listdir("/proc/self/task")))
+    return threads
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+def test_engines_built_one_after_another_reuse_their_process_groups():
+    """Each gloo group starts threads that torch never stops: an engine per plan must not add groups."""
+    for threads in run_ranks(_rebuilt_engines, 2):
+        assert threads[2:] == threads[2:3] * 4, threads  # after both kinds were built once, no growth

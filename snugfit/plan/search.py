@@ -34,7 +34,7 @@ from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
 MAX_MICRO_BATCH = 8
 SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time are verified before giving up
-MAX_EXTRA = 2
+MAX_EXTRA = 2  # such verifications beyond what was asked for (each is a full estimate())
 POLISH_WITHIN = 1.1  # verified candidates this close to the fastest get the knapsack's unseen room back
 POLISH_ROOM = (1, 2)  # multiples of that room tried
 
@@ -60,6 +60,7 @@ class Candidate:
     plan: Plan | None = None
     solved: bool = False
     fits: bool | None = None  # estimate()'s verdict once verified
+    polished: bool = False  # given back the room the knapsack could not see (Searcher.polish)
 
     @property
     def family(self) -> str:
@@ -315,32 +316,33 @@ class Searcher:
         return False
 
     def polish(self, cand: Candidate) -> None:
-        """Give the winner back the room the knapsack could not see: it rounds memory up and puts the largest
-        piece's working peak on every stage, so a plan estimate() says fits can leave a few percent free that a
-        faster assignment would use. Re-solve with that room (then twice it, while what comes back fits) and
-        keep the fastest that estimate() says fits."""
+        """Give a verified candidate back the room the knapsack could not see: it rounds memory up and puts the
+        largest piece's working peak on every stage, so a plan estimate() says fits can leave a few percent free
+        that a faster assignment would use. Re-solve with that room (then twice it, while what comes back fits)
+        and keep the fastest that estimate() says fits."""
+        cand.polished = True
         room = self.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
         if room <= self.budget / BUCKETS:
             return
         for factor in POLISH_ROOM:
             trial = replace(cand, plan=None)
             self.solve(trial, slack=-factor * room)
-            if trial.plan is None or trial.plan.to_dict()["blocks"] == cand.plan.to_dict()["blocks"] and \
-                    trial.plan.root == cand.plan.root:
+            new, old = trial.plan, cand.plan
+            if new is None or (new.blocks, new.root, new.stage_blocks) == (old.blocks, old.root, old.stage_blocks):
                 continue
             t0 = time.perf_counter()
-            pred = estimate(trial.plan, self.prof, self.cluster, self.budget)
+            pred = estimate(new, self.prof, self.cluster, self.budget)
             self.verified, self.verify_s = self.verified + 1, self.verify_s + time.perf_counter() - t0
             if not pred.fits:
                 return
-            if pred.step_time_s < cand.plan.predicted.step_time_s:
-                cand.plan, cand.score = trial.plan, trial.score
+            if pred.step_time_s < old.predicted.step_time_s:
+                cand.plan, cand.score = new, trial.score
 
     def best_first(self, cands: list[Candidate], want: int) -> list[Candidate]:
         """Up to `want` verified fitting candidates, fastest by estimate() first. Candidates are verified in
         knapsack-score order, and (at most MAX_EXTRA more) beyond `want` while their score is within SCORE_ERROR
-        of the fastest verified time: the knapsack's additive step time (even stage split, bubble from the slowest rank, per-block
-        overlap) is an approximation of estimate()'s."""
+        of the fastest verified time: the knapsack's additive step time (even stage split, bubble from the
+        slowest rank, per-block overlap) approximates estimate()'s. Those near the fastest are then polished."""
         pending = sorted((x for x in cands if not x.solved), key=lambda x: x.lower)
         found = [x for x in cands if x.fits]
         extra = 0
@@ -362,7 +364,7 @@ class Searcher:
                 found.append(top)
         fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
         for x in found:  # those that more room could make the fastest
-            if x.plan.predicted.step_time_s < POLISH_WITHIN * fastest:
+            if not x.polished and x.plan.predicted.step_time_s < POLISH_WITHIN * fastest:
                 self.polish(x)
         return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
 

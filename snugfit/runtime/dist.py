@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
 
 @dataclass
 class DistEnv:
@@ -76,3 +79,20 @@ def ensure_process_group(env: DistEnv) -> None:
         device = env.device
         backend = _backend(device)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+_GROUPS: dict = {}  # "world": the default group they belong to; key -> group or mesh
+
+
+def cached_group(key: tuple, make: Callable[[], T]) -> T:
+    """A process group (or device mesh) made once per default process group and reused by every engine built
+    after it. gloo starts threads for each group and torch frees none that its creator drops, so building one
+    engine per plan (a resume under another plan, bench/regret.py's dozens) would otherwise pile up groups
+    until the machine spends its time on their threads. Engines built this way must not run at once."""
+    world = dist.group.WORLD
+    if _GROUPS.get("world") is not world:
+        _GROUPS.clear()
+        _GROUPS["world"] = world
+    if key not in _GROUPS:
+        _GROUPS[key] = make()
+    return _GROUPS[key]

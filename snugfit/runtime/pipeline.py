@@ -46,7 +46,7 @@ from snugfit.model.decoder import Decoder, cross_entropy
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.activations import StageActivations
 from snugfit.runtime.apply import Weights, apply_activations, place, read_weights
-from snugfit.runtime.dist import DistEnv
+from snugfit.runtime.dist import DistEnv, cached_group
 from snugfit.runtime.engine import Engine, OptimConfig, StepResult, loss_divisors, split_batch
 from snugfit.runtime.schedules import BPipeSchedule, PipelineError, StageComms
 from snugfit.runtime.sharding import apply_fsdp, data_meshes
@@ -135,8 +135,9 @@ def pipeline_groups(plan: Plan, env: DistEnv, timeout_s: float):
     timeout = timedelta(seconds=timeout_s)
     for d in range(plan.dp):
         ranks = [s * plan.dp + d for s in range(plan.pp)]
-        g = dist.new_group(ranks, timeout=timeout)
-        e = dist.new_group(ranks, timeout=timeout) if plan.schedule == "bpipe" else None
+        g = cached_group(("pipeline", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
+        e = (cached_group(("evict", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
+             if plan.schedule == "bpipe" else None)
         if env.rank % plan.dp == d:
             pp_group, evict_group = g, e
     return pp_group, evict_group

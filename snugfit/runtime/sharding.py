@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from snugfit.plan import BlockPlan, Plan
+from snugfit.runtime.dist import cached_group
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ def data_meshes(device_type: str, dp: int, pp: int = 1) -> DataMeshes:
     Built from one (pp, dp, 1) world mesh so that pipeline and data parallelism
     agree on which ranks form a data-parallel group.
     """
-    world = init_device_mesh(device_type, (pp, dp, 1), mesh_dim_names=("pp", "dp", "one"))
+    world = cached_group(("mesh", device_type, pp, dp),
+                         lambda: init_device_mesh(device_type, (pp, dp, 1), mesh_dim_names=("pp", "dp", "one")))
     return DataMeshes(shard=world["dp"], replicate=world["dp", "one"])
 
 
