@@ -188,3 +188,19 @@ def test_cpu_pipeline_stages_pay_the_measured_runtime_cost_per_microbatch():
     assert a.step_time_s - b.step_time_s == pytest.approx(5 * 3e-3, rel=0.05)
     dp = Plan.uniform(8, dp=2, seq_len=1024, num_microbatches=4)  # no pipeline: no such cost
     assert "pipeline_runtime" not in {k for k, v in estimate(dp, prof, with_cost).time_by_phase.items() if v}
+
+
+def test_crowded_cpu_ranks_slow_each_other_only_while_they_work():
+    """4 ranks on 2 cores measured 2x slower all working at once; a pipeline's ranks also wait, so less."""
+    prof = _measured(synthetic_profile(dtype="float32"))
+
+    def compute(plan, contention):
+        cluster = _cpu_cluster(4)
+        cluster.nodes[0].host.fsdp["4"] = {**cluster.nodes[0].host.fsdp["2"], "contention": [contention]}
+        return estimate(plan, prof, cluster).time_by_phase["compute"]
+
+    dp = Plan.uniform(8, dp=4, seq_len=1024, num_microbatches=4)
+    assert compute(dp, 2.0) == pytest.approx(2.0 * compute(dp, 1.0))
+    pp = Plan.uniform(8, pp=4, schedule="1f1b", seq_len=1024, num_microbatches=4)
+    busy = 4 / (4 + 3)  # 1F1B over 4 alike stages: each rank works 4 of 7 microbatch slots
+    assert compute(pp, 2.0) == pytest.approx(2.0 * busy * compute(pp, 1.0), rel=0.1)

@@ -53,6 +53,26 @@ def stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster) -> tuple[
 
     prof: already scaled to the plan's micro-batch size.
     """
+    stages_of, kind, times = _stage_times(plan, prof, cluster)
+    if plan.pp > 1 and any(n.gpu.name == "cpu" and n.count > n.host.cores for n in cluster.nodes):
+        # more CPU ranks than cores slow each other only while they work, and pipeline ranks also wait: the
+        # schedule's share of busy time (transfers left out) sets how crowded the cores are
+        sim = simulate(plan.schedule, plan.pp, plan.num_microbatches, *_paces(plan, kind, times),
+                       v=plan.virtual_stages, bound=plan.bpipe_bound() if plan.schedule == "bpipe" else None)
+        _, _, times = _stage_times(plan, prof, cluster, busy=sum(sim.busy) / (plan.pp * sim.makespan))
+    return stages_of, kind, times
+
+
+def _paces(plan: Plan, kind: dict[int, int], times: dict[int, dict[int, StageTime]]) -> tuple[list, list]:
+    """(forward, backward) seconds per microbatch of each stage: its slowest data-parallel member's."""
+    stages = range(plan.pp * plan.virtual_stages)
+    return ([max(times[kind[r]][k].f_total for r in _dp_group(plan, k % plan.pp)) for k in stages],
+            [max(times[kind[r]][k].b_total for r in _dp_group(plan, k % plan.pp)) for k in stages])
+
+
+def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float = 1.0) -> tuple[
+        dict[int, dict[int, list[StagePiece]]], dict[int, int], dict[int, dict[int, StageTime]]]:
+    """stage_times with the share of the ranks working at once given."""
     stages_of = {r: rank_stages(plan, prof, r) for r in range(plan.pp)}
     kind = _rank_kinds(plan, cluster)
     times: dict[int, dict[int, StageTime]] = {}
@@ -63,7 +83,7 @@ def stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster) -> tuple[
         times[rank] = {
             k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.dp,
                           dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped,
-                          pipelined=plan.pp > 1)
+                          pipelined=plan.pp > 1, busy=busy)
             for k, sps in stages_of[pp_rank].items()
         }
     return stages_of, kind, times
@@ -83,9 +103,6 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
         notes.append(f"profile scaled linearly from micro-batch {profile.micro_batch_size}")
 
     stages_of, kind, times = stage_times(plan, prof, cluster)
-    # the slowest data-parallel member sets each stage's pace
-    f = [max(times[kind[r]][k].f_total for r in _dp_group(plan, k % pp)) for k in range(n_stages)]
-    b = [max(times[kind[r]][k].b_total for r in _dp_group(plan, k % pp)) for k in range(n_stages)]
     p2p, move = [0.0] * n_stages, [0.0] * n_stages
     for k in range(n_stages):
         r = (k % pp) * dp
@@ -95,7 +112,8 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
         saved = sum(sp.piece.saved_bytes["keep"] for sp in stages_of[k % pp][k])
         move[k] = transfer_time(saved, cluster.link_for([r, (pp - 1 - k % pp) * dp]))
     bound = plan.bpipe_bound() if plan.schedule == "bpipe" else None
-    sim = simulate(plan.schedule, pp, m, f, b, v=v, p2p=p2p, bound=bound, move=move)
+
+    sim = simulate(plan.schedule, pp, m, *_paces(plan, kind, times), v=v, p2p=p2p, bound=bound, move=move)
 
     # -- per-rank totals --
     mem, tracked, step, phases_of = {}, {}, -1.0, {}

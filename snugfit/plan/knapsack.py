@@ -85,10 +85,12 @@ def working(p: PieceProfile) -> int:
 class StageCosts:
     """Option costs on one kind of rank (its node's GPU, dp, micro-batch), cached per piece and option."""
 
-    def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str):
+    def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str,
+                 busy: float = 1.0):
         self.node = cluster.nodes[cluster.node_of(rank)]
         self.gpu = self.node.gpu
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
+        self.busy = busy  # the share of the node's ranks working at once (timing.local_ranks)
         self.dp_link = cluster.link_for(list(range(rank, rank + dp)))
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
         self._cache: dict[tuple, Cost] = {}
@@ -125,7 +127,7 @@ class StageCosts:
             host_act += sp.piece.saved_bytes["keep"] if o.activations == "offload" and block else 0
         unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
-                  measured_on=self.measured_on, wrapped=not unwrapped)
+                  measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy)
         one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
         # what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
         # costs the same wherever it is, and the root's per-unit costs count once for its pieces

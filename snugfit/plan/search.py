@@ -143,9 +143,14 @@ class Searcher:
         return self._scaled[mbs]
 
     def costs(self, cand: Candidate, s: int) -> StageCosts:
-        key = (self.cluster.node_of(s * cand.dp), cand.dp, cand.mbs)
+        node = self.cluster.nodes[self.cluster.node_of(s * cand.dp)]
+        busy = 1.0
+        if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
+            busy = cand.m / (cand.m + (cand.pp - 1) / cand.v)  # crowded CPU ranks: a pipeline's busy share
+        key = (self.cluster.node_of(s * cand.dp), cand.dp, cand.mbs, busy)
         if key not in self._costs:
-            self._costs[key] = StageCosts(self.profile(cand.mbs), self.cluster, s * cand.dp, cand.dp, self.rdtype)
+            self._costs[key] = StageCosts(self.profile(cand.mbs), self.cluster, s * cand.dp, cand.dp, self.rdtype,
+                                          busy)
         return self._costs[key]
 
     def _stage(self, cand: Candidate, s: int):

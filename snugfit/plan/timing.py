@@ -101,36 +101,38 @@ class StageTime:
         return self.bwd + self.recompute + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
 
-def local_ranks(node: Node) -> tuple[dict[str, list[float]], float]:
+def local_ranks(node: Node, busy: float = 1.0) -> tuple[dict[str, list[float]], float]:
     """(FSDP2 costs, how many times slower each rank runs) for the node's CPU ranks, from the measurement
     at the nearest rank count at or below theirs, slowed in proportion where they are more.
 
-    Without a measurement: no FSDP2 costs, and ranks beyond the cores share them evenly.
+    busy: the share of the ranks working at any moment (below 1 where pipeline ranks wait on each other):
+    the measured slowdown had all of them working, and ranks beyond the cores only slow the others while
+    they work. Without a measurement: no FSDP2 costs, and ranks beyond the cores share them evenly.
     """
     measured = {int(k): v for k, v in node.host.fsdp.items()}
     if node.count == 1 or not measured:
-        return {}, max(1.0, node.count / node.host.cores)
+        return {}, max(1.0, busy * node.count / node.host.cores)
     world = max([w for w in measured if w <= node.count], default=min(measured))
     more = max(1.0, node.count / world) if node.count > node.host.cores else 1.0
     costs = measured[world]
-    return costs, costs["contention"][0] * more
+    return costs, max(1.0, busy * costs["contention"][0] * more)
 
 
-def cpu_share(node: Node) -> float:
+def cpu_share(node: Node, busy: float = 1.0) -> float:
     """How many times slower each rank computes because the node's ranks share its CPU (1 on GPUs):
     shared caches and memory bandwidth, and the division of the cores among more ranks than cores."""
-    return local_ranks(node)[1] if node.gpu.name == "cpu" else 1.0
+    return local_ranks(node, busy)[1] if node.gpu.name == "cpu" else 1.0
 
 
 def stage_time(
     pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
-    measured_on: str | None, wrapped: bool = True, pipelined: bool = False,
+    measured_on: str | None, wrapped: bool = True, pipelined: bool = False, busy: float = 1.0,
 ) -> StageTime:
     """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped); pipelined: they are a stage
-    of a pipeline (pp > 1)."""
+    of a pipeline (pp > 1); busy: the share of the node's ranks working at once (`local_ranks`)."""
     gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
-    on_cpu, share = gpu.name == "cpu", cpu_share(node)
+    on_cpu, share = gpu.name == "cpu", cpu_share(node, busy)
     st = StageTime(reduce_bytes=[])
     first_gather = True
     for sp in pieces:
@@ -153,7 +155,7 @@ def stage_time(
             st.offload_exposed += 2 * move if on_cpu else max(0.0, move - f) + max(0.0, move - b)
         st.reduce_bytes.append(sp.n_trainable * g if dp > 1 else 0.0)
     if wrapped and on_cpu:
-        st.comm_exposed += cpu_fsdp_time(pieces, node, dtype, dp)
+        st.comm_exposed += cpu_fsdp_time(pieces, node, dtype, dp, busy=busy)
         st.update = cpu_fsdp_time(pieces, node, dtype, dp, "update")
     if pipelined and on_cpu:
         st.pipe = cpu_stage_time(node)
@@ -161,7 +163,8 @@ def stage_time(
 
 
 def cpu_stage_time(node: Node) -> float:
-    """What the pipeline runtime itself costs per stage and microbatch on CPU ranks, as profile_hardware measured."""
+    """What the pipeline runtime itself costs per stage and microbatch on CPU ranks, as profile_hardware measured
+    (in a pipeline, so with its ranks as busy as a pipeline's)."""
     costs, share = local_ranks(node)
     return costs["stage"][0] * share / costs["contention"][0] if costs else 0.0
 
@@ -178,12 +181,13 @@ def fsdp_units(pieces: list[StagePiece], nbytes: list[float]) -> list[tuple[floa
     return units + ([(sum(b for b, _ in root), root[0][1], False)] if root else [])
 
 
-def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int, cost: str = "") -> float:
+def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int, cost: str = "",
+                  busy: float = 1.0) -> float:
     """FSDP2's copies, hooks and gathers per microbatch on CPU ranks, from the costs profile_hardware measured:
     every unit (each block, and the stage's root: embedding/norm/head) as runtime/sharding.py wraps it —
     replicated (zero 0, or one data-parallel rank) or sharded and gathered in forward, zero-3 blocks again in
     backward. `cost`: instead, that one measured cost summed over the units."""
-    costs, share = local_ranks(node)
+    costs, share = local_ranks(node, busy)
     if not costs:
         return 0.0
     units = fsdp_units(pieces, [sp.n_params * DTYPE_BYTES[dtype] for sp in pieces])
