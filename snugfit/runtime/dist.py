@@ -81,18 +81,18 @@ def ensure_process_group(env: DistEnv) -> None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-_GROUPS: dict = {}  # "world": the default group they belong to; key -> group or mesh
+_GROUPS: dict = {}  # (default group, key) -> group or mesh
 
 
 def cached_group(key: tuple, make: Callable[[], T]) -> T:
     """A process group (or device mesh) made once per default process group and reused by every engine built
     after it. gloo starts threads for each group and torch frees none that its creator drops, so building one
     engine per plan (a resume under another plan, bench/regret.py's dozens) would otherwise pile up groups
-    until the machine spends its time on their threads. Engines built this way must not run at once."""
+    until the machine spends its time on their threads. Engines built this way must not run at once.
+
+    Groups of an earlier default group stay referenced, never destroyed here: in a forked child (the hardware
+    measurement forks) their destructors would wait on threads the fork did not copy."""
     world = dist.group.WORLD
-    if _GROUPS.get("world") is not world:
-        _GROUPS.clear()
-        _GROUPS["world"] = world
-    if key not in _GROUPS:
-        _GROUPS[key] = make()
-    return _GROUPS[key]
+    if (world, key) not in _GROUPS:
+        _GROUPS[(world, key)] = make()
+    return _GROUPS[(world, key)]
