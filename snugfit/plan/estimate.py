@@ -112,7 +112,6 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
         saved = sum(sp.piece.saved_bytes["keep"] for sp in stages_of[k % pp][k])
         move[k] = transfer_time(saved, cluster.link_for([r, (pp - 1 - k % pp) * dp]))
     bound = plan.bpipe_bound() if plan.schedule == "bpipe" else None
-
     sim = simulate(plan.schedule, pp, m, *_paces(plan, kind, times), v=v, p2p=p2p, bound=bound, move=move)
 
     # -- per-rank totals --

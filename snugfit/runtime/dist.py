@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
+
 @dataclass
 class DistEnv:
     rank: int = 0
