@@ -16,6 +16,8 @@ done (the backward waits for the load).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 
@@ -116,19 +118,19 @@ def simulate(
 
     waits = [[inputs(r, *a) for a in orders[r]] for r in range(pp)]
 
-    def ready_at(r: int) -> float | None:
-        """When rank r's next action could start, or None while its inputs are missing."""
+    def ready_at(r: int) -> float:
+        """When rank r's next action could start, or inf while its inputs are missing."""
         t = free[r]
         for d, delay in waits[r][pos[r]]:
             end = done.get(d)
             if end is None:
-                return None
+                return math.inf
             t = max(t, end + delay)
         return t
 
     # When each rank's next action could start: an action changes only its own rank's and its waiting
     # neighbours' (the ranks it sends to and receives from), so only those are recomputed.
-    starts: list[float | None] = [ready_at(r) for r in range(pp)]
+    starts = [ready_at(r) for r in range(pp)]  # inf: waiting for an input, or done
 
     def make_room(r: int, t: float) -> float:
         """Evict rank r's microbatches whose backward comes last until one more fits under the bound, from t;
@@ -144,10 +146,10 @@ def simulate(
 
     while remaining:
         # run the action that can start first, so cross-rank state (evictions) changes in time order
-        cands = [(t, r) for r, t in enumerate(starts) if t is not None]
-        if not cands:
+        ready = min(starts)
+        if ready == math.inf:
             raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={v}, m={m})")
-        ready, r = min(cands)
+        r = starts.index(ready)
         kind, k, j = orders[r][pos[r]]
         partner = pp - 1 - r
         if kind == "F" and schedule == "bpipe" and r < partner and bound:  # only heavy ranks evict
@@ -162,7 +164,9 @@ def simulate(
             ready = max(ready, start + move[k])
         dur = fwd[k] if kind == "F" else bwd[k]
         ev = Event(r, k, kind, j, ready, ready + dur)
-        resident = [s for s in held[r] if s != (k, j)]
+        resident = list(held[r])
+        if kind == "B":
+            resident.remove((k, j))
         if schedule == "bpipe" and partner != r:
             resident += list(evicted[partner])
         res.snapshots[r].append(Snapshot(ev, resident))
@@ -172,9 +176,9 @@ def simulate(
         done[(kind, k, j)] = ev.end
         pos[r] += 1
         remaining -= 1
-        starts[r] = ready_at(r) if pos[r] < len(orders[r]) else None
+        starts[r] = ready_at(r) if pos[r] < len(orders[r]) else math.inf
         for q in ((r + 1) % pp, (r - 1) % pp):  # a neighbour already ready has all its inputs: unchanged
-            if starts[q] is None and pos[q] < len(orders[q]):
+            if starts[q] == math.inf and pos[q] < len(orders[q]):
                 starts[q] = ready_at(q)
         if kind == "F":
             held[r][(k, j)] = None
