@@ -1,4 +1,4 @@
-"""Plan search: the fastest plan that fits, and why the others lost.
+"""Plan search: the fastest plan that fits (why the others lost: result.py).
 
 Outer candidates: (dp, pp, micro-batch, schedule), with global batch = micro-batch x
 microbatches x dp and data-parallel groups only of like GPUs. Each candidate's inner
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.estimate import HOST_USABLE, estimate
@@ -26,8 +26,9 @@ from snugfit.plan.knapsack import (
     BUCKETS, INF, StageCosts, knapsack, resident_microbatches, split, usable, with_reserve, working,
 )
 from snugfit.plan.memory import device_bytes
-from snugfit.plan.options import Constraints, block_options, describe
-from snugfit.plan.plan import BlockPlan, Plan, PlanError
+from snugfit.plan.options import Constraints, block_options
+from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
 from snugfit.plan.timing import cpu_stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
@@ -37,14 +38,6 @@ SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time
 MAX_EXTRA = 2  # such verifications beyond what was asked for (each is a full estimate())
 POLISH_WITHIN = 1.1  # verified candidates this close to the fastest get the knapsack's unseen room back
 POLISH_ROOM = (1, 2)  # multiples of that room tried
-
-
-class NoPlanError(PlanError):
-    """Nothing fits (or nothing matches the fixed parts); .result holds the rejections for the advice."""
-
-    def __init__(self, message: str, result: "SearchResult"):
-        super().__init__(message)
-        self.result = result
 
 
 @dataclass
@@ -65,28 +58,6 @@ class Candidate:
     @property
     def family(self) -> str:
         return f"dp {self.dp} x pp {self.pp}"
-
-
-@dataclass
-class Rejection:
-    family: str
-    reason: str
-    need_bytes: int = 0  # least device bytes per GPU the family needs (0: it fits, but is slower)
-
-
-@dataclass
-class SearchResult:
-    best: Plan | None
-    alternatives: list[Plan] = field(default_factory=list)  # verified and fitting, fastest first
-    rejected: list[Rejection] = field(default_factory=list)
-    budget_bytes: int = 0
-    candidates: int = 0  # outer candidates
-    solved: int = 0  # of which knapsacks were solved
-    verified: int = 0  # full estimate() calls
-    verify_s: float = 0.0  # seconds spent in them
-    least_need: tuple[int, int] = (0, 0)  # (device bytes, of which static) of the least-memory candidate
-    bpipe: Plan | None = None  # the best fitting BPipe plan (chosen or not), for --explain-bpipe
-    best_without_bpipe: Plan | None = None
 
 
 def divisors(n: int) -> list[int]:
@@ -412,39 +383,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     res.bpipe = next((p for p in plans if p.schedule == "bpipe"), None)
     res.best_without_bpipe = next((p for p in plans if p.schedule != "bpipe"), None)
     res.solved, res.verified, res.verify_s = sum(x.solved for x in cands), srch.verified, srch.verify_s
-    needs: dict[int, tuple] = {}  # computed for families that fit nowhere only: they are what the report explains
-
-    def need(x: Candidate) -> tuple[int, int, BlockPlan | None]:
-        if id(x) not in needs:
-            needs[id(x)] = srch.need(x)
-        return needs[id(x)]
-
-    if not found:
-        res.least_need = min(need(x)[:2] for x in cands)
-    best_time = res.best.predicted.step_time_s if res.best else INF
-    for fam in dict.fromkeys(x.family for x in cands if not (found and x.family == found[0].family)):
-        members = [x for x in cands if x.family == fam]
-        if any(x.fits for x in members):
-            t = min(x.plan.predicted.step_time_s for x in members if x.fits)
-            res.rejected.append(Rejection(fam, f"fits, but slower: {t:.3g} s/step vs {best_time:.3g}"))
-            continue
-        least = min(members, key=need)
-        least_bytes, _, option = need(least)
-        if least_bytes > budget:
-            reason = (f"needs {least_bytes / 2**30:.1f} GiB per GPU even with micro-batch {least.mbs} and every block "
-                      f"{describe(option)}, has {budget / 2**30:.1f}")
-        else:
-            t = min(x.score if x.solved else x.lower for x in members)
-            reason = (f"slower: at best {t:.3g} s/step (knapsack) vs {best_time:.3g}" if best_time <= t < INF else
-                      "no assignment the knapsack found passed the full estimate()")
-        res.rejected.append(Rejection(fam, reason, least_bytes))
-    if res.best is not None and any(b.offload_optimizer or b.offload_params or b.activations == "offload"
-                                    for b in res.best.blocks):
-        plain_need = srch.need(found[0], offload=False)[0]
-        if plain_need > budget:
-            res.rejected.insert(0, Rejection(f"{found[0].family} without offload",
-                                             f"needs {plain_need / 2**30:.1f} GiB per GPU, has {budget / 2**30:.1f}",
-                                             plain_need))
+    explain_losses(srch, cands, found, res)
     if res.best is None:
         raise NoPlanError(f"no plan fits {budget / 2**30:.2f} GiB per GPU", res)
     return res

@@ -1,0 +1,86 @@
+"""What a search returns: the plan, the verified runners-up, and why the families it did not choose lost
+(slower, or the least memory they need against the budget).
+
+The report's half of the search (search.py finds the plan): what `snugfit plan` prints under "other
+families", and what explain.advise() reads when nothing fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from snugfit.plan.knapsack import INF
+from snugfit.plan.options import describe
+from snugfit.plan.plan import BlockPlan, Plan, PlanError
+
+if TYPE_CHECKING:
+    from snugfit.plan.search import Candidate, Searcher
+
+
+@dataclass
+class Rejection:
+    family: str
+    reason: str
+    need_bytes: int = 0  # least device bytes per GPU the family needs (0: it fits, but is slower)
+
+
+@dataclass
+class SearchResult:
+    best: Plan | None
+    alternatives: list[Plan] = field(default_factory=list)  # verified and fitting, fastest first
+    rejected: list[Rejection] = field(default_factory=list)
+    budget_bytes: int = 0
+    candidates: int = 0  # outer candidates
+    solved: int = 0  # of which knapsacks were solved
+    verified: int = 0  # full estimate() calls
+    verify_s: float = 0.0  # seconds spent in them
+    least_need: tuple[int, int] = (0, 0)  # (device bytes, of which static) of the least-memory candidate
+    bpipe: Plan | None = None  # the best fitting BPipe plan (chosen or not), for --explain-bpipe
+    best_without_bpipe: Plan | None = None
+
+
+class NoPlanError(PlanError):
+    """Nothing fits (or nothing matches the fixed parts); .result holds the rejections for the advice."""
+
+    def __init__(self, message: str, result: SearchResult):
+        super().__init__(message)
+        self.result = result
+
+
+def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate], res: SearchResult) -> None:
+    """Fill res.rejected (and res.least_need when nothing fits); `found`: the verified candidates, fastest first."""
+    budget = res.budget_bytes
+    needs: dict[int, tuple] = {}  # computed for families that fit nowhere only: they are what the report explains
+
+    def need(x: Candidate) -> tuple[int, int, BlockPlan | None]:
+        if id(x) not in needs:
+            needs[id(x)] = srch.need(x)
+        return needs[id(x)]
+
+    if not found:
+        res.least_need = min(need(x)[:2] for x in cands)
+    best_time = res.best.predicted.step_time_s if res.best else INF
+    for fam in dict.fromkeys(x.family for x in cands if not (found and x.family == found[0].family)):
+        members = [x for x in cands if x.family == fam]
+        if any(x.fits for x in members):
+            t = min(x.plan.predicted.step_time_s for x in members if x.fits)
+            res.rejected.append(Rejection(fam, f"fits, but slower: {t:.3g} s/step vs {best_time:.3g}"))
+            continue
+        least = min(members, key=need)
+        least_bytes, _, option = need(least)
+        if least_bytes > budget:
+            reason = (f"needs {least_bytes / 2**30:.1f} GiB per GPU even with micro-batch {least.mbs} and every block "
+                      f"{describe(option)}, has {budget / 2**30:.1f}")
+        else:
+            t = min(x.score if x.solved else x.lower for x in members)
+            reason = (f"slower: at best {t:.3g} s/step (knapsack) vs {best_time:.3g}" if best_time <= t < INF else
+                      "no assignment the knapsack found passed the full estimate()")
+        res.rejected.append(Rejection(fam, reason, least_bytes))
+    if res.best is not None and any(b.offload_optimizer or b.offload_params or b.activations == "offload"
+                                    for b in res.best.blocks):
+        plain_need = srch.need(found[0], offload=False)[0]
+        if plain_need > budget:
+            res.rejected.insert(0, Rejection(f"{found[0].family} without offload",
+                                             f"needs {plain_need / 2**30:.1f} GiB per GPU, has {budget / 2**30:.1f}",
+                                             plain_need))
