@@ -196,3 +196,9 @@ def test_no_uniform_plan_that_fits_beats_the_choice(model, spec):
                 pred = estimate(plan, prof, cluster, budget)
                 assert not pred.fits or best.predicted.step_time_s <= pred.step_time_s * 1.01, (
                     f"{budget_gib} GiB: uniform {plan.to_dict()} beats the choice")
+
+
+def test_speed_words_never_says_negative_faster():
+    from snugfit.plan.explain import speed_words
+    assert speed_words(1.216) == "21.6% faster"
+    assert speed_words(1 / 1.276) == "21.6% slower"

@@ -60,6 +60,12 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
+def speed_words(ratio: float) -> str:
+    """'21.6% faster' or '21.6% slower' for a ratio of the other plan's step time to this one's."""
+    gain = ratio - 1
+    return f"{gain:.1%} faster" if gain >= 0 else f"{-gain:.1%} slower"
+
+
 def explain_bpipe(res: SearchResult) -> str:
     """What BPipe's memory buys against what its activation moves cost, from the two best verified plans."""
     bp, plain = res.bpipe, res.best_without_bpipe
@@ -78,9 +84,8 @@ def explain_bpipe(res: SearchResult) -> str:
     lines.append(f"moves cost: bubble {bp_time.get('bubble', 0):.3g} s vs "
                  f"{plain.predicted.time_by_phase.get('bubble', 0):.3g} s (evictions hide in the forward of the "
                  f"next microbatch, loads in the wait for the gradient; what they do not hide shows up as bubble)")
-    gain = plain.predicted.step_time_s / bp.predicted.step_time_s - 1
     verdict = "chosen" if res.best is bp else "not chosen"
-    lines.append(f"verdict: BPipe is {gain:+.1%} faster -> {verdict}")
+    lines.append(f"verdict: BPipe is {speed_words(plain.predicted.step_time_s / bp.predicted.step_time_s)} -> {verdict}")
     return "\n".join(lines)
 
 

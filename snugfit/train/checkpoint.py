@@ -81,7 +81,7 @@ class Checkpoints:
         _barrier()
         try:
             with dcp_quiet():
-                dcp.save(engine_state, checkpoint_id=str(tmp))
+                dcp.save(engine_state, checkpoint_id=str(tmp), no_dist=self.env.world_size == 1)
             save_file(rng_state(), str(tmp / f"rng_rank{self.env.rank}.safetensors"))
             if self.env.is_main:
                 _write_json(tmp / "trainer.json", {"step": step, **trainer_state})
@@ -113,7 +113,7 @@ class Checkpoints:
                     f"checkpoint {path} is of another model (its [model] differs); resume with the same [model] settings"
                 )
             with dcp_quiet():
-                dcp.load(engine_state, checkpoint_id=str(path))
+                dcp.load(engine_state, checkpoint_id=str(path), no_dist=self.env.world_size == 1)
         except (json.JSONDecodeError, RuntimeError, ValueError, KeyError, OSError, CheckpointException) as e:
             raise SnugfitError(
                 f"checkpoint {path} cannot be loaded ({root_cause(e)}); it is corrupt or from another model — "
