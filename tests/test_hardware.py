@@ -1,5 +1,7 @@
 """Hardware catalogue, cluster specs, TOML files, and measuring this machine."""
 
+import os
+
 import pytest
 
 from snugfit.errors import SnugfitError
@@ -72,3 +74,56 @@ def test_gloo_collective_bandwidth_and_fsdp_overheads_between_two_processes():
     # a gather of a 1 MB unit costs at least the collective's latency (timings beyond that are bench/'s)
     assert link.latency_s / 2 < fsdp["gather"][0] + 1e6 * fsdp["gather"][1] < 0.1
     assert all(fixed >= 0 and per_byte >= 0 for fixed, per_byte in fsdp.values())
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("device_name, memory_gib, entry", [
+    ("NVIDIA H100 80GB HBM3", 79.1, "H100-SXM"),
+    ("NVIDIA H100 PCIe", 79.6, "H100-PCIe"),
+    ("NVIDIA H200", 139.8, "H200"),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB-SXM"),
+    ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB-SXM"),
+    ("NVIDIA A100-PCIE-40GB", 39.4, "A100-40GB-PCIe"),
+    ("NVIDIA A100 80GB PCIe", 79.2, "A100-80GB-PCIe"),
+    ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090"),
+    ("NVIDIA GeForce RTX 3090", 23.7, "RTX3090"),
+    ("NVIDIA GeForce RTX 5090", 31.4, "RTX5090"),
+    ("Tesla V100-SXM2-16GB", 15.8, "V100-16GB"),
+    ("Tesla V100-SXM2-32GB", 31.7, "V100-32GB"),
+    ("Tesla T4", 14.6, "T4"),
+    ("NVIDIA A10", 22.0, "A10"),
+    ("NVIDIA L4", 22.0, "L4"),
+    # other cards than any entry: measured, never taken for a neighbour
+    ("NVIDIA GeForce RTX 3090 Ti", 23.7, None),
+    ("NVIDIA A10G", 22.0, None),
+    ("Tesla V100-PCIE-32GB", 31.7, None),  # the catalogue's V100s are the NVLink (SXM2) parts
+    ("NVIDIA H100 PCIe", 94.0, None),  # memory that contradicts the entry (a 94 GB part)
+])
+def test_torch_device_names_find_their_catalogue_entry(device_name, memory_gib, entry):
+    from snugfit.hardware.catalogue import gpu_for_device
+    gpu = gpu_for_device(device_name, int(memory_gib * GiB))
+    assert (gpu.name if gpu else None) == entry
+
+
+def test_an_unknown_card_is_measured_from_its_properties():
+    from snugfit.hardware.measure import measure_accelerator
+    gpu, link = measure_accelerator("NVIDIA Mystery 9000", dev="cpu", size=128)
+    assert gpu.name == "NVIDIA Mystery 9000"
+    assert set(gpu.tflops) >= {"float32", "float16", "bfloat16"} and all(t > 0 for t in gpu.tflops.values())
+    assert gpu.hbm_gbps > 0 and link.gbps > 0
+    assert gpu.matmul_efficiency == 1.0  # measured rates are what kernels reach, not a datasheet's
+
+
+def test_gpus_without_peer_access_disable_nccl_p2p(monkeypatch):
+    from snugfit.runtime.dist import disable_p2p_without_peer_access, missing_peer_access
+    assert missing_peer_access(4, lambda a, b: True) is None
+    assert missing_peer_access(4, lambda a, b: {a, b} != {1, 3}) == (1, 3)
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    assert not disable_p2p_without_peer_access(2, lambda a, b: True)
+    assert "NCCL_P2P_DISABLE" not in os.environ
+    assert disable_p2p_without_peer_access(2, lambda a, b: False)
+    assert os.environ["NCCL_P2P_DISABLE"] == "1"
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")  # the user's own setting wins
+    assert not disable_p2p_without_peer_access(2, lambda a, b: False)

@@ -23,7 +23,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,9 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from snugfit.errors import SnugfitError  # noqa: E402
-from snugfit.hardware.cluster import Cluster, Node, parse_cluster  # noqa: E402
-from snugfit.hardware.measure import profile_hardware  # noqa: E402
+from snugfit.hardware.cluster import Cluster  # noqa: E402
 from snugfit.model.catalogue import resolve_model  # noqa: E402
 from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
@@ -83,18 +80,6 @@ def one_rank() -> DistEnv:
                        "MASTER_PORT": str(port)}.items():
         os.environ.setdefault(key, value)
     return init_distributed()
-
-
-def this_machine(env: DistEnv) -> Cluster:
-    """The catalogue entry of this GPU (or this CPU), else this GPU as measured now (not cached)."""
-    try:
-        return parse_cluster(local_cluster(env))
-    except SnugfitError as err:
-        print(f"{err}: measuring this GPU instead")
-    with tempfile.TemporaryDirectory() as d:
-        hw = profile_hardware(Path(d) / "hardware.json", collectives=False)
-    pcie = hw.links["pcie-local"]
-    return Cluster([Node(hw.device, 1, pcie, pcie, hw.host)], pcie, f"1x{hw.device.name}")
 
 
 def full_offload(profile, cluster: Cluster, batch: int, budget: int) -> Plan:
@@ -203,7 +188,7 @@ def main() -> int:
         raise SystemExit("no CUDA GPU here; run with --smoke to check the logic on CPU")
     cfg = model_config(args)
     dtype = "bfloat16" if on_gpu else "float32"
-    cluster = this_machine(env)
+    cluster = local_cluster(env)  # the catalogue's entry for this GPU, else the GPU measured now
     gpu = cluster.gpu_of(0)
     device_mem = torch.cuda.get_device_properties(env.device).total_memory if on_gpu else gpu.memory_bytes
     profile = profile_model(cfg, micro_batch_size=1, seq_len=args.seq, dtype=dtype)

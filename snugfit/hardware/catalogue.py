@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -187,6 +188,48 @@ def get_gpu(name: str) -> GPU:
     if key is None:
         raise SnugfitError(f"unknown GPU {name!r}; {_suggest(name, [*GPUS, *ALIASES, 'cpu'])}")
     return GPUS[ALIASES.get(key, key)]
+
+
+_VENDOR_WORDS = {"NVIDIA", "GEFORCE", "TESLA", "QUADRO", "AMD", "INSTINCT", "RADEON"}
+_FORM_WORDS = {"SXM": "SXM", "SXM2": "SXM", "SXM4": "SXM", "SXM5": "SXM", "PCIE": "PCIE", "NVL": "NVL"}
+
+
+def _name_parts(name: str) -> tuple[str, str | None, int | None]:
+    """(model, form factor, GB) of a GPU name: 'NVIDIA A100-SXM4-80GB' -> ('A100', 'SXM', 80),
+    'NVIDIA GeForce RTX 4090' -> ('RTX4090', None, None). Memory-type words (HBM3) say nothing of the model."""
+    model, form, gb = [], None, None
+    for word in re.split(r"[\s\-_]+", name.upper()):
+        if not word or word in _VENDOR_WORDS or re.fullmatch(r"HBM\d*E?", word):
+            continue
+        if word in _FORM_WORDS:
+            form = _FORM_WORDS[word]
+        elif m := re.fullmatch(r"(\d+)GB", word):
+            gb = int(m[1])
+        else:
+            model.append(word)
+    return "".join(model).removeprefix("RTX"), form, gb
+
+
+def gpu_for_device(device_name: str, memory_bytes: int | None = None) -> GPU | None:
+    """The catalogue entry of a card as torch names it ('NVIDIA H100 80GB HBM3', 'Tesla V100-SXM2-32GB'),
+    or None when the catalogue lacks it (the caller then measures the card instead of refusing it).
+
+    The model must match exactly ('RTX 3090 Ti' is not an 'RTX3090'); a form factor the name states
+    (PCIe, SXM, NVL) must match the entry's, where an unstated one prefers the SXM part, as torch names
+    SXM cards without it ('NVIDIA H100 80GB HBM3'); memory picks among the rest and must agree within 10%.
+    """
+    model, form, gb = _name_parts(device_name)
+    memory = gb * GiB if gb else memory_bytes
+    candidates = []
+    for gpu in GPUS.values():
+        g_model, g_form, _ = _name_parts(gpu.name)
+        g_form = g_form or ("SXM" if gpu.nvlink else "PCIE")
+        if g_model != model or (form and form != g_form):
+            continue
+        if memory and abs(gpu.memory_bytes / memory - 1) > 0.1:
+            continue
+        candidates.append((abs(gpu.memory_bytes - memory) if memory else 0, g_form != "SXM", gpu.name))
+    return GPUS[min(candidates)[2]] if candidates else None
 
 
 def get_link(name: str) -> Link:

@@ -52,17 +52,35 @@ def _matmul_tflops(dtype: torch.dtype, n: int, device: str, sync) -> float:
     return 2 * n**3 / _best_time(run, 3) / 1e12
 
 
-def _copy_gbps(nbytes: int, src: str, dst: str, sync, pin: bool = False) -> float:
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device=src)
-    if pin:
-        x = x.pin_memory()
-    y = torch.empty_like(x, device=dst)
+def _copy_gbps(nbytes: int, src: str, dst: str, sync) -> float:
+    """Copy rate src -> dst; host memory is pinned when the other side is an accelerator, as offload's
+    copies are (a pageable side halves the rate and makes the copy blocking)."""
+    pin = src != dst and "cpu" in (src, dst)
+    x = torch.empty(nbytes // 4, device=src, pin_memory=pin and src == "cpu")
+    y = torch.empty(nbytes // 4, device=dst, pin_memory=pin and dst == "cpu")
 
     def run():
         y.copy_(x, non_blocking=pin)
         sync()
     moved = nbytes if src != dst else 2 * nbytes  # a same-device copy reads and writes
     return moved / _best_time(run, 3) / 1e9
+
+
+def _duplex_gbps(nbytes: int, dev: str, sync) -> float:
+    """Per-direction rate with host->device and device->host copies running at once on two streams (pinned):
+    a PCIe 4.0 link moving 24-26 GB/s one way gives 11-16 GB/s each way when both run."""
+    module, pin = torch.get_device_module(dev), dev != "cpu"
+    host_in, host_out = (torch.empty(nbytes // 4, pin_memory=pin) for _ in range(2))
+    dev_in, dev_out = (torch.empty(nbytes // 4, device=dev) for _ in range(2))
+    up, down = module.Stream(), module.Stream()
+
+    def run():
+        with module.stream(up):
+            dev_in.copy_(host_in, non_blocking=True)
+        with module.stream(down):
+            host_out.copy_(dev_out, non_blocking=True)
+        sync()
+    return nbytes / _best_time(run, 3) / 1e9
 
 
 def op_overhead_s(device: str, sync, n: int = 200) -> float:
@@ -268,32 +286,42 @@ def measure_local_ranks(host: Host) -> Link:
     return link
 
 
-def _host_ram() -> int:
+def host_ram() -> int:
+    """This machine's physical memory in bytes."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 16 * GiB
 
 
+def measure_accelerator(name: str, dev: str | None = None, size: int = 4096) -> tuple[GPU, Link]:
+    """The current accelerator as a GPU entry named `name` (its memory from the device's properties, its
+    rates measured here, a few seconds), and its host link: the slowest of either direction alone and both
+    at once, as offload moves the next unit's parameters in while the last one's gradients go out."""
+    dev = dev or torch.accelerator.current_accelerator().type
+    sync = torch.accelerator.synchronize if dev != "cpu" else lambda: None  # CPU tests run it on the CPU
+    props = torch.cuda.get_device_properties(torch.accelerator.current_device_index()) if dev == "cuda" else None
+    mem = props.total_memory if props else 16 * GiB
+    dtypes = [torch.float32, torch.float16]
+    if props is None or props.major >= 8:  # bf16 tensor cores from Ampere on; older cards only emulate it
+        dtypes.append(torch.bfloat16)
+    tflops = {str(d).removeprefix("torch."): _matmul_tflops(d, size, dev, sync) for d in dtypes}
+    copy_bytes = size * size * 16  # 256 MiB at the default size
+    h2d = _copy_gbps(copy_bytes, "cpu", dev, sync)
+    d2h = _copy_gbps(copy_bytes, dev, "cpu", sync)
+    duplex = _duplex_gbps(copy_bytes, dev, sync)
+    hbm = _copy_gbps(2 * copy_bytes, dev, dev, sync)
+    gpu = GPU(name, mem, tflops, hbm, 0, None, matmul_efficiency=1.0, mem_efficiency=1.0,
+              op_overhead_s=op_overhead_s(dev, sync))
+    return gpu, Link("pcie-local", min(h2d, d2h, duplex), 10e-6)
+
+
 def profile_hardware(out: str | Path | None = None, collectives: bool = True) -> LocalHardware:
     """Measure this machine and cache the result (default ~/.cache/snugfit/hardware.json)."""
-    host = Host(ram_bytes=_host_ram(), adam_params_per_s=_adam_params_per_s(2_000_000), cores=os.cpu_count() or 1)
+    host = Host(ram_bytes=host_ram(), adam_params_per_s=_adam_params_per_s(2_000_000), cores=os.cpu_count() or 1)
     links: dict[str, Link] = {}
     if torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
-        dev, sync = acc.type, torch.accelerator.synchronize
-        idx = torch.accelerator.current_device_index()
-        props = torch.cuda.get_device_properties(idx) if acc.type == "cuda" else None
-        mem = props.total_memory if props else 16 * GiB
-        tflops = {"float32": _matmul_tflops(torch.float32, 4096, dev, sync),
-                  "bfloat16": _matmul_tflops(torch.bfloat16, 4096, dev, sync)}
-        h2d = _copy_gbps(256 * 2**20, "cpu", dev, sync, pin=True)
-        d2h = _copy_gbps(256 * 2**20, dev, "cpu", sync)
-        links["pcie-local"] = Link("pcie-local", min(h2d, d2h), 10e-6)
-        hbm = _copy_gbps(512 * 2**20, dev, dev, sync)
-        name = f"local-{acc.type}"
-        device = GPU(name, mem, tflops, hbm, 0, None, "gloo-loopback", 1.0, 1.0, GiB // 2,
-                     op_overhead_s=op_overhead_s(dev, sync))
+        device, links["pcie-local"] = measure_accelerator(f"local-{torch.accelerator.current_accelerator().type}")
     else:
         sync = lambda: None  # noqa: E731
         base = default_cpu()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+log = logging.getLogger("snugfit")
 
 
 @dataclass
@@ -50,6 +52,27 @@ def _backend(device: torch.device) -> str:
     return f"{device.type}:{dist.get_default_backend_for_device(device)},cpu:gloo"
 
 
+def missing_peer_access(devices: int, can_access: Callable[[int, int], bool]) -> tuple[int, int] | None:
+    """The first pair of local GPUs that cannot read each other's memory directly, or None when all can."""
+    return next(((a, b) for a in range(devices) for b in range(devices) if a != b and not can_access(a, b)), None)
+
+
+def disable_p2p_without_peer_access(devices: int, can_access: Callable[[int, int], bool]) -> bool:
+    """Set NCCL_P2P_DISABLE=1 when two local GPUs lack peer access (consumer cards such as the RTX 4090):
+    NCCL's peer-to-peer transport hangs collectives on them. An explicit setting by the user wins.
+    True when the traffic between GPUs goes through host memory."""
+    if os.environ.get("NCCL_P2P_DISABLE"):
+        return os.environ["NCCL_P2P_DISABLE"] != "0"
+    pair = missing_peer_access(devices, can_access)
+    if pair is None:
+        return False
+    os.environ["NCCL_P2P_DISABLE"] = "1"
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        log.warning("GPUs %d and %d cannot access each other's memory (no P2P): set NCCL_P2P_DISABLE=1, so NCCL "
+                    "moves their traffic through host memory instead of hanging", *pair)
+    return True
+
+
 def init_distributed(timeout_s: float = 300.0) -> DistEnv:
     """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU).
 
@@ -61,6 +84,9 @@ def init_distributed(timeout_s: float = 300.0) -> DistEnv:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
+    if device.type == "cuda":  # before NCCL's first communicator reads it
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        disable_p2p_without_peer_access(local_world, torch.cuda.can_device_access_peer)
     if not dist.is_initialized():
         backend = _backend(device)
         timeout = timedelta(seconds=timeout_s)

@@ -4,6 +4,8 @@ ranks, and explain it."""
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -11,6 +13,7 @@ import torch.distributed as dist
 
 from snugfit.config import RunConfig
 from snugfit.errors import SnugfitError
+from snugfit.hardware.cluster import Cluster, Node, get_link, make_node, parse_cluster
 from snugfit.plan import Plan
 from snugfit.runtime.dist import DistEnv
 
@@ -18,17 +21,35 @@ log = logging.getLogger("snugfit")
 MEASURE_WAIT_S = 600  # how long other ranks wait for rank 0's first measurement of this machine and the search
 
 
-def local_cluster(env: DistEnv) -> str:
-    """The launched ranks as a cluster spec: N x this machine's CPU, or N x the local GPU from the catalogue."""
+def local_cluster(env: DistEnv) -> Cluster:
+    """The launched ranks as a cluster: N x this machine's CPU, or this node's GPUs (the catalogue's entry for
+    the card's name, else the card measured here: never refused) on each node, with this host's RAM and cores."""
     if env.device.type == "cpu":
-        return f"{env.world_size}xcpu"
-    from snugfit.hardware.catalogue import get_gpu
+        return parse_cluster(f"{env.world_size}xcpu")
+    from snugfit.hardware.catalogue import Host, Link, gpu_for_device
+    from snugfit.hardware.measure import host_ram, measure_accelerator
+    from snugfit.runtime.dist import disable_p2p_without_peer_access
 
-    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
-    try:
-        return f"{env.world_size}x{get_gpu(name.replace('NVIDIA ', '').replace(' ', '')).name}"
-    except SnugfitError as e:
-        raise SnugfitError(f"{e}; plan with `snugfit plan --cluster ...` and pass --plan FILE") from None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    nodes = env.world_size // per_node if env.world_size % per_node == 0 else 1
+    per_node = env.world_size // nodes
+    props = torch.cuda.get_device_properties(env.device) if env.device.type == "cuda" else None
+    name = props.name if props else env.device.type
+    host = Host(ram_bytes=host_ram(), cores=os.cpu_count() or 1)
+    gpu = gpu_for_device(name, props.total_memory if props else None)
+    if gpu is not None:
+        node = make_node(gpu.name, per_node, host=host)
+    else:
+        gpu, pcie = measure_accelerator(name)
+        log.warning("GPU %r is not in snugfit's catalogue: planning with its measured rates (%s TFLOPS, "
+                    "%.0f GB/s memory, %.1f GB/s host link); add it to a cluster TOML to plan elsewhere", name,
+                    ", ".join(f"{d} {t:.0f}" for d, t in gpu.tflops.items()), gpu.hbm_gbps, pcie.gbps)
+        node = Node(gpu, per_node, pcie, pcie, host)
+    if env.device.type == "cuda" and disable_p2p_without_peer_access(per_node, torch.cuda.can_device_access_peer):
+        # each byte crosses PCIe twice, out to host memory and in to the peer, over one root complex
+        node.intra = Link(f"{node.pcie.name}-via-host", node.pcie.gbps / 2, 2 * node.pcie.latency_s)
+    inter = get_link(gpu.inter) if nodes > 1 else node.intra
+    return Cluster([replace(node) for _ in range(nodes)], inter, f"{nodes}x{per_node}x{gpu.name}")
 
 
 def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
@@ -55,10 +76,9 @@ def _profile(cfg: RunConfig, micro_batch_size: int):
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
     """The time model's simulation of `plan` on the launched ranks, to draw beside a measured step."""
-    from snugfit.hardware.cluster import parse_cluster
     from snugfit.report.timeline import timeline_for
 
-    return timeline_for(plan, _profile(cfg, plan.micro_batch_size), parse_cluster(local_cluster(env)))
+    return timeline_for(plan, _profile(cfg, plan.micro_batch_size), local_cluster(env))
 
 
 def measure_once(ranks: int, on_cpu: bool = True) -> None:
@@ -89,14 +109,13 @@ def measure_once(ranks: int, on_cpu: bool = True) -> None:
 
 
 def _search(cfg: RunConfig, env: DistEnv) -> Plan:
-    from snugfit.hardware.cluster import parse_cluster
     from snugfit.plan.explain import format_result
     from snugfit.plan.search import Constraints, NoPlanError, search
 
     t = cfg.train
     measure_once(env.world_size, env.device.type == "cpu")
     profile = _profile(cfg, 1)
-    cluster = parse_cluster(local_cluster(env))
+    cluster = local_cluster(env)
     micro = t.micro_batch_size or None
     try:
         res = search(profile, cluster, global_batch=t.batch_size, constraints=Constraints(micro_batch=micro),
