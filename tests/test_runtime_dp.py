@@ -10,6 +10,7 @@ world size is one spawn that checks many plans.
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import replace
 
 import pytest
@@ -314,3 +315,21 @@ def test_host_steps_run_behind_the_next_forward(one_rank):
     assert all(u.pending is not None for u in engine.host.units)  # queued, not waited for
     engine.eval_loss(batch)  # each unit's forward waits for its own update
     assert all(u.pending is None for u in engine.host.units)
+
+
+def test_queued_host_steps_keep_the_rate_of_their_own_step(one_rank):
+    """The loop sets step 2's rate while step 1's host updates may still wait on the worker thread."""
+    plan = make_plan(1, BlockPlan(zero=0, offload_optimizer=True))
+    engine = build_engine(fresh_model(), plan, OPT, one_rank)
+    used: list[float] = []
+    for u in engine.host.units:
+        step = u.optimizer.step
+        u.optimizer.step = lambda *a, opt=u.optimizer, step=step: (used.append(opt.param_groups[0]["lr"]), step())
+    release = threading.Event()
+    engine.host._worker.submit(release.wait)  # hold the worker, as a slow host step would
+    engine.set_lr(1e-3)
+    engine.train_step(batches(plan, 1)[0])
+    engine.set_lr(5e-4)  # the next step's rate, set before the queued updates ran
+    release.set()
+    engine.host.wait()
+    assert used and set(used) == {1e-3}

@@ -157,6 +157,7 @@ class Engine:
     ):
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
         self.dp_group, self.host, self.stage_group = dp_group, host, stage_group
+        self.lr = optim.lr
         if host is not None:
             host.attach(model, lambda masters: make_adamw(masters, optim))
         device_params = [p for p in model.parameters() if p.requires_grad and not (host and host.owns(p))]
@@ -178,8 +179,11 @@ class Engine:
         return self.trace.span(dist.get_rank(), kind, mb) if self.trace is not None else nullcontext()
 
     def set_lr(self, lr: float) -> None:
-        for opt in self._optimizers():
-            for group in opt.param_groups:
+        """The rate of the next step. Host optimizers get it with that step's queued work, not here: the
+        previous step's host updates may still be waiting on the worker thread and must keep their rate."""
+        self.lr = lr
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
                 group["lr"] = lr
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
@@ -217,7 +221,7 @@ class Engine:
         # Same factor as torch.nn.utils.clip_grad_norm_, so a one-process run reproduces it.
         coef = min(clip / (grad_norm.item() + 1e-6), 1.0) if clip > 0 and not skipped else 1.0
         if self.host is not None:
-            self.host.step(coef, skipped)  # runs on a worker thread while the device steps
+            self.host.step(coef, skipped, self.lr)  # runs on a worker thread while the device steps
         if not skipped and self.optimizer is not None:
             with self._span("optimizer"):
                 if coef < 1.0:

@@ -143,13 +143,16 @@ class HostOffload:
         return [(p, m.grad) for u in self.units for p, m, f in zip(u.params, u.masters, u.filled) if f]
 
     # -- step --
-    def step(self, clip_coef: float, skip: bool) -> None:
-        """Queue every unit's host step (forward order); `skip` drops this step's gradients."""
+    def step(self, clip_coef: float, skip: bool, lr: float) -> None:
+        """Queue every unit's host step (forward order) at learning rate `lr`; `skip` drops this step's
+        gradients."""
         for u in self.units:
-            u.pending = self._worker.submit(self._step_unit, u, clip_coef, skip)
+            u.pending = self._worker.submit(self._step_unit, u, clip_coef, skip, lr)
 
     @torch.no_grad()
-    def _step_unit(self, u: _Unit, clip_coef: float, skip: bool) -> None:
+    def _step_unit(self, u: _Unit, clip_coef: float, skip: bool, lr: float) -> None:
+        for group in u.optimizer.param_groups:
+            group["lr"] = lr
         if not skip and any(u.filled):
             if clip_coef != 1.0:
                 torch._foreach_mul_([m.grad for m in u.masters], clip_coef)
