@@ -250,3 +250,26 @@ def test_engines_built_one_after_another_reuse_their_process_groups():
     """Each gloo group starts threads that torch never stops: an engine per plan must not add groups."""
     for threads in run_ranks(_rebuilt_engines, 2):
         assert threads[2:] == threads[2:3] * 4, threads  # after both kinds were built once, no growth
+
+
+def test_a_stage_posts_its_sends_in_one_batch_with_its_next_receive(monkeypatch):
+    """NCCL blocks an unbatched send until matched: neighbours that both send, then receive, must batch."""
+    from types import SimpleNamespace
+
+    import snugfit.runtime.schedules as schedules
+
+    batches = []
+    monkeypatch.setattr(schedules.dist, "batch_isend_irecv",
+                        lambda ops: batches.append([(op.op.__name__, op.peer) for op in ops]) or [None] * len(ops))
+    monkeypatch.setattr(schedules.dist, "get_process_group_ranks", lambda group: [10, 11, 12])
+    monkeypatch.setattr(schedules.dist, "P2POp", lambda op, tensor, peer, group, tag: SimpleNamespace(
+        op=op, tensor=tensor, peer=peer))
+    comms = schedules.StageComms(object(), stage=1, num_stages=3, timeout_s=1)
+    monkeypatch.setattr(comms, "wait", lambda work, action: None)
+    y = torch.zeros(2)
+    comms.send_forward(y, 0)  # steady 1F1B: forward out to stage 2 ...
+    assert batches == []  # ... not posted alone
+    comms.recv_backward(y, 0)  # ... then its gradient in from stage 2
+    comms.send_backward(y, 0)
+    comms.finish_sends()
+    assert batches == [[("isend", 12), ("irecv", 12)], [("isend", 10)]]

@@ -10,8 +10,8 @@ one-forward-one-backward, cool-down backwards -- with EVICT and LOAD as named
 steps of the heavy stage's program (`bpipe_program`), computed identically on
 both sides so the partner knows which microbatches will arrive.
 
-Transfers are asynchronous isend/irecv on the pipeline group; every wait is
-bounded by a timeout and raises `PipelineError` naming the stage and action.
+Transfers on the pipeline group go out as batch_isend_irecv, a stage's sends with
+its next receive (see `StageComms.send`); every wait is bounded by a timeout and raises `PipelineError` naming the stage and action.
 A light stage holds its partner's activations on a helper thread with its own
 process group (`PartnerStore`), so neither side's waits can block the other.
 """
@@ -96,7 +96,8 @@ class StageComms:
         self.group, self.stage, self.num_stages, self.timeout_s = group, stage, num_stages, timeout_s
         self.ranks = dist.get_process_group_ranks(group)  # global rank of each stage
         self.rank = self.ranks[stage]
-        self.sends: list[tuple[object, torch.Tensor, str]] = []
+        self.sends: list[tuple[object, torch.Tensor, str]] = []  # posted, not yet waited
+        self.unposted: list[tuple[dist.P2POp, str]] = []  # queued for the next receive's batch
 
     def fail(self, action: str, err: BaseException | None = None) -> PipelineError:
         why = f": {err}" if err else f": nothing within {self.timeout_s:.0f} s (peer dead or stuck?)"
@@ -108,16 +109,43 @@ class StageComms:
         except Exception as err:  # backend timeout or a closed connection: say where
             raise self.fail(action, err) from err
 
-    def send(self, t: torch.Tensor, stage: int, tag: int, action: str, group=None) -> None:
-        t = t.contiguous()
-        work = dist.isend(t, dst=self.ranks[stage], group=group or self.group, tag=tag)
-        self.sends.append((work, t, action))
+    def send(self, t: torch.Tensor, stage: int, tag: int, action: str) -> None:
+        """Queue t for `stage` on the pipeline group. It is posted together with this stage's next receive, as
+        one batch_isend_irecv, or by `post_sends`. Two neighbours in steady 1F1B both send before they
+        receive (forward out, then the gradient in; gradient out, then the next forward in), and NCCL blocks
+        an unbatched send until it is matched: posted alone, in that order, both sides would wait forever."""
+        self.unposted.append((dist.P2POp(dist.isend, t.contiguous(), self.ranks[stage], self.group, tag), action))
+
+    def post_sends(self) -> None:
+        """Post the queued sends (before compute that starts with no receive)."""
+        if self.unposted:
+            self._post(self.unposted, None)
+            self.unposted = []
 
     def recv(self, t: torch.Tensor, stage: int, tag: int, action: str, group=None) -> torch.Tensor:
-        self.wait(dist.irecv(t, src=self.ranks[stage], group=group or self.group, tag=tag), action)
+        """Receive into t from `stage`; on the pipeline group the queued sends go in the same batch."""
+        own = group is None
+        op = dist.P2POp(dist.irecv, t, self.ranks[stage], group or self.group, tag)
+        self._post(self.unposted if own else [], (op, action))
+        if own:
+            self.unposted = []
         return t
 
+    def _post(self, sends: list[tuple[dist.P2POp, str]], recv: tuple[dist.P2POp, str] | None) -> None:
+        """One batch_isend_irecv; waits for the receive only. Gloo returns a work per op (the sends are waited
+        in finish_sends); NCCL one for the whole batch, waited here (on the device stream, not the host)."""
+        ops = [op for op, _ in sends] + ([recv[0]] if recv else [])
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):
+            self.sends += [(w, op.tensor, action) for w, (op, action) in zip(works, sends)]
+            if recv:
+                self.wait(works[-1], recv[1])
+        else:
+            for w in works:
+                self.wait(w, recv[1] if recv else sends[0][1])
+
     def finish_sends(self) -> None:
+        self.post_sends()
         while self.sends:
             work, _, action = self.sends.pop(0)
             self.wait(work, action)
@@ -224,6 +252,8 @@ class BPipeSchedule:
     # -- compute steps --
     def forward(self, mb: int, micro) -> None:
         tokens, targets = micro[mb]
+        if self.first:
+            self.comms.post_sends()
         x = tokens if self.first else self.comms.recv_forward(self.hidden, mb).requires_grad_()
         self.finish_evict_sends()  # overlapped the receive; done before new activations appear
         y = self.chunk(x)  # the chunk records what it saves under (stage, mb); so does loss_fn
@@ -240,6 +270,7 @@ class BPipeSchedule:
         if isinstance(self.chunk, FSDPModule):  # reduce over dp once, in the step's last backward
             self.chunk.set_requires_gradient_sync(mb == len(micro) - 1)
         if self.last:
+            self.comms.post_sends()
             torch.autograd.backward(y)
         else:
             grad = self.comms.recv_backward(y, mb)
