@@ -114,3 +114,32 @@ def test_lora_on_gpt2_conv1d_merges_transposed():
         {model.hf_names[k]: v for k, v in merged_state_dict(model).items()}, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected  # tied to the embedding
     assert torch.allclose(plain(input_ids=b[:, :-1]).logits, expect, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_frozen_weights_are_stored_once_in_the_compute_dtype(zero):
+    """bf16 LoRA: base weights cost 2 bytes each, not an fp32 master plus FSDP2's gathered bf16 copy."""
+    from torch.distributed.tensor import DTensor
+
+    from snugfit.plan import BlockPlan, Plan
+    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.dist import DistEnv
+
+    model = decoder()
+    apply_lora(model, rank=4)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    plan = Plan.uniform(CFG.n_layers, block=BlockPlan(zero=zero), root=BlockPlan(zero=zero), micro_batch_size=4,
+                        seq_len=16, compute_dtype="bfloat16")
+    engine = build_engine(model, plan, OptimConfig(), DistEnv())
+    params = list(engine.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params if not p.requires_grad)
+    assert all(p.dtype == torch.float32 for p in params if p.requires_grad)  # masters of the adapters
+    # a replicated (zero-0) unit leaves frozen weights out of FSDP2: plain tensors, never gathered again
+    assert all(isinstance(p, DTensor) == (zero > 0 or p.requires_grad) for p in params)
+    result = engine.train_step(batch()[:, :17])
+    assert torch.isfinite(torch.tensor(result.loss))
+    held = engine.memory.peak()
+    assert held["device.parameters"] == frozen * 2 + trainable * 4
+    if zero == 0:  # FSDP2's gathered copies: the adapters' only
+        assert held["device.buffers"] <= trainable * 2 + sum(b.numel() * b.element_size() for b in model.buffers())

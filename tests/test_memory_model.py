@@ -57,14 +57,23 @@ def test_accumulation_holds_unsharded_gradients_whatever_the_zero_stage():
     assert acc["gradients"] == prof.num_params() * 4 > 2 * one.get("gradients", 0)
 
 
-def test_frozen_parameters_cost_parameter_bytes_only():
+def test_frozen_parameters_cost_their_compute_dtype_bytes_only():
     prof = synthetic_profile()
     for b in prof.blocks:
         b.trainable = 100_000
+    frozen = 10_000_000 - 100_000
     plan = _plan(dp=2, block=BlockPlan(zero=2, offload_optimizer=True))
     dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
-    assert dev["parameters"] == ((10_000_000 - 100_000) * 4 + 100_000 * 2) // 2
+    assert dev["frozen_parameters"] == frozen * 2 // 2  # bf16
+    assert dev["parameters"] == 100_000 * 2 // 2  # the adapters' shards: bf16 too, their masters on host
     assert host == {"master_weights": 200_000, "gradients": 200_000, "optimizer_states": 400_000}
+    plan = _plan(dp=2, block=BlockPlan(zero=0))
+    dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
+    assert dev["frozen_parameters"] == frozen * 2 and dev["parameters"] == 100_000 * 4  # bf16; fp32 masters
+    assert dev["comm_buffers"] == 100_000 * 2  # a zero-0 unit gathers only its trainable part
+    plan = _plan(dp=2, block=BlockPlan(zero=3, offload_params=True))
+    dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
+    assert host["frozen_parameters"] == frozen * 2 // 2 and host["parameters"] == 100_000 * 4 // 2
 
 
 def test_zero3_adds_a_gather_buffer_and_shrinks_peak():

@@ -43,6 +43,8 @@ ONE = {
     "accumulate": (_plan(1, m=2), False),
     "offload_optimizer": (_plan(1, BlockPlan(offload_optimizer=True), BlockPlan()), False),
     "lora": (_plan(1, m=2), True),
+    # frozen weights stored in bf16 once: FSDP2 leaves them out of a zero-0 unit, so no gathered copy
+    "lora_bf16": (_plan(1, m=2, compute_dtype="bfloat16"), True),
 }
 TWO = {
     "zero0": (_plan(2), False),
@@ -51,6 +53,7 @@ TWO = {
     "zero3_offload_optimizer": (_plan(2, BlockPlan(zero=3, offload_optimizer=True), BlockPlan(zero=1)), False),
     "offload_params": (_plan(2, BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3), m=2), False),
     "lora_zero3": (_plan(2, BlockPlan(zero=3, activations="recompute"), BlockPlan(zero=2), m=2), True),
+    "lora_zero0": (_plan(2, m=2), True),
     # pipeline stages count their own activations and are FSDP2 root units of their own
     "pp2_1f1b": (_plan(1, m=4, pp=2, schedule="1f1b"), False),
     # stage 0 keeps one microbatch, evicting the others to stage 1, which holds them beside its own
@@ -59,8 +62,9 @@ TWO = {
 
 
 @functools.cache
-def _profile(lora: bool) -> ModelProfile:
-    return profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False, lora_rank=LORA if lora else None)
+def _profile(lora: bool, dtype: str = "float32") -> ModelProfile:
+    return profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, dtype=dtype, use_cache=False,
+                         lora_rank=LORA if lora else None)
 
 
 def tracked_peaks(env: DistEnv, plans: dict[str, tuple[Plan, bool]]) -> dict[str, dict[str, int]]:
@@ -82,7 +86,7 @@ def tracked_peaks(env: DistEnv, plans: dict[str, tuple[Plan, bool]]) -> dict[str
 def _check(measured: list[dict[str, dict[str, int]]], plans: dict[str, tuple[Plan, bool]]) -> None:
     for name, (plan, lora) in plans.items():
         cluster = parse_cluster(f"{plan.world_size}xcpu" if plan.world_size > 1 else "cpu")
-        pred = estimate(plan, _profile(lora), cluster)
+        pred = estimate(plan, _profile(lora, plan.compute_dtype), cluster)
         for rank, peaks in enumerate(measured):
             for place in ("device", "host"):
                 want, got = pred.tracked_by_rank[rank][f"{place}.total"], peaks[name][f"{place}.total"]

@@ -3,13 +3,15 @@
 It describes what the runtime (FSDP2 per block, runtime/offload.py) holds. Per
 parameter element (c = compute-dtype bytes, g = reduce-dtype bytes, dp = data-parallel
 degree; t = trainable elements: frozen ones have no gradient, master or optimizer state):
-  parameters  the local shard at rest, fp32 (it is the master weight; FSDP2 casts when it
-              gathers): 4 per element, /dp for zero >= 1 (FSDP2 shards at rest for zero 1-2
-              too: zero 1 runs as zero 2). offload_optimizer units keep trainable shards in c.
+  parameters  the local shard at rest: trainable elements fp32 (the master weight; FSDP2 casts
+              when it gathers), 4 each; frozen ones in the compute dtype, c each (no master
+              to keep; their own category, frozen_parameters); /dp for zero >= 1 (FSDP2 shards at rest for zero 1-2 too: zero 1 runs
+              as zero 2). offload_optimizer units keep trainable shards in c.
   comm_buffers the unsharded compute copies FSDP2 all-gathers (c per element): the root
               unit and zero 0-2 blocks from forward through backward (zero 0 too: FSDP2
-              copies even on a one-rank shard group); a zero-3 block while it runs, plus,
-              in backward, the one FSDP2 prefetches for the next backward.
+              copies even on a one-rank shard group, though not frozen elements, which a
+              zero-0 unit leaves out of FSDP2); a zero-3 block while it runs, plus, in
+              backward, the one FSDP2 prefetches for the next backward.
   gradients   accumulating (gradient sync off, microbatches after the first): unsharded,
               g per trainable element, whatever the ZeRO stage; after the reduction: the
               fp32 shard (/dp for zero >= 1), on host for offloaded units.
@@ -42,8 +44,9 @@ from snugfit.plan.simulate import SimResult
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
 FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator rounding, fragmentation)
-TRACKER_KEYS = {"parameters": "parameters", "comm_buffers": "buffers", "gradients": "gradients",
-                "optimizer_states": "optimizer", "master_weights": "optimizer", "activations": "activations"}
+TRACKER_KEYS = {"parameters": "parameters", "frozen_parameters": "parameters", "comm_buffers": "buffers",
+                "gradients": "gradients", "optimizer_states": "optimizer", "master_weights": "optimizer",
+                "activations": "activations"}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -83,9 +86,28 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
     return out
 
 
+def wrapped_params(sp: StagePiece) -> int:
+    """Elements of the piece FSDP2 manages: a zero-0 unit leaves its frozen ones out (runtime/sharding.py)."""
+    return sp.n_trainable if sp.decision.zero == 0 else sp.n_params
+
+
 def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
     """The unsharded compute copy FSDP2 all-gathers for the piece (none when the model runs unwrapped)."""
-    return 0 if plan.runs_unwrapped else sp.n_params * DTYPE_BYTES[plan.compute_dtype]
+    return 0 if plan.runs_unwrapped else wrapped_params(sp) * DTYPE_BYTES[plan.compute_dtype]
+
+
+def stored_params(plan: Plan, sp: StagePiece, trainable_bytes: int = 4) -> dict[str, int]:
+    """The piece's parameters as stored, unsharded: trainable ones at `trainable_bytes` each ("parameters"),
+    frozen ones in the compute dtype ("frozen_parameters"; fp32 when the model runs unwrapped, as built)."""
+    out = {"parameters": sp.n_trainable * trainable_bytes}
+    if sp.n_params > sp.n_trainable:
+        frozen = 4 if plan.runs_unwrapped else DTYPE_BYTES[plan.compute_dtype]
+        out["frozen_parameters"] = (sp.n_params - sp.n_trainable) * frozen
+    return out
+
+
+def _sharded(part: dict[str, int], div: int) -> dict[str, int]:
+    return {k: _ceil_div(v, div) for k, v in part.items()}
 
 
 def accumulating_grad_bytes(plan: Plan, sp: StagePiece) -> int:
@@ -99,17 +121,17 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
     Device gradients are the reduced shard; comm_buffers the compute copy a zero 0-2
     piece keeps from forward through backward (a zero-3 one gathers only while it runs).
     """
-    n, t, d, dp = sp.n_params, sp.n_trainable, sp.decision, plan.dp
+    t, d, dp = sp.n_trainable, sp.decision, plan.dp
     div = dp if d.zero >= 1 else 1
-    if d.offload_params:  # host shards are fp32 and serve as master weights; the device only gathers
-        return {}, {"parameters": _ceil_div(n * 4, dp), "gradients": _ceil_div(t * 4, dp),
+    if d.offload_params:  # host shards serve as master weights (trainable ones fp32); the device only gathers
+        return {}, {**_sharded(stored_params(plan, sp), dp), "gradients": _ceil_div(t * 4, dp),
                     "optimizer_states": _ceil_div(t * 8, dp)}
     dev = {"comm_buffers": gathered_bytes(plan, sp) if d.zero < 3 else 0}
     if d.offload_optimizer:  # trainable shards are stored in the compute dtype; masters, gradients, states on host
-        dev["parameters"] = _ceil_div((n - t) * 4 + t * DTYPE_BYTES[plan.compute_dtype], div)
+        dev.update(_sharded(stored_params(plan, sp, DTYPE_BYTES[plan.compute_dtype]), div))
         return dev, {"master_weights": _ceil_div(t * 4, div), "gradients": _ceil_div(t * 4, div),
                      "optimizer_states": _ceil_div(t * 8, div)}
-    dev.update(parameters=_ceil_div(n * 4, div), gradients=_ceil_div(t * 4, div),
+    dev.update(_sharded(stored_params(plan, sp), div), gradients=_ceil_div(t * 4, div),
                optimizer_states=_ceil_div(t * 8, div))
     return dev, {}
 

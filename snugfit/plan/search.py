@@ -345,6 +345,14 @@ class Searcher:
         return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
 
 
+def _preference(x) -> tuple:
+    """Fastest first; among plans the time model cannot tell apart (3 significant digits: it is no finer), the one
+    without BPipe, then the one holding the least memory (a compute-bound step hides parameter offload, which
+    still costs host memory and PCIe traffic the model may under-count)."""
+    p = x.plan.predicted
+    return float(f"{p.step_time_s:.3g}"), x.schedule == "bpipe", p.peak_memory_bytes
+
+
 def _kind(o: BlockPlan) -> int:
     """Once-per-stage buffers the option needs: bit 1 ZeRO-3 prefetch copies, bit 2 the offload window."""
     return (o.zero == 3) | 2 * (o.activations == "offload")
@@ -376,8 +384,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
         found += srch.best_first(plain, 1)
     if compare_bpipe:
         found += srch.best_first([x for x in cands if x.schedule == "bpipe"], 1)
-    found = sorted({id(x): x for x in found}.values(),
-                   key=lambda x: (x.plan.predicted.step_time_s, x.schedule == "bpipe"))
+    found = sorted({id(x): x for x in found}.values(), key=_preference)
     plans = [x.plan for x in found]
     res.best, res.alternatives = (plans[0] if plans else None), plans[1:1 + alternatives]
     res.bpipe = next((p for p in plans if p.schedule == "bpipe"), None)

@@ -21,7 +21,7 @@ from snugfit.runtime.activations import apply_activation_policy
 from snugfit.runtime.dist import DistEnv, ensure_process_group
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.runtime.offload import HostOffload
-from snugfit.runtime.sharding import DTYPES, DataMeshes, apply_fsdp, data_meshes
+from snugfit.runtime.sharding import DTYPES, DataMeshes, apply_fsdp, data_meshes, store_frozen_in_compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ def reads_whole(plan: Plan) -> bool:
 
 
 def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> HostOffload | None:
-    """Partial offload (casts its units, so before FSDP2), then the model on `device`.
+    """Frozen parameters and partial offload's units cast to the compute dtype (before FSDP2), then the model on
+    `device`.
 
     A model still on the meta device stays there for `read_weights` after
     sharding, unless the plan `reads_whole`: then it is read here, on CPU, as a
@@ -90,6 +91,8 @@ def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights |
     """
     if weights is not None and reads_whole(plan):
         weights(model, torch.device("cpu"))
+    if not plan.runs_unwrapped:
+        store_frozen_in_compute_dtype(model, plan)
     units = offload_units(model, plan)
     host = HostOffload(model, units, DTYPES[plan.compute_dtype]) if units else None
     if not _on_meta(model):

@@ -25,6 +25,13 @@ each ZeRO stage maps onto FSDP2:
 
 `offload_params` (zero 3 only, checked by the Plan) adds FSDP2's
 CPUOffloadPolicy: the shard, its gradient and its optimizer step live on host.
+
+Frozen parameters (LoRA base weights, frozen blocks) have no gradient, master or
+optimizer state, so they are stored in the compute dtype (`store_frozen_in_compute_dtype`,
+before sharding): FSDP2 then gathers them without a cast. A zero-0 unit leaves
+them out of FSDP2 altogether (`ignored_params`): a replicated weight that is never
+reduced needs no second, gathered copy, so a frozen 7B model costs its 2 bytes per
+parameter once, not again as FSDP2's unsharded copy.
 """
 
 from __future__ import annotations
@@ -95,14 +102,25 @@ def offload_policy(block: BlockPlan) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
 
 
+def store_frozen_in_compute_dtype(model: nn.Module, plan: Plan) -> None:
+    """Cast the parameters that receive no gradient to the compute dtype (before FSDP2 fixes their dtype)."""
+    dtype = DTYPES[plan.compute_dtype]
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def shard_unit(module: nn.Module, block: BlockPlan, meshes: DataMeshes, mp: MixedPrecisionPolicy) -> None:
     """Make `module` one FSDP2 unit as `block.zero` says (see the module docstring)."""
+    frozen = {p for p in module.parameters() if not p.requires_grad} if block.zero == 0 else None
     fully_shard(
         module,
         mesh=meshes.replicate if block.zero == 0 else meshes.shard,
         reshard_after_forward=block.zero == 3,
         mp_policy=mp,
         offload_policy=offload_policy(block),
+        ignored_params=frozen or None,
     )
 
 
