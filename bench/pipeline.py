@@ -15,7 +15,7 @@ from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
 from snugfit.runtime.engine import OptimConfig
 from snugfit.runtime.pipeline import build_pipeline_engine
-from tests.distributed import run_ranks
+from snugfit.runtime.spawn import run_ranks
 
 VARIANTS = {"1f1b": ("1f1b", "keep"), "bpipe": ("bpipe", "keep"), "recompute-all": ("1f1b", "recompute")}
 

@@ -35,7 +35,7 @@ from snugfit.plan.explain import summary  # noqa: E402
 from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.plan.search import Constraints, Searcher, budget_for, search  # noqa: E402
 from snugfit.profile.profile import profile_model  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from snugfit.runtime.spawn import run_ranks  # noqa: E402
 
 CFG = ModelConfig(dim=128, n_layers=4, n_heads=4, vocab_size=512, max_seq_len=128)
 SEQ, GLOBAL_BATCH = 128, 8

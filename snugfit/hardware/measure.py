@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from snugfit.hardware.catalogue import GPU, GiB, Host, Link, LocalHardware, default_cpu, hardware_cache_path
+from snugfit.runtime.spawn import free_port
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -101,12 +101,6 @@ def _adam_params_per_s(n: int) -> float:
     p.grad = torch.randn(n)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
     return n / _best_time(opt.step, 3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 FSDP_UNITS = 4  # blocks timed for FSDP2's own costs
@@ -262,7 +256,7 @@ def measure_collectives(world: int = 2, nbytes: int = 16 * 2**20) -> tuple[Link,
         out = os.path.join(d, "result")
         # fork where there is one: the children skip re-importing torch (seconds on a busy machine)
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        mp.start_processes(_collective_worker, args=(world, _free_port(), out, nbytes), nprocs=world, join=True,
+        mp.start_processes(_collective_worker, args=(world, free_port(), out, nbytes), nprocs=world, join=True,
                            start_method=method)
         r = json.loads(Path(out).read_text())
     return Link("gloo-loopback", r["gbps"], r["latency"]), r["fsdp"], r["together"]
