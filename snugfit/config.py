@@ -57,6 +57,7 @@ class TrainConfig:
     trace_step: int = 0  # > 0: time this step's actions on every rank and draw them beside the plan's prediction
     progress: bool = True  # progress bar on rank 0
     plot: bool = True  # loss-curve PNG at the end
+    tensorboard: bool = False  # also write TensorBoard event files to out_dir/tensorboard (extra: tensorboard)
 
 
 @dataclass

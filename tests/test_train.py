@@ -27,6 +27,24 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000024", "step_00000030"]
 
 
+def test_tensorboard_gets_what_metrics_jsonl_gets(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from snugfit.train.metrics import read_metrics
+
+    train(tiny(tmp_path, steps=6, tensorboard=True))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    board = EventAccumulator(str(tmp_path / "tensorboard"))
+    board.Reload()
+    for kind, field in (("train", "loss"), ("train", "lr"), ("train", "step_time_s"),
+                        ("train", "predicted_step_time_s"), ("eval", "val_loss")):
+        want = [(r["step"], r[field]) for r in records if r["kind"] == kind]
+        got = [(e.step, e.value) for e in board.Scalars(f"{kind}/{field}")]
+        assert want and got == [(s, pytest.approx(v, rel=1e-6)) for s, v in want], (kind, field)
+    peaks = [r["peak_memory_bytes"][0] for r in records if r["kind"] == "train"]
+    assert [e.value for e in board.Scalars("train/peak_memory_bytes/rank0")] == pytest.approx(peaks, rel=1e-6)
+
+
 def test_resume_after_crash_is_bit_exact(tmp_path, monkeypatch):
     reference = train(tiny(tmp_path / "a"))
 

@@ -131,7 +131,7 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
             plan.tokens_per_step, f"resuming at step {start}" if start else "starting",
         )
 
-    metrics = MetricsLog(out / "metrics.jsonl", env.is_main)
+    metrics = MetricsLog(out / "metrics.jsonl", env.is_main, cfg.train.tensorboard)
     result = TrainResult(out_dir=out, last_step=start)
     val = data.eval_batches(plan, t.eval_batches)
 
@@ -198,6 +198,7 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
             checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan))
     if bar is not None:
         bar.close()
+    metrics.close()
     if env.is_main:
         _report(cfg, out, result, checkpoints)
     return result

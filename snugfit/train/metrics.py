@@ -1,23 +1,59 @@
-"""Metrics as JSON lines, and the loss-curve picture drawn from them at the end."""
+"""Metrics as JSON lines (and TensorBoard event files), and the loss-curve picture drawn from them at the end."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from snugfit.errors import SnugfitError
+
 
 class MetricsLog:
-    """Appends one JSON object per record; only rank 0 writes."""
+    """Appends one JSON object per record; only rank 0 writes. With `tensorboard`, every number of a record also
+    goes to TensorBoard event files in `path`'s folder/tensorboard, as `kind/field` (`kind/field/rankN` for
+    per-rank lists) at the record's step: loss, lr, measured and predicted step time and memory."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, tensorboard: bool = False):
         self.path, self.enabled = path, enabled
+        self.board = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                self.board = _summary_writer(path.parent / "tensorboard")
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            for tag, value in _scalars(record):
+                self.board.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+
+
+def _summary_writer(folder: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise SnugfitError("train.tensorboard needs the tensorboard package: pip install 'snugfit[tensorboard]', "
+                           "or set train.tensorboard = false") from None
+    return SummaryWriter(log_dir=str(folder))
+
+
+def _scalars(record: dict) -> list[tuple[str, float]]:
+    kind = record.get("kind", "train")
+    out = []
+    for key, value in record.items():
+        if key in ("kind", "step") or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            out.append((f"{kind}/{key}", float(value)))
+        elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+            out += [(f"{kind}/{key}/rank{i}", float(v)) for i, v in enumerate(value)]
+    return out
 
 
 def read_metrics(path: Path) -> list[dict]:
