@@ -67,6 +67,7 @@ class FinetuneConfig:
     lora_dropout: float = 0.0
     lora_targets: str = ""  # comma-separated layer names inside a block; empty: the attention projections
     freeze: str = ""  # pieces to freeze: embed, norm, head, blocks, blocks:A-B (comma-separated)
+    quantize_base: str = "none"  # none | nf4: frozen block linears stored in 4 bits (QLoRA; extra: qlora)
 
 
 @dataclass
@@ -102,6 +103,7 @@ CHOICES = {
     "train.dtype": ("float32", "bfloat16"),
     "model.arch": ("llama", "gpt2"),
     "model.attention": ("sdpa", "eager"),
+    "finetune.quantize_base": ("none", "nf4"),
 }
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
             "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes"}

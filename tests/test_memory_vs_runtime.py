@@ -19,6 +19,7 @@ import torch
 from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.lora import apply_lora, trainable_summary
+from snugfit.model.quantize import quantize_base
 from snugfit.plan import BlockPlan, Plan
 from snugfit.plan.estimate import estimate
 from snugfit.profile import ModelProfile, profile_model
@@ -36,45 +37,49 @@ def _plan(dp: int, block: BlockPlan | None = None, root: BlockPlan | None = None
                         seq_len=SEQ, **kw)
 
 
-# name -> (plan, LoRA applied)
+# name -> (plan, fine-tuning: "" none, "lora", "qlora" (LoRA over NF4 block linears))
 ONE = {
-    "keep": (_plan(1), False),
-    "recompute": (_plan(1, BlockPlan(activations="recompute"), BlockPlan()), False),
-    "accumulate": (_plan(1, m=2), False),
-    "offload_optimizer": (_plan(1, BlockPlan(offload_optimizer=True), BlockPlan()), False),
-    "lora": (_plan(1, m=2), True),
+    "keep": (_plan(1), ""),
+    "recompute": (_plan(1, BlockPlan(activations="recompute"), BlockPlan()), ""),
+    "accumulate": (_plan(1, m=2), ""),
+    "offload_optimizer": (_plan(1, BlockPlan(offload_optimizer=True), BlockPlan()), ""),
+    "lora": (_plan(1, m=2), "lora"),
     # frozen weights stored in bf16 once: FSDP2 leaves them out of a zero-0 unit, so no gathered copy
-    "lora_bf16": (_plan(1, m=2, compute_dtype="bfloat16"), True),
+    "lora_bf16": (_plan(1, m=2, compute_dtype="bfloat16"), "lora"),
+    "qlora": (_plan(1, m=2), "qlora"),
 }
 TWO = {
-    "zero0": (_plan(2), False),
-    "zero2_accumulate": (_plan(2, BlockPlan(zero=2), m=2), False),
-    "zero3": (_plan(2, BlockPlan(zero=3)), False),
-    "zero3_offload_optimizer": (_plan(2, BlockPlan(zero=3, offload_optimizer=True), BlockPlan(zero=1)), False),
-    "offload_params": (_plan(2, BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3), m=2), False),
-    "lora_zero3": (_plan(2, BlockPlan(zero=3, activations="recompute"), BlockPlan(zero=2), m=2), True),
-    "lora_zero0": (_plan(2, m=2), True),
+    "zero0": (_plan(2), ""),
+    "zero2_accumulate": (_plan(2, BlockPlan(zero=2), m=2), ""),
+    "zero3": (_plan(2, BlockPlan(zero=3)), ""),
+    "zero3_offload_optimizer": (_plan(2, BlockPlan(zero=3, offload_optimizer=True), BlockPlan(zero=1)), ""),
+    "offload_params": (_plan(2, BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3), m=2), ""),
+    "lora_zero3": (_plan(2, BlockPlan(zero=3, activations="recompute"), BlockPlan(zero=2), m=2), "lora"),
+    "lora_zero0": (_plan(2, m=2), "lora"),
+    "qlora_zero3": (_plan(2, BlockPlan(zero=3), BlockPlan(zero=2), m=2), "qlora"),
     # pipeline stages count their own activations and are FSDP2 root units of their own
-    "pp2_1f1b": (_plan(1, m=4, pp=2, schedule="1f1b"), False),
+    "pp2_1f1b": (_plan(1, m=4, pp=2, schedule="1f1b"), ""),
     # stage 0 keeps one microbatch, evicting the others to stage 1, which holds them beside its own
-    "pp2_bpipe_evict": (_plan(1, m=4, pp=2, schedule="bpipe", evict_bound=1), False),
+    "pp2_bpipe_evict": (_plan(1, m=4, pp=2, schedule="bpipe", evict_bound=1), ""),
 }
 
 
 @functools.cache
-def _profile(lora: bool, dtype: str = "float32") -> ModelProfile:
+def _profile(tune: str, dtype: str = "float32") -> ModelProfile:
     return profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, dtype=dtype, use_cache=False,
-                         lora_rank=LORA if lora else None)
+                         lora_rank=LORA if tune else None, quantize_base="nf4" if tune == "qlora" else "none")
 
 
 def tracked_peaks(env: DistEnv, plans: dict[str, tuple[Plan, bool]]) -> dict[str, dict[str, int]]:
     """Each plan's MemoryTracker peak on this rank, over its second step (optimizer states exist by then)."""
     out = {}
-    for name, (plan, lora) in plans.items():
+    for name, (plan, tune) in plans.items():
         torch.manual_seed(0)
         model = Decoder(CFG)
-        if lora:
+        if tune:
             apply_lora(model, LORA)
+        if tune == "qlora":
+            quantize_base(model)
         engine = build_engine(model, plan, OptimConfig(), env)
         batch = torch.randint(0, CFG.vocab_size, (plan.num_microbatches * MBS, SEQ + 1))
         for _ in range(2):
@@ -84,9 +89,9 @@ def tracked_peaks(env: DistEnv, plans: dict[str, tuple[Plan, bool]]) -> dict[str
 
 
 def _check(measured: list[dict[str, dict[str, int]]], plans: dict[str, tuple[Plan, bool]]) -> None:
-    for name, (plan, lora) in plans.items():
+    for name, (plan, tune) in plans.items():
         cluster = parse_cluster(f"{plan.world_size}xcpu" if plan.world_size > 1 else "cpu")
-        pred = estimate(plan, _profile(lora, plan.compute_dtype), cluster)
+        pred = estimate(plan, _profile(tune, plan.compute_dtype), cluster)
         for rank, peaks in enumerate(measured):
             for place in ("device", "host"):
                 want, got = pred.tracked_by_rank[rank][f"{place}.total"], peaks[name][f"{place}.total"]
@@ -105,6 +110,6 @@ def test_lora_profile_counts_trainable_parameters():
     model = Decoder(CFG)
     apply_lora(model, LORA)
     summary = trainable_summary(model)
-    assert [p.num_trainable for p in _profile(True).pieces] == [
-        summary[p.name]["trainable"] for p in _profile(True).pieces]
-    assert _profile(True).blocks[0].trainable == 4 * 2 * LORA * CFG.dim  # q, k, v, o: A and B
+    assert [p.num_trainable for p in _profile("lora").pieces] == [
+        summary[p.name]["trainable"] for p in _profile("lora").pieces]
+    assert _profile("lora").blocks[0].trainable == 4 * 2 * LORA * CFG.dim  # q, k, v, o: A and B

@@ -113,21 +113,22 @@ def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
 
 
 def profile_for(model: ModelConfig | dict, *, micro_batch: int, seq: int, dtype: str, cache_dir: str | None = None,
-                name: str | None = None, lora_rank: int | None = None) -> ModelProfile:
+                name: str | None = None, lora_rank: int | None = None, quantize_base: str = "none") -> ModelProfile:
     """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches)."""
     from snugfit.profile.profile import profile_model
 
     if isinstance(model, ModelConfig) and model.max_seq_len < seq:
         model.max_seq_len = seq
     return profile_model(model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=name, cache_dir=cache_dir,
-                         lora_rank=lora_rank or None)
+                         lora_rank=lora_rank or None, quantize_base=quantize_base)
 
 
 def evaluate(plan: Plan, model: ModelConfig | dict, cluster: Cluster, *, memory_budget: int | None = None,
-             cache_dir: str | None = None, name: str | None = None, lora_rank: int | None = None) -> Prediction:
+             cache_dir: str | None = None, name: str | None = None, lora_rank: int | None = None,
+             quantize_base: str = "none") -> Prediction:
     """Profile the model for the plan's micro-batch, sequence and dtype, then estimate the plan."""
     prof = profile_for(model, micro_batch=plan.micro_batch_size, seq=plan.seq_len, dtype=plan.compute_dtype,
-                       cache_dir=cache_dir, name=name, lora_rank=lora_rank)
+                       cache_dir=cache_dir, name=name, lora_rank=lora_rank, quantize_base=quantize_base)
     try:
         return estimate(plan, prof, cluster, memory_budget)
     except PlanError as e:
@@ -209,6 +210,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--profile-cache", help="directory for cached model profiles")
     p.add_argument("--json", action="store_true", help="print the plan with its predictions as JSON")
     p.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (base weights frozen)")
+    p.add_argument("--quantize-base", choices=("none", "nf4"), default="none",
+                   help="nf4: the frozen base's block linears in 4 bits (QLoRA; with --lora-rank)")
     p.add_argument("--timeline", metavar="FILE", help="draw the chosen plan's step per rank (.png, .svg or .pdf)")
     return p
 
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan_file or _whole(args):
         plan = _read_plan(args.plan_file) if args.plan_file else _given_plan(args, n_blocks, cluster.world_size)
         pred = evaluate(plan, model, cluster, memory_budget=budget, cache_dir=args.profile_cache, name=args.model,
-                        lora_rank=args.lora_rank)
+                        lora_rank=args.lora_rank, quantize_base=args.quantize_base)
         print(plan.to_json() if args.json else format_prediction(plan, pred))
         _draw(args, plan, model, cluster, budget)
         return 0
@@ -237,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
     gb = args.global_batch or (args.micro_batch or 1) * (args.num_microbatches or 1) * (
         dp if args.num_microbatches else cluster.world_size)
     prof = profile_for(model, micro_batch=args.micro_batch or 1, seq=args.seq, dtype=args.dtype,
-                       cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank)
+                       cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank,
+                       quantize_base=args.quantize_base)
     try:
         res = search(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget,
                      reduce_dtype=args.reduce_dtype, alternatives=args.alternatives, compare_bpipe=args.explain_bpipe)
@@ -271,7 +275,8 @@ def _draw(args: argparse.Namespace, plan: Plan, model: ModelConfig | dict, clust
     from snugfit.report.timeline import draw_timeline, timeline_for
 
     prof = profile_for(model, micro_batch=plan.micro_batch_size, seq=plan.seq_len, dtype=plan.compute_dtype,
-                       cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank)
+                       cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank,
+                       quantize_base=args.quantize_base)
     sim, detail = timeline_for(plan, prof, cluster, budget)
     out = draw_timeline(sim, plan, args.timeline, detail=detail)
     print(f"timeline: {out}", file=sys.stderr if args.json else sys.stdout)

@@ -37,6 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from snugfit.errors import SnugfitError
 from snugfit.model.decoder import Decoder
 from snugfit.model.lora import init_adapters, merged_state_dict, plain_named_tensors
+from snugfit.model.quantize import copy_nf4, is_quantized, quantize
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,12 @@ def _read_into(f, name: str, target: torch.Tensor, file: str) -> None:
     if tuple(sl.get_shape()) != tuple(target.shape):
         raise SnugfitError(f"{file}: {name} has shape {tuple(sl.get_shape())}, the config says "
                            f"{tuple(target.shape)}; is config.json from the same model?")
-    if isinstance(target, DTensor):
+    if is_quantized(target):  # NF4 quantizes whole tensors (its scales' mean is per tensor), then shards
+        from snugfit.runtime.offload import local_shard  # FSDP2's row split (torch.chunk), as offload uses
+
+        held = getattr(target, "_local_tensor", target)  # the NF4 object itself: to_local() returns a fresh alias
+        copy_nf4(held, local_shard(quantize(f.get_tensor(name), like=held), target))
+    elif isinstance(target, DTensor):
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         target.to_local().copy_(sl[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
     else:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from snugfit.errors import SnugfitError
+from snugfit.model.quantize import dequantized, is_quantized
 
 # Default adapted projections: attention, per architecture (the built-in Decoder's names under "snugfit").
 LORA_TARGETS = {
@@ -192,11 +193,13 @@ def plain_named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The state dict without adapters: W + alpha/rank * B A under the base layer's plain name.
+    """The state dict without adapters: W + alpha/rank * B A under the base layer's plain name; NF4 base weights
+    (QLoRA) dequantized to bf16 first, merged or not, so the result is plain tensors any loader reads.
 
     `state_dict` (full tensors under the model's names) defaults to the model's own.
     """
-    sd = dict(state_dict if state_dict is not None else model.state_dict())
+    sd = {k: dequantized(v) if is_quantized(v) else v
+          for k, v in (state_dict if state_dict is not None else model.state_dict()).items()}
     for name, mod in model.named_modules():
         if isinstance(mod, LoRALinear):
             a, b = sd.pop(f"{name}.lora_a"), sd.pop(f"{name}.lora_b")

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from snugfit.hardware.catalogue import GPU
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.simulate import SimResult
-from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
+from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile, nf4_bytes
 
 FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator rounding, fragmentation)
 TRACKER_KEYS = {"parameters": "parameters", "frozen_parameters": "parameters", "comm_buffers": "buffers",
@@ -86,23 +86,32 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
     return out
 
 
-def wrapped_params(sp: StagePiece) -> int:
-    """Elements of the piece FSDP2 manages: a zero-0 unit leaves its frozen ones out (runtime/sharding.py)."""
-    return sp.n_trainable if sp.decision.zero == 0 else sp.n_params
+def wrapped_params(sp: StagePiece, dp: int) -> int:
+    """Elements of the piece FSDP2 manages (runtime/sharding.py): a zero-0 unit leaves its frozen ones out, and
+    a unit of one data-parallel rank its NF4 ones (torchao's all-gather hooks need a real all-gather)."""
+    if sp.decision.zero == 0:
+        return sp.n_trainable
+    return sp.n_params - (sp.piece.quantized if dp == 1 else 0)
 
 
 def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
-    """The unsharded compute copy FSDP2 all-gathers for the piece (none when the model runs unwrapped)."""
-    return 0 if plan.runs_unwrapped else wrapped_params(sp) * DTYPE_BYTES[plan.compute_dtype]
+    """The unsharded copy FSDP2 all-gathers for the piece (none when the model runs unwrapped): the compute
+    dtype, NF4 weights as they are stored (each matmul dequantizes its own, a transient)."""
+    if plan.runs_unwrapped:
+        return 0
+    nf4 = sp.piece.quantized if sp.decision.zero > 0 and plan.dp > 1 else 0
+    return (wrapped_params(sp, plan.dp) - nf4) * DTYPE_BYTES[plan.compute_dtype] + nf4_bytes(nf4)
 
 
 def stored_params(plan: Plan, sp: StagePiece, trainable_bytes: int = 4) -> dict[str, int]:
     """The piece's parameters as stored, unsharded: trainable ones at `trainable_bytes` each ("parameters"),
-    frozen ones in the compute dtype ("frozen_parameters"; fp32 when the model runs unwrapped, as built)."""
+    frozen ones in the compute dtype ("frozen_parameters"; fp32 when the model runs unwrapped, as built), or in
+    NF4 where quantized (QLoRA: about 0.52 bytes each)."""
     out = {"parameters": sp.n_trainable * trainable_bytes}
     if sp.n_params > sp.n_trainable:
         frozen = 4 if plan.runs_unwrapped else DTYPE_BYTES[plan.compute_dtype]
-        out["frozen_parameters"] = (sp.n_params - sp.n_trainable) * frozen
+        nf4 = sp.piece.quantized
+        out["frozen_parameters"] = (sp.n_params - sp.n_trainable - nf4) * frozen + nf4_bytes(nf4)
     return out
 
 
@@ -124,8 +133,13 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
     t, d, dp = sp.n_trainable, sp.decision, plan.dp
     div = dp if d.zero >= 1 else 1
     if d.offload_params:  # host shards serve as master weights (trainable ones fp32); the device only gathers
-        return {}, {**_sharded(stored_params(plan, sp), dp), "gradients": _ceil_div(t * 4, dp),
-                    "optimizer_states": _ceil_div(t * 8, dp)}
+        host = {**_sharded(stored_params(plan, sp), dp), "gradients": _ceil_div(t * 4, dp),
+                "optimizer_states": _ceil_div(t * 8, dp)}
+        if dp == 1 and sp.piece.quantized:  # NF4 weights FSDP2 leaves out (wrapped_params) stay on the device
+            nf4 = nf4_bytes(sp.piece.quantized)
+            host["frozen_parameters"] -= nf4
+            return {"frozen_parameters": nf4}, host
+        return {}, host
     dev = {"comm_buffers": gathered_bytes(plan, sp) if d.zero < 3 else 0}
     if d.offload_optimizer:  # trainable shards are stored in the compute dtype; masters, gradients, states on host
         dev.update(_sharded(stored_params(plan, sp, DTYPE_BYTES[plan.compute_dtype]), div))

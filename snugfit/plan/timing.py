@@ -190,7 +190,7 @@ def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int, cos
     costs, share = local_ranks(node, busy)
     if not costs:
         return 0.0
-    units = fsdp_units(pieces, [wrapped_params(sp) * DTYPE_BYTES[dtype] for sp in pieces])
+    units = fsdp_units(pieces, [wrapped_params(sp, dp) * DTYPE_BYTES[dtype] for sp in pieces])
     if cost:
         return sum(_line(costs[cost], nbytes) for nbytes, _, _ in units) * share / costs["contention"][0]
     total = sum(_line(costs["gather" if zero and dp > 1 else "replicate"], nbytes) for nbytes, zero, _ in units)

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
-from snugfit.profile.types import PROFILE_VERSION, ModelProfile, PieceProfile
+from snugfit.profile.types import DTYPE_BYTES, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
 
 
 # -- building --
@@ -125,13 +125,14 @@ def profile_model(
     model: ModelConfig | dict, *, micro_batch_size: int, seq_len: int, dtype: str = "float32",
     name: str | None = None, cache_dir: str | Path | None = None, use_cache: bool = True,
     measure_on: str | None = None, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
-    lora_rank: int | None = None, frozen: str | None = None,
+    lora_rank: int | None = None, frozen: str | None = None, quantize_base: str = "none",
 ) -> ModelProfile:
     """Profile a built-in ModelConfig or a Hugging Face config dict (cached by its inputs).
 
     lora_rank / frozen: profile the model fine-tuned as the runtime will (model.lora):
     frozen parameters have no gradients or optimizer states, and their weight-gradient
-    matmuls are absent from the recorded backward.
+    matmuls are absent from the recorded backward. quantize_base="nf4": the frozen block
+    linears are stored in 4 bits (`PieceProfile.quantized`) and dequantized for each use.
 
     measure_on="cpu" also times each piece's forward and backward on this machine
     with real (random) weights: only for models that fit in host memory. `clock` is
@@ -141,7 +142,7 @@ def profile_model(
     config = dict(model) if is_hf else model.to_dict()
     key = {"config": config, "mbs": micro_batch_size, "seq": seq_len, "dtype": dtype,
            "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__, "lora": lora_rank,
-           "frozen": frozen}
+           "frozen": frozen, "quantize": quantize_base}
     path = _cache_path(cache_dir, key)
     if use_cache and path.exists():
         return ModelProfile.load(path)
@@ -158,12 +159,27 @@ def profile_model(
     fine_tune(net, lora_rank, frozen)
     prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
                           seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
+    if quantize_base == "nf4":
+        count_quantized(prof, net)
     if measure_on and not is_hf:
         measure_times(prof, cfg, measure_on, repeats, clock, lora_rank, frozen)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.save(path)
     return prof
+
+
+def count_quantized(prof: ModelProfile, net: nn.Module) -> None:
+    """Mark the weights NF4 will hold, block by block, and charge their dequantization (read 4-bit, write the
+    compute dtype) to each forward and backward as memory traffic, which recomputation repeats."""
+    from snugfit.model.quantize import quantizable
+
+    c = DTYPE_BYTES[prof.dtype]
+    for piece, block in zip(prof.blocks, net.blocks.values()):
+        piece.quantized = sum(m.weight.numel() for m in quantizable(block).values())
+        moved = nf4_bytes(piece.quantized) + piece.quantized * c
+        piece.fwd_mem_bytes += moved
+        piece.bwd_mem_bytes += moved
 
 
 SPAN = 4  # measured times are taken at the profile's micro-batch and at SPAN times it

@@ -11,6 +11,15 @@ PROFILE_VERSION = 5
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+NF4_BLOCK = 64  # weights per absmax scale (QLoRA's)
+NF4_SCALER_BLOCK = 256  # scales per block of their own 8-bit quantization (QLoRA's double quantization)
+
+
+def nf4_bytes(n: int) -> int:
+    """Bytes NF4 stores for n weights: 4 bits each, an 8-bit scale per block, an fp32 factor per scaler block."""
+    return n // 2 + n // NF4_BLOCK + 4 * (n // (NF4_BLOCK * NF4_SCALER_BLOCK) + 1) if n else 0
+
+
 @dataclass
 class PieceProfile:
     """One piece (embedding, a block, or the last piece: final norm + head + loss) for one microbatch."""
@@ -35,6 +44,7 @@ class PieceProfile:
     recompute_time_s: dict[str, float] = field(default_factory=dict)  # measured: policy -> extra seconds
     recompute_fixed_s: dict[str, float] = field(default_factory=dict)  # of which the part no batch size changes
     trainable: int | None = None  # trainable elements (LoRA, frozen pieces); None: all of them
+    quantized: int = 0  # of the frozen ones, those stored in 4-bit NF4 (QLoRA base weights)
 
     @property
     def num_trainable(self) -> int:

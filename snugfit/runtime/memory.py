@@ -55,8 +55,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def storage_leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding t's bytes: its local shard, or a wrapper subclass's inner tensors (torchao's
+    NF4Tensor keeps codes and scales in several), which own storages where the wrapper owns none."""
+    t = local(t)
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [leaf for name in names for leaf in storage_leaves(getattr(t, name))]
+
+
 def storage_key(t: torch.Tensor) -> int:
-    return local(t).untyped_storage().data_ptr()
+    return storage_leaves(t)[0].untyped_storage().data_ptr()
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
@@ -64,12 +74,12 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) 
     seen = set() if seen is None else seen
     total = 0
     for t in tensors:
-        t = local(t)
-        s = t.untyped_storage()
-        if s.data_ptr() == 0 or s.data_ptr() in seen:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
+        for leaf in storage_leaves(t):
+            s = leaf.untyped_storage()
+            if s.data_ptr() == 0 or s.data_ptr() in seen:
+                continue
+            seen.add(s.data_ptr())
+            total += s.nbytes()
     return total
 
 

@@ -31,7 +31,8 @@ optimizer state, so they are stored in the compute dtype (`store_frozen_in_compu
 before sharding): FSDP2 then gathers them without a cast. A zero-0 unit leaves
 them out of FSDP2 altogether (`ignored_params`): a replicated weight that is never
 reduced needs no second, gathered copy, so a frozen 7B model costs its 2 bytes per
-parameter once, not again as FSDP2's unsharded copy.
+parameter once, not again as FSDP2's unsharded copy. So does a one-rank unit with
+NF4 weights (torchao's all-gather hooks need a real all-gather; nothing to shard).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from snugfit.model.quantize import check_shardable, is_quantized
 from snugfit.plan import BlockPlan, Plan
 from snugfit.runtime.dist import cached_group
 
@@ -107,13 +109,16 @@ def store_frozen_in_compute_dtype(model: nn.Module, plan: Plan) -> None:
     dtype = DTYPES[plan.compute_dtype]
     with torch.no_grad():
         for p in model.parameters():
-            if not p.requires_grad and p.dtype != dtype:
+            if not p.requires_grad and p.dtype != dtype and not is_quantized(p):  # NF4 stays 4-bit
                 p.data = p.data.to(dtype)
 
 
 def shard_unit(module: nn.Module, block: BlockPlan, meshes: DataMeshes, mp: MixedPrecisionPolicy) -> None:
     """Make `module` one FSDP2 unit as `block.zero` says (see the module docstring)."""
-    frozen = {p for p in module.parameters() if not p.requires_grad} if block.zero == 0 else None
+    frozen = {p for p in module.parameters() if not p.requires_grad and (block.zero == 0 or (
+        meshes.dp == 1 and is_quantized(p)))}  # torchao's NF4 all-gather hooks fail on a one-rank group
+    if block.zero > 0:
+        check_shardable(module, meshes.dp)
     fully_shard(
         module,
         mesh=meshes.replicate if block.zero == 0 else meshes.shard,

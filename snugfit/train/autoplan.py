@@ -71,7 +71,7 @@ def _profile(cfg: RunConfig, micro_batch_size: int):
 
     model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
-                         lora_rank=cfg.finetune.lora_rank or None)
+                         lora_rank=cfg.finetune.lora_rank or None, quantize_base=cfg.finetune.quantize_base)
 
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):

@@ -19,6 +19,7 @@ from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
 from snugfit.model.hf import load_hf, materialize
 from snugfit.model.lora import apply_lora, freeze, trainable_summary
+from snugfit.model.quantize import quantize_base
 from snugfit.plan import Plan
 from snugfit.runtime.apply import Weights
 
@@ -29,7 +30,8 @@ def model_identity(cfg: RunConfig) -> dict:
     """What a checkpoint must match to be resumed by this run."""
     f = cfg.finetune
     base = {"hf": cfg.model.name} if cfg.model.name else cfg.model.to_dict()
-    return {**base, "lora_rank": f.lora_rank, "lora_targets": f.lora_targets, "freeze": f.freeze}
+    return {**base, "lora_rank": f.lora_rank, "lora_targets": f.lora_targets, "freeze": f.freeze,
+            "quantize_base": f.quantize_base}
 
 
 def model_weights(cfg: RunConfig) -> Weights | None:
@@ -60,6 +62,8 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     if f.lora_rank:
         targets = [t.strip() for t in f.lora_targets.split(",") if t.strip()] or None
         apply_lora(model, f.lora_rank, f.lora_alpha or None, targets, f.lora_dropout, seed=cfg.train.seed)
+    if f.quantize_base == "nf4":
+        log.info("quantized %.2fM frozen weights to NF4", quantize_base(model) / 1e6)
     counts = trainable_summary(model)["total"]
     log.info("model %.2fM parameters, %.2fM trainable", (counts["trainable"] + counts["frozen"]) / 1e6, counts["trainable"] / 1e6)
     return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -13,8 +14,11 @@ from snugfit.config import config_from_dict
 from snugfit.errors import SnugfitError
 from snugfit.model.export import save_model
 from snugfit.model.lora import merged_state_dict
+from snugfit.model.quantize import is_quantized
 from snugfit.train.build import build_model
 from snugfit.train.checkpoint import dcp_quiet, root_cause
+
+log = logging.getLogger("snugfit")
 
 
 def load_checkpoint_model(path: Path) -> nn.Module:
@@ -39,6 +43,8 @@ def load_checkpoint_model(path: Path) -> nn.Module:
 def export_checkpoint(path: Path, out: Path) -> Path:
     """LoRA adapters merged; Hugging Face models back to their own format, the built-in one to save_model's."""
     model = load_checkpoint_model(path)
+    if any(is_quantized(p) for p in model.parameters()):
+        log.info("export: NF4 base weights dequantized to bfloat16, LoRA adapters merged into them")
     if hasattr(model, "hf_config"):
         from snugfit.model.hf import save_hf
 
