@@ -45,7 +45,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # max global gradient norm; 0 disables
     max_bad_steps: int = 5  # non-finite loss or gradient this many steps in a row stops the run
-    dtype: str = "float32"  # float32 | bfloat16 (autocast / mixed precision)
+    dtype: str = "auto"  # auto: bf16 on GPUs with it, else fp16 (loss scaling), fp32 on CPU | float32 | bfloat16 | float16
     seed: int = 0
     eval_every: int = 100  # steps between validation losses; 0: only at start and end
     eval_batches: int = 4
@@ -100,7 +100,7 @@ SECTIONS = {f.name: f.type for f in fields(RunConfig)}
 CHOICES = {
     "data.format": ("auto", "text", "jsonl", "bin", "instruct"),
     "data.bin_dtype": ("uint16", "uint32"),
-    "train.dtype": ("float32", "bfloat16"),
+    "train.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.arch": ("llama", "gpt2"),
     "model.attention": ("sdpa", "eager"),
     "finetune.quantize_base": ("none", "nf4"),

@@ -71,8 +71,8 @@ def assert_searched_plan_ran(world: int, per_rank: list) -> None:
     """The chosen plan trains as the reference does, and each rank's tracked peak (device and host: one memory
     on CPU) stays under the budget it was chosen for."""
     plan, budget = SEARCHED[world]
-    out, params, _ = per_rank[0]
-    assert_matches(plan, out, params)
+    params = {k: v for _, rank_params, _ in per_rank if rank_params for k, v in rank_params.items()}
+    assert_matches(plan, per_rank[0][0], params)  # a pipeline plan's stages each hold their own parameters
     for _, _, peak in per_rank:
         assert peak["device.total"] + peak["host.total"] <= budget, (peak, budget)
 
@@ -130,12 +130,13 @@ def train(env: DistEnv, plan: Plan, steps: int = STEPS):
 
 
 def run_plans(env: DistEnv, plans: list[Plan], ckpt_dir: str | None = None) -> list:
-    """Each plan: losses, norms, final parameters (rank 0) and this rank's peak memory."""
+    """Each plan: losses, norms, final parameters (on the first rank of each pipeline stage) and this rank's peak
+    memory."""
     results = []
     for plan in plans:
         out, engine = train(env, plan)
         params = {k: v.numpy() for k, v in full(engine.state_dict()["model"]).items()}  # by value across processes
-        results.append((out, params if env.rank == 0 else None, engine.memory.peak()))
+        results.append((out, params if env.rank % plan.dp == 0 else None, engine.memory.peak()))
     if ckpt_dir is not None:
         results.append(checkpoint_across_plans(env, ckpt_dir))
     return results
@@ -284,7 +285,7 @@ def test_sharded_state_is_a_quarter_per_rank(four_ranks):
     (make_plan(4), 2, "plan is for 4 ranks but 2 were launched"),
     (replace(make_plan(2), dp=1), 2, "dp (1) x pp (1) must equal"),
     (make_plan(2, BlockPlan(zero=2, offload_params=True)), 2, "offload_params needs zero 3"),
-    (make_plan(2, compute_dtype="float16"), 2, "float16 needs loss scaling"),
+    (make_plan(2, compute_dtype="float16", reduce_dtype="float16"), 2, "reduce in float32"),
     (make_plan(2, seq_len=64), 2, "exceeds the model's max_seq_len"),
 ])
 def test_mismatched_plan_is_refused(plan, launched, message):

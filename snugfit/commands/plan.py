@@ -23,6 +23,7 @@ from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
 from snugfit.plan.explain import advise, explain_bpipe, format_result
+from snugfit.plan.dtype import DTYPE_CHOICES, dtype_for_cluster
 from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, SCHEDULES, BlockPlan, Plan, PlanError, Prediction
 from snugfit.plan.search import Constraints, NoPlanError, search
 from snugfit.profile.types import ModelProfile
@@ -201,7 +202,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     fixed.add_argument("--offload-optimizer", metavar="BLOCKS", help="'all', 'none' or the number of (first) blocks")
     fixed.add_argument("--offload-params", action="store_true")
     fixed.add_argument("--evict-bound", type=int, help="BPipe: most microbatches per stage")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="compute dtype; auto: bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU")
     p.add_argument("--reduce-dtype", default="float32", choices=DTYPES)
     p.add_argument("--memory-budget", help="per-GPU limit, e.g. 20GiB (default: the GPU's memory)")
     p.add_argument("--alternatives", type=int, default=3, help="runners-up to verify and show")
@@ -224,6 +226,7 @@ def _whole(args: argparse.Namespace) -> bool:
 def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     cluster = parse_cluster(args.cluster)
+    args.dtype, why = dtype_for_cluster(args.dtype, cluster)
     n_blocks = model.n_layers if isinstance(model, ModelConfig) else int(model["num_hidden_layers"])
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if args.plan_file or _whole(args):
@@ -231,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
         pred = evaluate(plan, model, cluster, memory_budget=budget, cache_dir=args.profile_cache, name=args.model,
                         lora_rank=args.lora_rank, quantize_base=args.quantize_base)
         print(plan.to_json() if args.json else format_prediction(plan, pred))
+        if not args.json and not args.plan_file:
+            print(f"dtype {args.dtype}: {why}")
         _draw(args, plan, model, cluster, budget)
         return 0
     if args.seq is None:
@@ -262,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         print(res.best.to_json())
     else:
         print(format_result(res, cluster))
+        print(f"dtype {args.dtype}: {why}")
         if args.explain_bpipe:
             print(explain_bpipe(res))
     _draw(args, res.best, model, cluster, budget)

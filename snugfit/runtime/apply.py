@@ -32,8 +32,8 @@ Weights = Callable[[nn.Module, torch.device], object]
 def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
     """Refuse, before the first step, a plan this model and this launch cannot run as written."""
     plan.validate(n_blocks=len(model.blocks), world_size=env.world_size)
-    if plan.compute_dtype == "float16" or plan.reduce_dtype == "float16":
-        raise PlanError("plan: float16 needs loss scaling, which the runtime does not do; use bfloat16")
+    if plan.reduce_dtype == "float16":
+        raise PlanError("plan: reduce_dtype float16 would overflow summing scaled gradients; reduce in float32")
     max_seq = getattr(getattr(model, "cfg", None), "max_seq_len", None)
     if max_seq is not None and plan.seq_len > max_seq:
         raise PlanError(f"plan.seq_len ({plan.seq_len}) exceeds the model's max_seq_len ({max_seq}); re-plan")

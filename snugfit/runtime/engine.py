@@ -42,6 +42,35 @@ class StepResult:
     loss: float  # mean over the step's target tokens (all microbatches, all data-parallel ranks)
     grad_norm: float  # global, before clipping
     skipped: bool  # non-finite loss or gradient: no update was made
+    overflow: bool = False  # of which: fp16 gradients overflowed the loss scale (expected now and then)
+
+
+class LossScale:
+    """Dynamic loss scaling for float16: multiply the loss before backward so small gradients survive fp16,
+    halve the scale when gradients overflow (the step is skipped), double it after `growth_interval` clean steps.
+
+    Hand-written rather than torch.amp.GradScaler: that one unscales and checks for infinities per optimizer
+    and device, while here gradients live in FSDP2 shards, on other pipeline stages and on the host (offloaded
+    optimizer units). The engine already reduces one global gradient norm over all of them; its being finite
+    is the overflow check, and the scale folds into the clipping factor.
+    """
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000):
+        self.scale, self.growth_interval, self.clean_steps = scale, growth_interval, 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.clean_steps = self.scale / 2, 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.growth_interval:
+                self.scale, self.clean_steps = self.scale * 2, 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
 
 
 def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
@@ -158,6 +187,7 @@ class Engine:
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
         self.dp_group, self.host, self.stage_group = dp_group, host, stage_group
         self.lr = optim.lr
+        self.scaler = LossScale() if plan.compute_dtype == "float16" else None
         if host is not None:
             host.attach(model, lambda masters: make_adamw(masters, optim))
         device_params = [p for p in model.parameters() if p.requires_grad and not (host and host.owns(p))]
@@ -186,6 +216,11 @@ class Engine:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
 
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 but for float16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         hosted = [u.optimizer for u in self.host.units] if self.host is not None else []
         return [opt for opt in (self.optimizer, *hosted) if opt is not None]
@@ -204,7 +239,7 @@ class Engine:
                 loss = self.model(inputs, targets) / divisors[i]
             self._sample()
             with self._span("B", i):
-                loss.backward()
+                (loss * self.loss_scale).backward()
             total += loss.detach()
         self._sample()
         return self._update(total)
@@ -215,22 +250,26 @@ class Engine:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
         device_grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         host_grads = self.host.host_grads() if self.host is not None else []
-        grad_norm = global_grad_norm(device_grads + host_grads, self.device, self.stage_group)
+        scale = self.loss_scale
+        grad_norm = global_grad_norm(device_grads + host_grads, self.device, self.stage_group) / scale
         skipped = not bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
+        overflow = skipped and self.scaler is not None and bool(torch.isfinite(loss))
+        if self.scaler is not None:
+            self.scaler.update(overflow)
         clip = self.optim_cfg.grad_clip
-        # Same factor as torch.nn.utils.clip_grad_norm_, so a one-process run reproduces it.
-        coef = min(clip / (grad_norm.item() + 1e-6), 1.0) if clip > 0 and not skipped else 1.0
+        # Same factor as torch.nn.utils.clip_grad_norm_, so a one-process run reproduces it; unscaling folds in.
+        coef = (min(clip / (grad_norm.item() + 1e-6), 1.0) if clip > 0 and not skipped else 1.0) / scale
         if self.host is not None:
             self.host.step(coef, skipped, self.lr)  # runs on a worker thread while the device steps
         if not skipped and self.optimizer is not None:
             with self._span("optimizer"):
-                if coef < 1.0:
+                if coef != 1.0:
                     torch._foreach_mul_([local(g) for _, g in device_grads], coef)
                 self.optimizer.step()
         self._sample()  # the optimizer moment: gradients and states together
         self.model.zero_grad(set_to_none=True)
         self._sample()  # the next forward starts from here
-        return StepResult(loss=loss.item(), grad_norm=grad_norm.item(), skipped=skipped)
+        return StepResult(loss=loss.item(), grad_norm=grad_norm.item(), skipped=skipped, overflow=overflow)
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:

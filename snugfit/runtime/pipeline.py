@@ -205,10 +205,11 @@ class PipelineEngine(Engine):
         return loss
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This microbatch's share of the step loss, counted as the last stage's activations of that microbatch."""
+        """This microbatch's share of the step loss (times the float16 loss scale), counted as the last stage's
+        activations of that microbatch."""
         last = self.chunks[-1]
         with self.acts.microbatch((last.index, last.microbatch - 1)):
-            return cross_entropy(logits, targets) / self.divisors[last.microbatch - 1]
+            return cross_entropy(logits, targets) * (self.loss_scale / self.divisors[last.microbatch - 1])
 
     def train_step(self, batch: torch.Tensor) -> StepResult:
         self.model.train()
@@ -236,6 +237,7 @@ class PipelineEngine(Engine):
             raise PipelineError(f"pipeline stages {self.stages} (rank {dist.get_rank()}) "
                                 f"{self.plan.schedule} step failed: {err}") from err
         loss = torch.stack(losses).detach().sum().float() if losses else torch.zeros((), device=self.device)
+        loss /= self.loss_scale  # the schedules backpropagate the scaled loss (float16)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage has it
         return self._update(loss)
 

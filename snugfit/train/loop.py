@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from snugfit.config import RunConfig
@@ -82,6 +83,16 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
     )
 
 
+def run_dtype(requested: str, env: DistEnv) -> tuple[str, str]:
+    """The compute dtype for this launch's device (plan.dtype.choose_dtype; bf16 as torch finds the device)."""
+    from snugfit.plan.dtype import choose_dtype
+
+    if env.device.type == "cuda":
+        has_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return choose_dtype(requested, torch.cuda.get_device_name(env.device), has_bf16, on_cpu=False)
+    return choose_dtype(requested, env.device.type, True, on_cpu=env.device.type == "cpu")
+
+
 def train(cfg: RunConfig) -> TrainResult:
     env = init_distributed(cfg.parallel.timeout_s)
     try:
@@ -93,6 +104,9 @@ def train(cfg: RunConfig) -> TrainResult:
 
 def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     t = cfg.train
+    t.dtype, why = run_dtype(t.dtype, env)
+    if env.is_main:
+        log.info("dtype %s: %s", t.dtype, why)
     out = Path(t.out_dir)
     weights = model_weights(cfg)  # read once the plan has placed the model: no process holds it whole
     model = build_model(cfg, on_meta=weights is not None)
@@ -147,7 +161,7 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
     if start == 0:
         evaluate(0)
     window: list[float] = []  # train_step seconds since the last log line
-    bad_in_a_row, skipped_total = 0, 0
+    bad_in_a_row, skipped_total, overflow_total = 0, 0, 0
     for step in range(start, t.steps):
         done = step + 1
         log_now = done % t.log_every == 0 or done == t.steps
@@ -168,11 +182,13 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
             engine.trace = None
         result.losses[done] = res.loss
         result.last_step = done
-        bad_in_a_row = bad_in_a_row + 1 if res.skipped else 0
+        # float16 overflows are the loss scale finding its level, not a run going bad
+        bad_in_a_row = bad_in_a_row + 1 if res.skipped and not res.overflow else 0
         skipped_total += res.skipped
+        overflow_total += res.overflow
         if bad_in_a_row >= t.max_bad_steps:
             # Skipped steps left weights and optimizer untouched: what is saved is the last good state.
-            saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan))
+            saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
             raise SnugfitError(
                 f"loss or gradients were not finite for {bad_in_a_row} steps in a row (up to step {done}); "
                 f"the last good state is saved in {saved}; lower train.lr or check the data, then --resume"
@@ -184,7 +200,8 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
             step_time = statistics.median(window)
             record = {
                 "kind": "train", "step": done, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
-                "skipped": res.skipped, "skipped_total": skipped_total, "step_time_s": step_time,
+                "skipped": res.skipped, "skipped_total": skipped_total, "overflow_total": overflow_total,
+                "step_time_s": step_time,
                 "tokens_per_s": plan.tokens_per_step / step_time, **measured_memory(engine),
             }
             record.update(predicted_fields(plan))
@@ -195,7 +212,7 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             evaluate(done)
         if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-            checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan))
+            checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
     if bar is not None:
         bar.close()
     metrics.close()
@@ -222,6 +239,8 @@ def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: 
     state = engine.state_dict()
     trainer_state = checkpoints.load(path, state, model_identity(cfg))
     engine.load_state_dict(state)
+    if engine.scaler is not None and "loss_scale" in trainer_state:  # a float16 run goes on at its scale
+        engine.scaler.load_state_dict(trainer_state["loss_scale"])
     sampler.load_state_dict(trainer_state["sampler"])
     if trainer_state["step"] >= cfg.train.steps:
         raise SnugfitError(
@@ -231,8 +250,12 @@ def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: 
     return trainer_state["step"]
 
 
-def _trainer_state(sampler, cfg: RunConfig, plan: Plan) -> dict:
-    return {"sampler": sampler.state_dict(), "model": model_identity(cfg), "plan": plan.to_dict(), "config": cfg.to_dict()}
+def _trainer_state(sampler, cfg: RunConfig, plan: Plan, engine: Engine) -> dict:
+    state = {"sampler": sampler.state_dict(), "model": model_identity(cfg), "plan": plan.to_dict(),
+             "config": cfg.to_dict()}
+    if engine.scaler is not None:
+        state["loss_scale"] = engine.scaler.state_dict()
+    return state
 
 
 def _progress(start: int, total: int):

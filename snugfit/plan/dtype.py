@@ -1,0 +1,32 @@
+"""The compute dtype of a run: what the user asked for, or for "auto" what the hardware does best."""
+
+from __future__ import annotations
+
+from snugfit.errors import SnugfitError
+from snugfit.hardware.cluster import Cluster
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def choose_dtype(requested: str, devices: str, has_bf16: bool, on_cpu: bool) -> tuple[str, str]:
+    """(dtype, why it was chosen). `devices` names the hardware in the message ("RTX4090", "Tesla V100")."""
+    if on_cpu:
+        if requested == "auto":
+            return "float32", "CPU ranks compute in float32 (most CPUs have no bf16 matmul units)"
+        return requested, "as asked"
+    if requested == "bfloat16" and not has_bf16:
+        raise SnugfitError(f"{devices} has no bfloat16; use --dtype float16 (with loss scaling) or --dtype auto")
+    if requested != "auto":
+        return requested, "as asked"
+    if has_bf16:
+        return "bfloat16", f"{devices} computes in bf16; master weights, optimizer and gradient reduction stay fp32"
+    return "float16", (f"{devices} has no bf16: float16 with dynamic loss scaling; master weights, optimizer and "
+                       "gradient reduction stay fp32")
+
+
+def dtype_for_cluster(requested: str, cluster: Cluster) -> tuple[str, str]:
+    """choose_dtype for a planned cluster: bf16 only where every GPU has it (the catalogue's figures say)."""
+    gpus = {cluster.gpu_of(r).name: cluster.gpu_of(r) for r in range(cluster.world_size)}
+    on_cpu = all(name == "cpu" for name in gpus)
+    has_bf16 = all(g.tflops.get("bfloat16") for g in gpus.values())
+    return choose_dtype(requested, " and ".join(gpus), has_bf16, on_cpu)
