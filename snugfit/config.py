@@ -79,6 +79,18 @@ class ParallelConfig:
     rdzv_endpoint: str = ""  # host:port of node 0, for multi-node runs
     max_restarts: int = 0  # torchrun elastic restarts after a rank fails; the run resumes from its last checkpoint
     timeout_s: float = 300.0  # a collective or transfer that waits longer fails the step
+    # Fixed parts of the plan `auto` searches (unset: searched), as `snugfit plan` takes them; train.micro_batch_size
+    # fixes the micro-batch.
+    dp: int | None = None
+    pp: int | None = None
+    schedule: str | None = None  # 1f1b | interleaved | bpipe
+    virtual_stages: int | None = None
+    num_microbatches: int | None = None
+    zero: int | None = None  # 0 | 1 | 2 | 3
+    recompute: str | None = None  # keep | recompute | selective | offload
+    offload_optimizer: str | None = None  # all | none
+    offload_params: bool | None = None
+    evict_bound: int | None = None  # BPipe: most microbatches resident per stage
 
 
 DEFAULT_MODEL = {"dim": 192, "n_layers": 4, "n_heads": 6, "max_seq_len": 128}  # ~1.9M parameters

@@ -1,5 +1,6 @@
 """The single-process trainer: loss falls, resume is bit-exact, bad input is one clear line."""
 
+import json
 import os
 import subprocess
 import sys
@@ -120,3 +121,28 @@ def test_auto_plan_reports_predictions_and_draws_a_traced_step(tmp_path):
     assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
     height, width, _ = matplotlib.image.imread(tmp_path / "timeline.png").shape
     assert width > 600 and height > 300
+
+
+FIXED = ["--dim", "64", "--n-layers", "4", "--n-heads", "4", "--eval-every", "0", "--log-every", "1",
+         "--checkpoint-every", "0", "--progress", "false", "--plot", "false"]
+
+
+def _cli_losses(tmp_path, name, *args) -> dict[int, float]:
+    from snugfit.train.metrics import read_metrics
+
+    proc = run_cli("train", *FIXED, "--out-dir", str(tmp_path / name), *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads((tmp_path / name / "plan.json").read_text())
+    return plan, {r["step"]: r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def test_train_takes_the_fixed_parts_of_a_plan_as_options(tmp_path):
+    """`snugfit train --nproc N --zero 3` / `--pp 4 --schedule bpipe`: the rest searched, no plan file."""
+    _, alone = _cli_losses(tmp_path, "one", "--steps", "4")
+    plan2, zero3 = _cli_losses(tmp_path, "zero3", "--steps", "4", "--nproc", "2", "--zero", "3")
+    plan4, bpipe = _cli_losses(tmp_path, "bpipe", "--steps", "4", "--nproc", "4", "--pp", "4", "--schedule", "bpipe")
+    assert {b["zero"] for b in [plan2["root"], *plan2["blocks"]]} == {3}
+    assert (plan4["pp"], plan4["schedule"]) == (4, "bpipe")
+    assert zero3 == pytest.approx(alone, rel=1e-5) and bpipe == pytest.approx(alone, rel=1e-5)
+    proc = run_cli("train", *FIXED, "--steps", "2", "--zero", "3", "--plan", "dp", cwd=tmp_path)
+    assert proc.returncode == 2 and "drop --plan (auto) or the fixed parts" in proc.stderr

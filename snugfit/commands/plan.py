@@ -22,13 +22,13 @@ from snugfit.hardware.cluster import Cluster, parse_cluster
 from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
-from snugfit.plan.explain import advise, explain_bpipe, format_result
 from snugfit.plan.dtype import DTYPE_CHOICES, dtype_for_cluster
+from snugfit.plan.explain import advise, explain_bpipe, format_result
+from snugfit.plan.options import POLICY_ALIASES, fixed_parts
 from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, SCHEDULES, BlockPlan, Plan, PlanError, Prediction
 from snugfit.plan.search import Constraints, NoPlanError, search
 from snugfit.profile.types import ModelProfile
 
-_POLICY_ALIASES = {"none": "keep", "off": "keep", "full": "recompute"}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
           "tb": 1e12}
 
@@ -82,7 +82,7 @@ def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
         m = o.global_batch // per_step
     else:
         m = o.pp if o.pp > 1 else 1
-    policy = _POLICY_ALIASES.get(o.recompute, o.recompute)
+    policy = POLICY_ALIASES.get(o.recompute, o.recompute)
     if policy not in ACTIVATION_POLICIES:
         raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {o.recompute!r}")
     if o.offload_params and o.zero != 3:
@@ -137,27 +137,11 @@ def evaluate(plan: Plan, model: ModelConfig | dict, cluster: Cluster, *, memory_
 
 
 def constraints_from_args(args: argparse.Namespace, world_size: int) -> Constraints:
-    """The parts of the plan fixed on the command line; one-line errors for those that cannot work."""
-    for flag, v in (("--dp", args.dp), ("--pp", args.pp)):
-        if v is not None and (v < 1 or world_size % v):
-            raise SnugfitError(f"{flag} {v} does not divide the cluster's {world_size} GPUs")
-    if args.dp and args.pp and args.dp * args.pp != world_size:
-        raise SnugfitError(f"--dp {args.dp} x --pp {args.pp} = {args.dp * args.pp}, but the cluster has "
-                           f"{world_size} GPUs")
-    if args.pp and args.pp > 1 and args.num_microbatches and args.num_microbatches < args.pp:
-        raise SnugfitError(f"--num-microbatches {args.num_microbatches} must be >= --pp {args.pp}")
-    if args.offload_params and args.zero not in (None, 3):
-        raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
-    policy = _POLICY_ALIASES.get(args.recompute, args.recompute)
-    if policy is not None and policy not in ACTIVATION_POLICIES:
-        raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {args.recompute!r}")
-    offload = {None: None, "all": True, "none": False, "0": False}.get(args.offload_optimizer, "?")
-    if offload == "?":
-        raise SnugfitError("--offload-optimizer in a search takes 'all' or 'none'; to offload the first N blocks, "
-                           "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
-    return Constraints(dp=args.dp, pp=args.pp, micro_batch=args.micro_batch, num_microbatches=args.num_microbatches,
-                       schedule=args.schedule, virtual_stages=args.virtual_stages, zero=args.zero,
-                       activations=policy, offload_optimizer=offload, offload_params=args.offload_params or None,
+    """The parts of the plan fixed on the command line (plan.options.fixed_parts checks them)."""
+    return fixed_parts(world_size, dp=args.dp, pp=args.pp, micro_batch=args.micro_batch,
+                       num_microbatches=args.num_microbatches, schedule=args.schedule,
+                       virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
+                       offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
                        evict_bound=args.evict_bound)
 
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from snugfit.plan.plan import ACTIVATION_POLICIES, BlockPlan
+from snugfit.errors import SnugfitError
+from snugfit.plan.plan import ACTIVATION_POLICIES, SCHEDULES, BlockPlan
+
+POLICY_ALIASES = {"none": "keep", "off": "keep", "full": "recompute"}
 
 
 @dataclass
@@ -28,6 +31,37 @@ class Constraints:
 
     def fixed(self) -> dict:
         return {k: v for k, v in vars(self).items() if v is not None}
+
+
+def fixed_parts(world_size: int, *, dp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
+                num_microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
+                zero: int | None = None, recompute: str | None = None, offload_optimizer: str | None = None,
+                offload_params: bool | None = None, evict_bound: int | None = None) -> Constraints:
+    """The parts of a plan a user fixed (`snugfit plan` and `snugfit train` options of the same names), checked
+    against the launch: one-line errors naming the fix for those that cannot work."""
+    for flag, v in (("--dp", dp), ("--pp", pp)):
+        if v is not None and (v < 1 or world_size % v):
+            raise SnugfitError(f"{flag} {v} does not divide the {world_size} ranks (GPUs) of the launch")
+    if dp and pp and dp * pp != world_size:
+        raise SnugfitError(f"--dp {dp} x --pp {pp} = {dp * pp}, but the launch has {world_size} ranks (GPUs)")
+    if pp and pp > 1 and num_microbatches and num_microbatches < pp:
+        raise SnugfitError(f"--num-microbatches {num_microbatches} must be >= --pp {pp}")
+    if offload_params and zero not in (None, 3):
+        raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise SnugfitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise SnugfitError(f"--zero must be 0, 1, 2 or 3, got {zero}")
+    policy = POLICY_ALIASES.get(recompute, recompute)
+    if policy is not None and policy not in ACTIVATION_POLICIES:
+        raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {recompute!r}")
+    offload = {None: None, "all": True, "none": False, "0": False}.get(offload_optimizer, "?")
+    if offload == "?":
+        raise SnugfitError("--offload-optimizer in a search takes 'all' or 'none'; to offload the first N blocks, "
+                           "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
+    return Constraints(dp=dp, pp=pp, micro_batch=micro_batch, num_microbatches=num_microbatches, schedule=schedule,
+                       virtual_stages=virtual_stages, zero=zero, activations=policy, offload_optimizer=offload,
+                       offload_params=offload_params or None, evict_bound=evict_bound)
 
 
 def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan]:

@@ -54,12 +54,13 @@ def local_cluster(env: DistEnv) -> Cluster:
 
 def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
     """The fastest plan that fits, found on rank 0 and sent to every rank (the profile cache is written once)."""
+    fixed = fixed_constraints(cfg, env.world_size)  # on every rank: a bad one fails them all alike
     plan_json = [None]
     multi = dist.is_initialized() and env.world_size > 1
     # rank 0 may first measure this machine (tens of seconds on CPU), longer than a collective's timeout
     patient = dist.new_group(backend="gloo", timeout=timedelta(seconds=MEASURE_WAIT_S)) if multi else None
     if env.is_main:
-        plan_json[0] = _search(cfg, env).to_json()
+        plan_json[0] = _search(cfg, env, fixed).to_json()
     if multi:
         dist.broadcast_object_list(plan_json, src=0, group=patient)
         dist.destroy_process_group(patient)
@@ -108,20 +109,31 @@ def measure_once(ranks: int, on_cpu: bool = True) -> None:
     profile_hardware(collectives=multi)
 
 
-def _search(cfg: RunConfig, env: DistEnv) -> Plan:
+def fixed_constraints(cfg: RunConfig, world_size: int):
+    """The parts of the plan the run's [parallel] options fix (the micro-batch from train.micro_batch_size)."""
+    from snugfit.plan.options import fixed_parts
+
+    p = cfg.parallel
+    return fixed_parts(world_size, dp=p.dp, pp=p.pp, micro_batch=cfg.train.micro_batch_size or None,
+                       num_microbatches=p.num_microbatches, schedule=p.schedule, virtual_stages=p.virtual_stages,
+                       zero=p.zero, recompute=p.recompute, offload_optimizer=p.offload_optimizer,
+                       offload_params=p.offload_params, evict_bound=p.evict_bound)
+
+
+def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
     from snugfit.plan.explain import format_result
-    from snugfit.plan.search import Constraints, NoPlanError, search
+    from snugfit.plan.search import NoPlanError, search
 
     t = cfg.train
     measure_once(env.world_size, env.device.type == "cpu")
     profile = _profile(cfg, 1)
     cluster = local_cluster(env)
-    micro = t.micro_batch_size or None
     try:
-        res = search(profile, cluster, global_batch=t.batch_size, constraints=Constraints(micro_batch=micro),
-                     alternatives=0)
+        res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0)
     except NoPlanError as e:
-        raise SnugfitError(f"--plan auto: {e}; try `snugfit plan` for the smallest change that fits") from None
+        parts = ", ".join(f"{k} {v}" for k, v in fixed.fixed().items())
+        hint = f"free some of the fixed parts ({parts}) or" if parts else "try"
+        raise SnugfitError(f"--plan auto: {e}; {hint} `snugfit plan` for the smallest change that fits") from None
     log.info("auto plan for %s:\n%s", cluster_name(cluster), format_result(res, cluster))
     return res.best
 

@@ -45,6 +45,10 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+FIXED_PARTS = ("dp", "pp", "schedule", "virtual_stages", "num_microbatches", "zero", "recompute", "offload_optimizer",
+               "offload_params", "evict_bound")  # [parallel] keys that `auto` takes as fixed
+
+
 def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
     """The plan searched for this run (`auto`), a plan file as written, or plain data parallelism (`dp`)."""
     t = cfg.train
@@ -52,6 +56,10 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         from snugfit.train.autoplan import search_plan
 
         return search_plan(cfg, env)
+    fixed = [k for k in FIXED_PARTS if getattr(cfg.parallel, k) is not None]
+    if fixed:
+        raise SnugfitError(f"--{fixed[0].replace('_', '-')} fixes a part of a searched plan, but --plan is "
+                           f"{cfg.parallel.plan!r}; drop --plan (auto) or the fixed parts")
     if cfg.parallel.plan != "dp":
         try:
             plan = Plan.from_json(Path(cfg.parallel.plan).read_text())
