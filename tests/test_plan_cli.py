@@ -90,7 +90,8 @@ def test_profile_hardware_command(tmp_path, capsys):
 def test_search_explains_choice_alternatives_and_rejections(tiny_model, tmp_path, capsys):
     rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xRTX4090", "--seq", "64", "--global-batch", "8",
                     "--profile-cache", str(tmp_path)], capsys)
-    assert rc == 0 and out.startswith("chosen: dp") and "tokens/s" in out and "peak memory per rank" in out
+    assert rc == 0 and out.startswith("model ") and "\nchosen: dp" in out and "tokens/s" in out
+    assert "peak memory per rank" in out
     assert "alternatives:" in out and "other families:" in out and "CUDA context" in out
 
 
@@ -112,3 +113,21 @@ def test_explain_bpipe_compares(tiny_model, tmp_path, capsys):
     rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xRTX4090", "--seq", "64", "--global-batch", "8",
                     "--pp", "4", "--explain-bpipe", "--profile-cache", str(tmp_path)], capsys)
     assert rc == 0 and "BPipe" in out and ("verdict" in out or "no BPipe plan" in out)
+
+
+def test_plan_says_what_it_planned_with_transformers_exact_count(tmp_path, capsys):
+    """A Hugging Face config.json alone: no --seq (its max_position_embeddings), exact parameter counts."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config.save_pretrained(tmp_path)
+    count = transformers.LlamaForCausalLM(config).num_parameters()
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--cluster", "1xRTX4090", "--profile-cache", str(tmp_path)]
+    rc, out = _run([*args, "--json"], capsys)
+    model = json.loads(out)["model"]
+    assert rc == 0 and model["parameters"] == model["trainable"] == count
+    assert (model["blocks"], model["hidden"], model["vocabulary"]) == (2, 64, 1000)
+    assert json.loads(out)["seq_len"] == 256
+    rc, out = _run(args, capsys)
+    assert out.splitlines()[0].startswith(f"model {tmp_path / 'config.json'}: {count:,} parameters")
+    assert "seq 256: the model's maximum length" in out

@@ -23,7 +23,7 @@ from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import DTYPE_CHOICES, dtype_for_cluster
-from snugfit.plan.explain import advise, explain_bpipe, format_result
+from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result
 from snugfit.plan.options import POLICY_ALIASES, fixed_parts
 from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, SCHEDULES, BlockPlan, Plan, PlanError, Prediction
 from snugfit.plan.search import Constraints, NoPlanError, search
@@ -136,6 +136,13 @@ def evaluate(plan: Plan, model: ModelConfig | dict, cluster: Cluster, *, memory_
         raise SnugfitError(str(e)) from None
 
 
+def max_length(model: ModelConfig | dict) -> int | None:
+    """The model's longest sequence: ModelConfig.max_seq_len, or a Hugging Face config's own field for it."""
+    if isinstance(model, ModelConfig):
+        return model.max_seq_len
+    return next((model[k] for k in ("max_position_embeddings", "n_positions", "seq_length") if model.get(k)), None)
+
+
 def constraints_from_args(args: argparse.Namespace, world_size: int) -> Constraints:
     """The parts of the plan fixed on the command line (plan.options.fixed_parts checks them)."""
     return fixed_parts(world_size, dp=args.dp, pp=args.pp, micro_batch=args.micro_batch,
@@ -147,7 +154,8 @@ def constraints_from_args(args: argparse.Namespace, world_size: int) -> Constrai
 
 def format_prediction(plan: Plan, pred: Prediction) -> str:
     gib = 2**30
-    lines = [f"plan: dp {plan.dp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
+    lines = [describe_model(plan.model)] if plan.model else []
+    lines += [f"plan: dp {plan.dp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
              f"{plan.num_microbatches} microbatches, seq {plan.seq_len}, {plan.compute_dtype}; "
              f"global batch {plan.global_batch}"]
     lines.append("peak memory per rank (GiB):")
@@ -213,17 +221,22 @@ def run(args: argparse.Namespace) -> int:
     args.dtype, why = dtype_for_cluster(args.dtype, cluster)
     n_blocks = model.n_layers if isinstance(model, ModelConfig) else int(model["num_hidden_layers"])
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    notes = [f"dtype {args.dtype}: {why}"] if not args.plan_file else []
+    if args.seq is None and not args.plan_file:
+        args.seq = max_length(model)
+        if args.seq is None:
+            raise SnugfitError("--seq is required: the model's config gives no maximum length")
+        notes.append(f"seq {args.seq}: the model's maximum length (--seq to plan another)")
     if args.plan_file or _whole(args):
         plan = _read_plan(args.plan_file) if args.plan_file else _given_plan(args, n_blocks, cluster.world_size)
         pred = evaluate(plan, model, cluster, memory_budget=budget, cache_dir=args.profile_cache, name=args.model,
                         lora_rank=args.lora_rank, quantize_base=args.quantize_base)
-        print(plan.to_json() if args.json else format_prediction(plan, pred))
-        if not args.json and not args.plan_file:
-            print(f"dtype {args.dtype}: {why}")
+        plan.model = profile_for(model, micro_batch=plan.micro_batch_size, seq=plan.seq_len, dtype=plan.compute_dtype,
+                                 cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank,
+                                 quantize_base=args.quantize_base).summary()
+        print(plan.to_json() if args.json else "\n".join([format_prediction(plan, pred), *notes]))
         _draw(args, plan, model, cluster, budget)
         return 0
-    if args.seq is None:
-        raise SnugfitError("--seq is required (or give --plan-file)")
     c = constraints_from_args(args, cluster.world_size)
     dp = args.dp or (cluster.world_size // args.pp if args.pp else cluster.world_size)
     gb = args.global_batch or (args.micro_batch or 1) * (args.num_microbatches or 1) * (
@@ -250,8 +263,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(res.best.to_json())
     else:
-        print(format_result(res, cluster))
-        print(f"dtype {args.dtype}: {why}")
+        print("\n".join([format_result(res, cluster), *notes]))
         if args.explain_bpipe:
             print(explain_bpipe(res))
     _draw(args, res.best, model, cluster, budget)
@@ -283,8 +295,6 @@ def _read_plan(path_text: str) -> Plan:
 
 
 def _given_plan(args: argparse.Namespace, n_blocks: int, world_size: int) -> Plan:
-    if args.seq is None:
-        raise SnugfitError("--seq is required (or give --plan-file)")
     return plan_from_options(PlanOptions(
         seq=args.seq, micro_batch=args.micro_batch, dp=args.dp, pp=args.pp, schedule=args.schedule,
         virtual_stages=args.virtual_stages or 1, num_microbatches=args.num_microbatches,

@@ -35,10 +35,19 @@ def _figures(plan: Plan) -> str:
     return f"{p.tokens_per_s:,.0f} tokens/s, step {p.step_time_s:.3g} s, peak {p.peak_memory_bytes / GIB:.2f} GiB"
 
 
+def describe_model(m: dict) -> str:
+    """'model llama-2-7b: 6,738,415,616 parameters (4,194,304 trainable), 32 blocks, hidden 4096, vocabulary 32000'."""
+    parts = [f"{m['trainable']:,} trainable"] + ([f"{m['quantized_nf4']:,} in NF4"] if m.get("quantized_nf4") else [])
+    return (f"model {m['name']}: {m['parameters']:,} parameters ({', '.join(parts)}), {m['blocks']} blocks, "
+            f"hidden {m['hidden']}, vocabulary {m['vocabulary']}")
+
+
 def format_result(res: SearchResult, cluster: Cluster) -> str:
-    """The chosen plan, per-rank peak memory, alternatives and rejected families, and the safety margin."""
+    """What was planned, the chosen plan, per-rank peak memory, alternatives and rejected families, and the
+    safety margin."""
     best = res.best
-    lines = [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {best.predicted.mfu:.1%})"]
+    lines = [describe_model(best.model)] if best.model else []
+    lines += [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {best.predicted.mfu:.1%})"]
     peaks = [device_bytes(m) for m in best.predicted.memory_by_rank]
     lines.append("  peak memory per rank (GiB): " + " ".join(f"{b / GIB:.2f}" for b in peaks))
     phases = best.predicted.time_by_phase

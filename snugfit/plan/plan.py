@@ -74,6 +74,7 @@ class Plan:
     root: BlockPlan = field(default_factory=BlockPlan)  # embedding, final norm, head
     blocks: list[BlockPlan] = field(default_factory=list)
     predicted: Prediction | None = None
+    model: dict | None = None  # what was planned (ModelProfile.summary): name, exact parameter counts, shape
 
     # -- derived --
     @property

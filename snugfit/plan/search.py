@@ -386,6 +386,8 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
         found += srch.best_first([x for x in cands if x.schedule == "bpipe"], 1)
     found = sorted({id(x): x for x in found}.values(), key=_preference)
     plans = [x.plan for x in found]
+    for p in plans:
+        p.model = profile.summary()
     res.best, res.alternatives = (plans[0] if plans else None), plans[1:1 + alternatives]
     res.bpipe = next((p for p in plans if p.schedule == "bpipe"), None)
     res.best_without_bpipe = next((p for p in plans if p.schedule != "bpipe"), None)

@@ -79,6 +79,15 @@ class ModelProfile:
     def num_params(self) -> int:
         return sum(p.num_params for p in self.pieces)
 
+    def summary(self) -> dict:
+        """What was planned, for the plan's `model` field: exact parameter counts (tied weights once)."""
+        c = self.config
+        return {"name": self.model, "parameters": self.num_params(),
+                "trainable": sum(p.num_trainable for p in self.pieces),
+                "quantized_nf4": sum(p.quantized for p in self.pieces), "blocks": len(self.blocks),
+                "hidden": c.get("dim") or c.get("hidden_size") or c.get("n_embd") or c.get("d_model"),
+                "vocabulary": c.get("vocab_size")}
+
     def train_flops(self) -> float:
         """FLOPs of one microbatch forward + backward (no recomputation)."""
         return sum(p.fwd_flops + p.bwd_flops for p in self.pieces)
