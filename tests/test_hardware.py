@@ -127,3 +127,42 @@ def test_gpus_without_peer_access_disable_nccl_p2p(monkeypatch):
     assert os.environ["NCCL_P2P_DISABLE"] == "1"
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")  # the user's own setting wins
     assert not disable_p2p_without_peer_access(2, lambda a, b: False)
+
+
+def test_a_cluster_file_defines_gpus_and_host_the_catalogue_lacks(tmp_path):
+    path = tmp_path / "lab.toml"
+    path.write_text("""
+[host]
+ram_gib = 512
+cores = 64
+
+[[gpu]]
+name = "LabCard"
+memory_gib = 40
+tflops = { float32 = 30, bfloat16 = 120 }
+hbm_gbps = 1200
+pcie_gen = 5
+
+[[node]]
+gpu = "LabCard"
+count = 4
+""")
+    cluster = parse_cluster(str(path))
+    gpu, node = cluster.gpu_of(0), cluster.nodes[0]
+    assert (gpu.name, gpu.memory_bytes, gpu.flops_per_s("bfloat16")) == ("LabCard", 40 * 2**30, 120e12 * 0.6)
+    assert (node.host.ram_bytes, node.host.cores, node.pcie.name, cluster.world_size) == (512 * 2**30, 64, "pcie5", 4)
+    again = tmp_path / "again.toml"
+    again.write_text(cluster.to_toml())
+    assert load_cluster_toml(again).gpu_of(3) == gpu  # to_toml writes the [[gpu]] table back
+    path.write_text('[[gpu]]\nname = "X"\n[[node]]\ngpu = "X"\n')
+    with pytest.raises(SnugfitError, match="lacks memory_gib, tflops, hbm_gbps, pcie_gen"):
+        parse_cluster(str(path))
+
+
+@pytest.mark.parametrize("spec", ["4xA6000", "8xMI300X", "2xL40S", "8xH800", "4xH100-NVL", "2xRTX4080"])
+def test_common_cards_plan_from_the_catalogue(spec):
+    from snugfit.plan.search import search
+    from tests.test_search import synth
+
+    res = search(synth(8, 1024), parse_cluster(spec), global_batch=8, alternatives=0)
+    assert res.best.predicted.fits and res.best.predicted.tokens_per_s > 0

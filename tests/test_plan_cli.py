@@ -131,3 +131,16 @@ def test_plan_says_what_it_planned_with_transformers_exact_count(tmp_path, capsy
     rc, out = _run(args, capsys)
     assert out.splitlines()[0].startswith(f"model {tmp_path / 'config.json'}: {count:,} parameters")
     assert "seq 256: the model's maximum length" in out
+
+
+def test_infeasible_plan_names_host_ram_when_it_binds(tmp_path, capsys):
+    """Offload needs the host: with too little RAM the answer is more RAM, not a larger GPU."""
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(ModelConfig(dim=2048, n_layers=24, n_heads=16, vocab_size=32000,
+                                           max_seq_len=256).to_dict()))
+    args = ["plan", "--model", str(path), "--cluster", "1xRTX3080", "--seq", "256", "--global-batch", "1",
+            "--profile-cache", str(tmp_path)]
+    rc, out = _run([*args, "--host-ram", "8GiB"], capsys)
+    assert rc == 2 and "host RAM is the binding limit (8 GiB per node): with --host-ram" in out, out
+    rc, out = _run([*args, "--host-ram", "64GiB"], capsys)
+    assert rc == 0 and ("parameter offload" in out or "optimizer offload" in out), out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
-from snugfit.hardware.cluster import Cluster, parse_cluster
+from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
@@ -198,6 +198,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="compute dtype; auto: bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU")
     p.add_argument("--reduce-dtype", default="float32", choices=DTYPES)
     p.add_argument("--memory-budget", help="per-GPU limit, e.g. 20GiB (default: the GPU's memory)")
+    p.add_argument("--host-ram", help="host memory per node, e.g. 512GiB (default: the cluster's; catalogue nodes "
+                                      "256GiB)")
     p.add_argument("--alternatives", type=int, default=3, help="runners-up to verify and show")
     p.add_argument("--explain-bpipe", action="store_true", help="compare the best plans with and without BPipe")
     p.add_argument("--plan-file", help="evaluate this plan JSON instead of building one from options")
@@ -218,6 +220,8 @@ def _whole(args: argparse.Namespace) -> bool:
 def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     cluster = parse_cluster(args.cluster)
+    if args.host_ram:
+        cluster = with_host_ram(cluster, parse_bytes(args.host_ram))
     args.dtype, why = dtype_for_cluster(args.dtype, cluster)
     n_blocks = model.n_layers if isinstance(model, ModelConfig) else int(model["num_hidden_layers"])
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None

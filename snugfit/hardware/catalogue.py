@@ -94,12 +94,32 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     _gpu("H100-PCIe", 80, 51, 378, 756, 756, 2000, 5, None, "ib-ndr"),
     _gpu("H100-SXM", 80, 67, 495, 989, 989, 3350, 5, "nvlink4", "ib-ndr"),
     _gpu("H200", 141, 67, 495, 989, 989, 4800, 5, "nvlink4", "ib-ndr"),
+    # Sources (dense figures; tensor rates with fp32 accumulation, half the sparse figures vendors headline):
+    # NVIDIA RTX A6000 / A5000 datasheets (2021): 38.7 / 27.8 fp32, 309.7 / 222.2 sparse tensor; 768 GB/s
+    _gpu("RTX-A6000", 48, 38.7, 77.4, 154.8, 154.8, 768, 4),
+    _gpu("RTX-A5000", 24, 27.8, 55.6, 111.1, 111.1, 768, 4),
+    # NVIDIA L40S datasheet (2023): 91.6 fp32, 366 tf32 / 733 bf16 sparse; 864 GB/s
+    _gpu("L40S", 48, 91.6, 183, 362, 362, 864, 4),
+    # A800 / H800: the A100 / H100 SXM for China with NVLink cut to 400 GB/s (NVIDIA A800, H800 datasheets, 2022)
+    _gpu("A800-80GB-SXM", 80, 19.5, 156, 312, 312, 2039, 4, "nvlink3-400", "ib-hdr"),
+    _gpu("H800", 80, 67, 495, 989, 989, 3350, 5, "nvlink4-400", "ib-ndr"),
+    # NVIDIA H100 NVL datasheet (2023): 94 GB, 3.9 TB/s, 60 fp32, 835 tf32 / 1671 bf16 sparse; PCIe 5, NVLink
+    # bridges join pairs only, so GPUs of a node talk over PCIe
+    _gpu("H100-NVL", 94, 60, 417, 835, 835, 3900, 5, None, "ib-ndr"),
+    # NVIDIA Ada whitepaper (RTX 4080) and Ampere GA102 whitepaper (RTX 3080): fp16/bf16 tensor, fp32 accumulate
+    _gpu("RTX4080", 16, 48.7, 48.7, 97.5, 97.5, 717, 4),
+    _gpu("RTX3080", 10, 29.8, 29.8, 59.5, 59.5, 760, 4),
+    # AMD Instinct MI300X datasheet (2023): 192 GB HBM3, 5.3 TB/s, 163.4 fp32, 653.7 tf32, 1307.4 bf16/fp16
+    _gpu("MI300X", 192, 163.4, 653.7, 1307.4, 1307.4, 5300, 5, "xgmi-mi300x", "ib-ndr"),
 ]}
 
 ALIASES = {
     "V100": "V100-32GB", "A100": "A100-80GB-SXM", "A100-40GB": "A100-40GB-SXM", "A100-80GB": "A100-80GB-SXM",
     "H100": "H100-SXM", "H100-80GB": "H100-SXM", "H100-80GB-SXM": "H100-SXM", "H100-80GB-PCIe": "H100-PCIe",
     "H200-141GB": "H200", "RTX-3090": "RTX3090", "RTX-4090": "RTX4090", "RTX-5090": "RTX5090",
+    "A6000": "RTX-A6000", "RTXA6000": "RTX-A6000", "A5000": "RTX-A5000", "RTXA5000": "RTX-A5000",
+    "A800": "A800-80GB-SXM", "A800-80GB": "A800-80GB-SXM", "H800-80GB": "H800", "H100NVL": "H100-NVL",
+    "H100-94GB": "H100-NVL", "RTX-4080": "RTX4080", "RTX-3080": "RTX3080",
 }
 
 LINKS: dict[str, Link] = {lk.name: lk for lk in [
@@ -109,6 +129,9 @@ LINKS: dict[str, Link] = {lk.name: lk for lk in [
     Link("nvlink2", 150.0, 3e-6),
     Link("nvlink3", 300.0, 3e-6),
     Link("nvlink4", 450.0, 3e-6),
+    Link("nvlink3-400", 200.0, 3e-6),  # A800: 400 GB/s both ways
+    Link("nvlink4-400", 200.0, 3e-6),  # H800: 400 GB/s both ways
+    Link("xgmi-mi300x", 300.0, 3e-6),  # MI300X: 7 Infinity Fabric links (896 GB/s in all); what RCCL's rings reach
     Link("eth-10g", 1.1, 30e-6),
     Link("eth-25g", 2.8, 20e-6),
     Link("eth-100g", 11.0, 10e-6),

@@ -8,11 +8,11 @@ ranks on this machine). Ranks are numbered node by node.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
-from snugfit.hardware.catalogue import GPU, Host, Link, get_gpu, get_link, load_local
+from snugfit.hardware.catalogue import GPUS, GPU, Host, Link, get_gpu, get_link, load_local
 
 
 @dataclass
@@ -55,8 +55,14 @@ class Cluster:
         return asdict(self)
 
     def to_toml(self) -> str:
-        """The spec form of this cluster (names only), loadable by parse_cluster."""
+        """This cluster as a TOML file parse_cluster loads: GPUs the catalogue lacks as [[gpu]] tables."""
         lines = [f'inter = "{self.inter.name}"', ""]
+        for gpu in {n.gpu.name: n.gpu for n in self.nodes if n.gpu.name not in GPUS and n.gpu.name != "cpu"}.values():
+            tflops = ", ".join(f"{k} = {v:g}" for k, v in gpu.tflops.items())
+            lines += ["[[gpu]]", f'name = "{gpu.name}"', f"memory_gib = {gpu.memory_bytes / 2**30:g}",
+                      f"tflops = {{ {tflops} }}", f"hbm_gbps = {gpu.hbm_gbps:g}", f"pcie_gen = {gpu.pcie_gen}",
+                      f"matmul_efficiency = {gpu.matmul_efficiency:g}", f"mem_efficiency = {gpu.mem_efficiency:g}",
+                      *([f'nvlink = "{gpu.nvlink}"'] if gpu.nvlink else []), ""]
         for n in self.nodes:
             lines += ["[[node]]", f'gpu = "{n.gpu.name}"', f"count = {n.count}", f'intra = "{n.intra.name}"',
                       f'pcie = "{n.pcie.name}"', f"host_ram_gib = {n.host.ram_bytes / 2**30:g}",
@@ -68,8 +74,9 @@ _TERM = re.compile(r"^(?:(\d+)x)?(?:(\d+)x)?(.+)$", re.IGNORECASE)
 
 
 def make_node(gpu_name: str, count: int, intra: str | None = None, pcie: str | None = None,
-              host: Host | None = None) -> Node:
-    gpu = get_gpu(gpu_name)
+              host: Host | None = None, custom: dict[str, GPU] | None = None) -> Node:
+    """`count` GPUs by name (the catalogue's, or `custom` ones a cluster file defines) with their links."""
+    gpu = (custom or {}).get(gpu_name) or get_gpu(gpu_name)
     if gpu.name == "cpu":
         local = load_local()
         host = host or (local.host if local else Host(ram_bytes=gpu.memory_bytes, adam_params_per_s=1e9, cores=2))
@@ -99,8 +106,10 @@ def parse_cluster(spec: str, inter: str | None = None) -> Cluster:
 
 
 def load_cluster_toml(path: str | Path) -> Cluster:
-    """TOML: top-level `inter`, then [[node]] tables with gpu, count and optional intra, pcie,
-    host_ram_gib, host_adam_params_per_s."""
+    """TOML: top-level `inter`; [host] (ram_gib, cores, adam_params_per_s) for every node; [[gpu]] tables defining
+    GPUs the catalogue lacks (name, memory_gib, tflops = {float32 = .., bfloat16 = ..}, hbm_gbps, pcie_gen, and
+    optionally nvlink, matmul_efficiency, mem_efficiency); then [[node]] tables with gpu, count and optional intra,
+    pcie, host_ram_gib, host_adam_params_per_s."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -108,13 +117,40 @@ def load_cluster_toml(path: str | Path) -> Cluster:
     p = Path(path)
     if not p.exists():
         raise SnugfitError(f"cluster file {path} does not exist")
-    data = tomllib.loads(p.read_text())
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SnugfitError(f"cluster file {path} is not valid TOML: {e}; fix the file") from None
     if not data.get("node"):
         raise SnugfitError(f"cluster file {path} has no [[node]] tables")
+    custom = {g.name: g for g in (_gpu_table(t, path) for t in data.get("gpu", []))}
+    h = data.get("host", {})
+    base = Host(ram_bytes=int(h.get("ram_gib", Host().ram_bytes / 2**30) * 2**30),
+                adam_params_per_s=float(h.get("adam_params_per_s", Host().adam_params_per_s)),
+                cores=int(h.get("cores", Host().cores)))
     nodes = []
     for t in data["node"]:
-        host = Host(ram_bytes=int(t.get("host_ram_gib", 256) * 2**30),
-                    adam_params_per_s=float(t.get("host_adam_params_per_s", Host().adam_params_per_s)))
-        nodes.append(make_node(t["gpu"], int(t.get("count", 1)), t.get("intra"), t.get("pcie"), host))
+        host = replace(base, ram_bytes=int(t.get("host_ram_gib", base.ram_bytes / 2**30) * 2**30),
+                       adam_params_per_s=float(t.get("host_adam_params_per_s", base.adam_params_per_s)))
+        nodes.append(make_node(t["gpu"], int(t.get("count", 1)), t.get("intra"), t.get("pcie"), host, custom))
     inter_name = data.get("inter") or min((n.gpu.inter for n in nodes), key=lambda k: get_link(k).gbps)
     return Cluster(nodes, get_link(inter_name), str(path))
+
+
+def _gpu_table(t: dict, path) -> GPU:
+    """A [[gpu]] table as a GPU; a missing figure is one error naming it."""
+    missing = [k for k in ("name", "memory_gib", "tflops", "hbm_gbps", "pcie_gen") if k not in t]
+    if missing:
+        raise SnugfitError(f"cluster file {path}: a [[gpu]] table lacks {', '.join(missing)}; give name, memory_gib, "
+                           "tflops = { float32 = .., bfloat16 = .. }, hbm_gbps and pcie_gen")
+    gpu = GPU(str(t["name"]), int(float(t["memory_gib"]) * 2**30), {k: float(v) for k, v in t["tflops"].items()},
+              float(t["hbm_gbps"]), int(t["pcie_gen"]), t.get("nvlink") or None)
+    for key in ("matmul_efficiency", "mem_efficiency"):
+        if key in t:
+            setattr(gpu, key, float(t[key]))
+    return gpu
+
+
+def with_host_ram(cluster: Cluster, ram_bytes: int) -> Cluster:
+    """The cluster with every node's host memory set (`--host-ram`)."""
+    return replace(cluster, nodes=[replace(n, host=replace(n.host, ram_bytes=ram_bytes)) for n in cluster.nodes])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-from snugfit.hardware.cluster import Cluster
+from snugfit.hardware.cluster import Cluster, with_host_ram
 from snugfit.plan.memory import FRAGMENTATION, device_bytes
 from snugfit.plan.plan import Plan
 from snugfit.plan.options import Constraints, describe
@@ -123,6 +123,14 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     """The smallest changes that make a plan fit, each checked by a search (so never a plan that won't)."""
     c = constraints or Constraints()
     out: list[str] = []
+    if cluster.gpu_of(0).name != "cpu":  # CPU ranks: host and device are one memory, the budget covers it
+        has = max(n.host.ram_bytes for n in cluster.nodes)
+        for factor in (2, 4, 8):
+            plan = _fits(profile, with_host_ram(cluster, has * factor), global_batch, c, memory_budget)
+            if plan:
+                out.append(f"host RAM is the binding limit ({has / GIB:.0f} GiB per node): with --host-ram "
+                           f"{has * factor / GIB:.0f}GiB it fits as {summary(plan)} ({_figures(plan)})")
+                break
     for key, value in c.fixed().items():
         plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget)
         if plan:
@@ -149,4 +157,5 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     plan = _fits(_lora(profile), cluster, global_batch, c, memory_budget)
     if plan:
         out.append(f"LoRA fine-tuning (frozen base weights, ~{LORA_TRAINABLE:.0%} trainable): fits as {summary(plan)}")
-    return out or ["nothing short of a larger GPU: even every block sharded, offloaded and recomputed does not fit"]
+    return out or ["GPU memory is the binding limit: nothing short of a larger GPU fits, even every block sharded, "
+                   "offloaded and recomputed"]
