@@ -10,7 +10,7 @@ import pkgutil
 import sys
 
 import snugfit.commands
-from snugfit.errors import SnugfitError
+from snugfit.errors import SnugfitError, Stopped
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             _refuse_unknown(unknown, args.command)
         return args.run(args) or 0
+    except Stopped as e:  # the state is saved: say where, no "error"
+        if rank == 0:
+            sys.stderr.write(f"{e}\n")
+        return e.exit_status
     except SnugfitError as e:
         prefix = f"rank {rank}: " if "RANK" in os.environ and rank else ""
         sys.stderr.write(f"error: {prefix}{e}\n")

@@ -58,6 +58,7 @@ class TrainConfig:
     progress: bool = True  # progress bar on rank 0
     plot: bool = True  # loss-curve PNG at the end
     tensorboard: bool = False  # also write TensorBoard event files to out_dir/tensorboard (extra: tensorboard)
+    save_on_signal: bool = True  # SIGTERM / SIGINT / SIGUSR1: finish the step, checkpoint it, exit 128 + signal
 
 
 @dataclass

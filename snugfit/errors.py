@@ -3,3 +3,12 @@
 
 class SnugfitError(Exception):
     """Bad input or an impossible request. The CLI prints `error: <message>` and exits with status 2."""
+
+
+class Stopped(SnugfitError):
+    """A run stopped on request (a signal) with its state saved. The CLI prints the message as is and exits with
+    128 + the signal's number, as a shell reports a process the signal ended."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_status = 128 + signum

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
@@ -64,6 +65,8 @@ def launch(
     log.info("launch: torchrun %s", " ".join(args))
     try:
         run(parse_args(args))
+    except SignalException as e:  # torchrun passed the signal on to the ranks, which saved a checkpoint and said so
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         log.error("launch failed: %s", "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in sorted(e.failures.items())))
         return next(f.exitcode for _, f in sorted(e.failures.items())) or 1

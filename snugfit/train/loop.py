@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import signal
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from snugfit.config import RunConfig
-from snugfit.errors import SnugfitError
+from snugfit.errors import SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.apply import build_engine
@@ -24,6 +25,7 @@ from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields
+from snugfit.train.preemption import StopRequests
 
 log = logging.getLogger("snugfit")
 
@@ -102,15 +104,17 @@ def run_dtype(requested: str, env: DistEnv) -> tuple[str, str]:
 
 
 def train(cfg: RunConfig) -> TrainResult:
+    stops = StopRequests(cfg.train.save_on_signal)  # from the start: a signal during set-up stops after step 1
     env = init_distributed(cfg.parallel.timeout_s)
     try:
-        return _train(cfg, env)
+        return _train(cfg, env, stops)
     finally:
+        stops.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
+def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
     t = cfg.train
     t.dtype, why = run_dtype(t.dtype, env)
     if env.is_main:
@@ -221,6 +225,14 @@ def _train(cfg: RunConfig, env: DistEnv) -> TrainResult:
             evaluate(done)
         if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
             checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+        stop = stops.agreed()
+        if stop and done < t.steps:
+            saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+            if bar is not None:
+                bar.close()
+            metrics.close()
+            raise Stopped(f"stopped by {signal.Signals(stop).name} at step {done}; checkpoint {saved.name}; "
+                          "resume with --resume", stop)
     if bar is not None:
         bar.close()
     metrics.close()

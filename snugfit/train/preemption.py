@@ -1,0 +1,55 @@
+"""Stop cleanly when asked: SIGTERM (a scheduler preempting the machine), SIGINT (Ctrl-C), SIGUSR1 (SLURM's
+warning before the end of a job, `--signal=USR1@120`).
+
+The handlers only record the signal. Between steps the ranks agree on it (one all-reduce of a single integer on
+a gloo group, so a signal that reached one rank stops them all at the same step); the loop then writes one
+checkpoint of that step and exits with a one-line message. A second signal while that happens is noted and
+ignored: the checkpoint is still written under a temporary name and committed by rename, so nothing half-written
+ever looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from snugfit.runtime.dist import cached_group
+
+log = logging.getLogger("snugfit")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class StopRequests:
+    """Records the first stop signal this process gets, from the moment it is made until `close()`."""
+
+    def __init__(self, enabled: bool = True):
+        self.received = 0
+        self._previous = {}
+        if enabled and threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self.received:
+            log.warning("%s again: already stopping after this step; the checkpoint is being written",
+                        signal.Signals(signum).name)
+            return
+        self.received = signum
+
+    def agreed(self) -> int:
+        """The signal any rank received (the largest number when several did), 0 for none. A collective: every
+        rank calls it after every step."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.received
+        vote = torch.tensor([self.received], dtype=torch.int32)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=cached_group(("stop-vote",), lambda: dist.new_group(
+            backend="gloo")))  # host tensors: gloo beside NCCL
+        return int(vote.item())
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
