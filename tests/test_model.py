@@ -68,3 +68,45 @@ def test_invalid_config_names_the_field():
         Decoder(ModelConfig(dim=64, n_heads=5))
     with pytest.raises(ValueError, match="arch"):
         Decoder(ModelConfig(arch="rnn"))
+
+
+def test_chunked_loss_equals_the_whole_logits_loss_and_its_gradients(monkeypatch):
+    import snugfit.model.decoder as decoder
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 50, bias=False)
+    hidden = torch.randn(2, 300, 32, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 300))
+    targets[0, :40] = -100  # a masked prompt
+    want = decoder.cross_entropy(head(hidden), targets)
+    want.backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    monkeypatch.setattr(decoder, "LOSS_CHUNK_BYTES", 4 * 50 * 130)  # 130-token chunks: 5 of them, the last short
+    got = decoder.chunked_cross_entropy(hidden, head, targets)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(hidden.grad, grads[0], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(head.weight.grad, grads[1], rtol=1e-5, atol=1e-8)
+
+
+def test_a_model_trains_alike_with_the_chunked_loss(monkeypatch):
+    import snugfit.model.decoder as decoder
+
+    def losses() -> list[float]:
+        torch.manual_seed(0)
+        model = Decoder(ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batch = torch.randint(0, 64, (4, 65), generator=torch.Generator().manual_seed(1))
+        out = []
+        for _ in range(3):
+            loss = model(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    whole = losses()
+    monkeypatch.setattr(decoder, "LOSS_CHUNK_BYTES", 4 * 64 * 100)  # 128-token chunks (the floor): 2 per batch
+    assert losses() == pytest.approx(whole, rel=1e-5)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 ARCHS = ("llama", "gpt2")
 ATTENTIONS = ("sdpa", "eager")
@@ -256,12 +257,39 @@ class Decoder(nn.Module):
             h = block(h, self.rope)
         if self.head is None:
             return h
-        logits = self.head(self.norm(h))
         if targets is None:
-            return logits
-        return cross_entropy(logits, targets)
+            return self.head(self.norm(h))
+        return chunked_cross_entropy(self.norm(h), self.head, targets)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token loss in fp32; targets of -100 are ignored (masked prompts)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+LOSS_CHUNK_BYTES = 2**28  # fp32 logits of one chunk of tokens: 256 MiB (512 tokens at a 128k vocabulary)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """cross_entropy(head(hidden), targets) without ever holding the whole tokens x vocabulary logits.
+
+    At 32k tokens and a 128k vocabulary whole fp32 logits are 16 GiB. Each chunk of tokens is projected, scored
+    and dropped in forward, and projected again in its backward (torch.utils.checkpoint), so logits exist one
+    chunk at a time, for one more head matmul. Short sequences (one chunk) take the plain path.
+    """
+    h, t = hidden.flatten(0, 1), targets.flatten()
+    chunk = max(128, LOSS_CHUNK_BYTES // (4 * head_outputs(head)))
+    if h.shape[0] <= chunk:
+        return cross_entropy(head(hidden), targets)
+    total = sum(checkpoint(_loss_sum, head, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
+                for i in range(0, h.shape[0], chunk))
+    return total / (t != -100).sum()  # the mean over target tokens (NaN without any, as cross_entropy's)
+
+
+def _loss_sum(head: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(h).float(), t, ignore_index=-100, reduction="sum")
+
+
+def head_outputs(head: nn.Module) -> int:
+    """The vocabulary a head projects to (its last linear layer's outputs)."""
+    return [m for m in head.modules() if isinstance(m, nn.Linear)][-1].out_features

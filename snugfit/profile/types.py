@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing; 5: recompute intercepts
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6  # 6: the loss is chunked (model.decoder.chunked_cross_entropy); 5: earlier profiles
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
