@@ -51,3 +51,36 @@ def test_unknown_policy_names_choices():
     block = Decoder(ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64)).blocks["0"]
     with pytest.raises(ValueError, match="keep, recompute"):
         apply_activation_policy(block, "evict")
+
+
+def test_offload_copies_back_one_block_ahead_of_backward(monkeypatch):
+    """When block i's backward starts, block i-1's saved tensors are already on their way back."""
+    import snugfit.runtime.activations as acts
+    from snugfit.model.decoder import Decoder, ModelConfig
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(dim=32, n_layers=3, n_heads=4, vocab_size=64, max_seq_len=16))
+    events: list[tuple[str, int]] = []
+    running = [-1]  # the block whose forward saves tensors now
+    block_of: dict[int, int] = {}
+    init, fetch = acts._HostCopy.__init__, acts._HostCopy.fetch
+
+    def tagged_init(self, t, stream):
+        init(self, t, stream)
+        block_of[id(self)] = running[0]
+
+    def logged_fetch(self):
+        if self.back is None and not self.used:
+            events.append(("fetch", block_of[id(self)]))
+        fetch(self)
+
+    monkeypatch.setattr(acts._HostCopy, "__init__", tagged_init)
+    monkeypatch.setattr(acts._HostCopy, "fetch", logged_fetch)
+    for i, block in enumerate(model.blocks.values()):
+        acts.apply_activation_policy(block, "offload")
+        block.register_forward_pre_hook(lambda m, a, i=i: running.__setitem__(0, i))
+        block.register_full_backward_pre_hook(lambda m, g, i=i: events.append(("backward", i)))
+    tokens = torch.randint(0, 64, (2, 17))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    for b in (0, 1):  # on their way as the backward of the block after them starts, before their own
+        assert events.index(("backward", b + 1)) < events.index(("fetch", b)) < events.index(("backward", b))

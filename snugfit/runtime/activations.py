@@ -11,8 +11,10 @@ same under every policy, and FSDP2's module hooks still run around it.
   of matrix multiplies and attention (the expensive ops: mm, addmm, bmm, sdpa)
   and recomputes the cheap elementwise/norm ops, which are most of the bytes.
 - offload: saved tensors are copied to host memory in forward (pinned, on a
-  side stream, where an accelerator exists) and copied back when the gradient
-  reaches the block output -- i.e. prefetched just before the block's backward.
+  side stream, where an accelerator exists) and copied back one block ahead of
+  backward: when the gradient reaches a block's output, the copies of the block
+  before it start, newest first, so they arrive while this block computes.
+  Tensors already off the device (flash attention's CPU seed and offset) stay.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class _HostCopy:
         self.device = t.device
         self.stream = stream
         self.back: torch.Tensor | None = None
+        self.used = False  # handed to autograd: never fetched again
         self.event = None
         pin = stream is not None
         self.host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
@@ -91,7 +94,7 @@ class _HostCopy:
         self.event = stream.record_event()
 
     def fetch(self) -> None:
-        if self.back is not None:
+        if self.back is not None or self.used:
             return
         if self.stream is None:
             self.back = self.host.to(self.device, copy=True)
@@ -103,10 +106,14 @@ class _HostCopy:
 
     def get(self) -> torch.Tensor:
         self.fetch()
+        back, self.back, self.used = self.back, None, True  # autograd holds it now, as long as it needs it
         if self.event is not None:
             torch.accelerator.current_stream(self.device).wait_event(self.event)
-            self.back.record_stream(torch.accelerator.current_stream(self.device))
-        return self.back
+            back.record_stream(torch.accelerator.current_stream(self.device))
+        return back
+
+
+_last_offloaded: list = [[]]  # the saved copies of the offloaded block whose forward ran last
 
 
 def _offload(forward: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -114,10 +121,13 @@ def _offload(forward: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
         return forward(x, *args)
     stream = torch.Stream(device=x.device) if x.device.type != "cpu" and torch.accelerator.is_available() else None
     packed: list[_HostCopy] = []
+    before, _last_offloaded[0] = _last_offloaded[0], packed  # the block whose backward follows this one's
 
     def pack(t: torch.Tensor):
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return t  # weights stay where they are
+        if t.device != x.device:  # e.g. flash attention's CPU seed and offset: already off the device
+            return t
         packed.append(_HostCopy(t, stream))
         return packed[-1]
 
@@ -126,13 +136,15 @@ def _offload(forward: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = forward(x, *args)
-    if out.requires_grad:  # prefetch everything the block saved once its backward is next
-        out.register_hook(lambda grad: _fetch_all(packed))
+    if out.requires_grad:
+        out.register_hook(lambda grad: _fetch_all(packed, before))
     return out
 
 
-def _fetch_all(packed: list[_HostCopy]) -> None:
-    for p in packed:
+def _fetch_all(packed: list[_HostCopy], ahead: list[_HostCopy]) -> None:
+    """As a block's backward starts: its own copies (if not yet started), then those of the block whose backward
+    comes next, each newest first, as backward uses them."""
+    for p in [*reversed(packed), *reversed(ahead)]:
         p.fetch()
 
 
