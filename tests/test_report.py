@@ -59,3 +59,23 @@ def test_trace_records_merges_and_draws(bpipe, tmp_path):
     assert set(KINDS) <= set(COLOURS)  # every kind an engine may record has its colour
     out = draw_timeline(sim, plan, tmp_path / "m.png", measured=merged, detail=detail)
     assert out.stat().st_size > 10_000
+
+
+def test_an_accelerator_allocator_peak_is_logged_beside_the_tracked_one(monkeypatch):
+    """GPU runs log torch's max_memory_allocated/reserved per interval (reset each time); CPU runs do not."""
+    import torch
+
+    from snugfit.train.metrics import compare_line, measured_memory
+
+    class Engine:
+        memory = None
+
+    assert "allocator_peak_bytes" not in measured_memory(Engine())
+    resets = []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda: 3 * 2**20)
+    monkeypatch.setattr(torch.accelerator, "max_memory_reserved", lambda: 4 * 2**20)
+    monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats", lambda: resets.append(1))
+    record = {"step": 5, "loss": 1.0, "step_time_s": 0.1, **measured_memory(Engine())}
+    assert (record["allocator_peak_bytes"], record["allocator_reserved_bytes"], resets) == ([3 * 2**20], [4 * 2**20], [1])
+    assert "allocator MiB 3.0 (reserved 4.0)" in compare_line(record)

@@ -96,17 +96,32 @@ def measured_memory(engine) -> dict:
     tracker = getattr(engine, "memory", None)
     peak = tracker.peak() if tracker is not None else {}
     stage = engine.stage_stats() if hasattr(engine, "stage_stats") else None  # pipeline ranks
-    mine = [peak.get("device.total", 0), peak.get("host.total", 0), stage]
+    mine = [peak.get("device.total", 0), peak.get("host.total", 0), stage, allocator_peaks()]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     else:
         everyone = [mine]
-    out = {"peak_memory_bytes": [d for d, _, _ in everyone], "peak_host_bytes": [h for _, h, _ in everyone]}
+    out = {"peak_memory_bytes": [m[0] for m in everyone], "peak_host_bytes": [m[1] for m in everyone]}
     if stage is not None:
-        out["stage_peak_activation_bytes"] = [s["peak_activation_bytes"] for _, _, s in everyone]
-        out["stage_peak_microbatches"] = [s["peak_microbatches"] for _, _, s in everyone]
+        out["stage_peak_activation_bytes"] = [m[2]["peak_activation_bytes"] for m in everyone]
+        out["stage_peak_microbatches"] = [m[2]["peak_microbatches"] for m in everyone]
+    if everyone[0][3] is not None:  # the device allocator's own view, beside the tracked tensors
+        out["allocator_peak_bytes"] = [m[3][0] for m in everyone]
+        out["allocator_reserved_bytes"] = [m[3][1] for m in everyone]
     return out
+
+
+def allocator_peaks() -> tuple[int, int] | None:
+    """(max allocated, max reserved) bytes of this rank's accelerator since the last call, which resets them;
+    None on CPU. The tracker counts snugfit's tensors; this is what the caching allocator really held."""
+    import torch
+
+    if not torch.accelerator.is_available():
+        return None
+    peaks = torch.accelerator.max_memory_allocated(), torch.accelerator.max_memory_reserved()
+    torch.accelerator.reset_peak_memory_stats()
+    return peaks
 
 
 def predicted_fields(plan) -> dict:
@@ -135,4 +150,7 @@ def compare_line(r: dict) -> str:
         line += " | peak MiB per rank " + " ".join(mib(b) for b in r["peak_memory_bytes"])
         if "predicted_peak_memory_bytes" in r:
             line += " (predicted " + " ".join(mib(b) for b in r["predicted_peak_memory_bytes"]) + ")"
+    if "allocator_peak_bytes" in r:
+        line += " | allocator MiB " + " ".join(mib(b) for b in r["allocator_peak_bytes"])
+        line += " (reserved " + " ".join(mib(b) for b in r["allocator_reserved_bytes"]) + ")"
     return line
