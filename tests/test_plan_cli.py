@@ -87,6 +87,24 @@ def test_profile_hardware_command(tmp_path, capsys):
     assert rc == 0 and json.loads(out)["device"]["name"] == "cpu" and (tmp_path / "hw.json").exists()
 
 
+def test_a_measured_gpu_machine_becomes_a_cluster_file(tmp_path, monkeypatch):
+    """profile-hardware --toml on a GPU machine: the measured card as a [[gpu]] table that plans elsewhere."""
+    import torch
+
+    from snugfit.hardware import GPU, Host, Link, LocalHardware, parse_cluster
+
+    card = GPU("local-cuda", 48 * 2**30, {"float32": 30.0, "bfloat16": 150.0}, 900.0, 0, matmul_efficiency=1.0)
+    local = LocalHardware(card, Host(ram_bytes=256 * 2**30), {"pcie-local": Link("pcie-local", 22.0, 1e-5)})
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "here.toml").write_text(hw_cmd.machine_cluster(local).to_toml())
+    cluster = parse_cluster(str(tmp_path / "here.toml"))
+    assert cluster.world_size == 4 and cluster.gpu_of(0).memory_bytes == 48 * 2**30
+    assert cluster.gpu_of(0).flops_per_s("bfloat16") == 150e12  # measured: efficiency 1
+    assert cluster.nodes[0].pcie.name == "pcie4"  # 22 GB/s one way
+
+
 def test_search_explains_choice_alternatives_and_rejections(tiny_model, tmp_path, capsys):
     rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xRTX4090", "--seq", "64", "--global-batch", "8",
                     "--profile-cache", str(tmp_path)], capsys)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
+from pathlib import Path
+
+from snugfit.hardware.catalogue import LocalHardware
+from snugfit.hardware.cluster import Cluster
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile-hardware", help="measure matmul, memory, collective and optimizer rates here")
     p.add_argument("--out", help="write here instead of ~/.cache/snugfit/hardware.json (the file plans read)")
     p.add_argument("--no-collectives", action="store_true", help="skip the 2-process gloo measurement")
+    p.add_argument("--toml", help="also write this machine as a cluster file `snugfit plan --cluster` takes, e.g. "
+                                  "on a GPU machine to plan for it elsewhere (its GPU as a [[gpu]] table)")
     return p
 
 
@@ -18,4 +25,25 @@ def run(args: argparse.Namespace) -> int:
 
     local = profile_hardware(args.out, collectives=not args.no_collectives)
     print(json.dumps(local.to_dict(), indent=2))
+    if args.toml:
+        Path(args.toml).write_text(machine_cluster(local).to_toml())
+        print(f"cluster file: {args.toml} (plan with --cluster {args.toml})")
     return 0
+
+
+def machine_cluster(local: LocalHardware) -> Cluster:
+    """This machine as a one-node cluster: its accelerators as measured (named as torch names them, their PCIe
+    generation read from the measured host link), or its CPU."""
+    import torch
+
+    from snugfit.hardware.cluster import make_node
+
+    if not torch.accelerator.is_available():
+        node = make_node("cpu", 1)
+        return Cluster([node], node.intra, "cpu")
+    link = local.links["pcie-local"]
+    gen = 5 if link.gbps >= 40 else 4 if link.gbps >= 18 else 3  # one direction, pinned: ~50 / ~25 / ~12 GB/s
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else local.device.name
+    gpu = replace(local.device, name=name, pcie_gen=gen)
+    node = make_node(gpu.name, torch.accelerator.device_count(), host=local.host, custom={gpu.name: gpu})
+    return Cluster([node], node.intra, name)
