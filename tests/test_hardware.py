@@ -5,7 +5,7 @@ import os
 import pytest
 
 from snugfit.errors import SnugfitError
-from snugfit.hardware import GPUS, LocalHardware, get_gpu, load_cluster_toml, load_local, parse_cluster
+from snugfit.hardware import GPUS, Host, LocalHardware, get_gpu, load_cluster_toml, load_local, parse_cluster
 from snugfit.hardware.catalogue import FSDP_COSTS
 
 REQUIRED = ["V100-32GB", "T4", "A10", "L4", "A100-40GB-PCIe", "A100-40GB-SXM", "A100-80GB-PCIe", "A100-80GB-SXM",
@@ -166,3 +166,28 @@ def test_common_cards_plan_from_the_catalogue(spec):
 
     res = search(synth(8, 1024), parse_cluster(spec), global_batch=8, alternatives=0)
     assert res.best.predicted.fits and res.best.predicted.tokens_per_s > 0
+
+
+def test_a_profile_without_the_one_thread_figure_is_measured_again(tmp_path, monkeypatch):
+    """Local ranks run one thread each: a cached CPU profile that does not say how much slower that is, is stale."""
+    from snugfit.hardware.catalogue import hardware_cache_path
+
+    monkeypatch.setenv("SNUGFIT_HARDWARE_PROFILE", str(tmp_path / "bench.json"))
+    assert hardware_cache_path() == tmp_path / "bench.json"  # a bench keeps its own, apart from the user's
+    local = LocalHardware(get_gpu("cpu"), Host(cores=2), {})
+    local.save(tmp_path / "bench.json")
+    assert load_local() is None
+    local.host.thread_slowdown = 1.8
+    local.save(tmp_path / "bench.json")
+    assert load_local().host.thread_slowdown == 1.8
+
+
+def test_cpu_ranks_compute_at_one_thread_each():
+    from dataclasses import replace
+
+    from snugfit.plan.timing import cpu_share
+
+    node = parse_cluster("2xcpu").nodes[0]
+    node = replace(node, host=replace(node.host, cores=2, fsdp={}, thread_slowdown=1.8))
+    assert cpu_share(node) == pytest.approx(1.8)  # 2 ranks on 2 cores: no crowding, but one thread each
+    assert cpu_share(replace(node, count=1)) == 1.0  # one process runs with every thread

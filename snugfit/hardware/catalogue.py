@@ -71,6 +71,9 @@ class Host:
     # seconds per byte of the unit's parameters]; "contention": [how many times slower each rank computes with N
     # running]. Catalogue hosts have none: on GPUs the link's alpha-beta model and overlap with kernels apply.
     fsdp: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # How many times slower one thread computes than the whole CPU: local ranks run one thread each (torchrun
+    # sets OMP_NUM_THREADS=1) where the device's rates were measured with all. Measured; None: not yet.
+    thread_slowdown: float | None = None
 
 
 def _gpu(name, mem_gb, fp32, tf32, bf16, fp16, hbm, pcie, nvlink=None, inter="eth-25g") -> GPU:
@@ -148,7 +151,9 @@ def cache_dir() -> Path:
 
 
 def hardware_cache_path() -> Path:
-    return cache_dir() / "hardware.json"
+    """The measured profile of this machine; $SNUGFIT_HARDWARE_PROFILE puts it elsewhere (bench/ keeps its own
+    there, so a benchmark never replaces the user's)."""
+    return Path(os.environ.get("SNUGFIT_HARDWARE_PROFILE") or cache_dir() / "hardware.json")
 
 
 def default_cpu() -> GPU:
@@ -187,12 +192,15 @@ class LocalHardware:
 
 def load_local(path: str | Path | None = None) -> LocalHardware | None:
     """The cached measurement of this machine, or None when it was never measured or an older snugfit
-    measured fewer FSDP2 costs than the time model uses (then it is measured again)."""
+    measured less than the time model uses (then it is measured again)."""
     p = Path(path) if path else hardware_cache_path()
     if not p.exists():
         return None
     local = LocalHardware.from_dict(json.loads(p.read_text()))
-    return local if all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values()) else None
+    complete = all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values())
+    if local.device.name == "cpu" and local.host.thread_slowdown is None:
+        complete = False  # measured before one-thread ranks were
+    return local if complete else None
 
 
 def _suggest(name: str, known: list[str]) -> str:

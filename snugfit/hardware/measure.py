@@ -265,6 +265,16 @@ def measure_collectives(world: int = 2, nbytes: int = 16 * 2**20) -> tuple[Link,
 MAX_CROWDED = 8  # most local ranks measured (twice the cores, on machines small enough to be crowded)
 
 
+def thread_slowdown(n: int = 768) -> float:
+    """How many times slower a matmul as large as the device's rate was measured with runs on one thread than
+    on all this process has (small ones never spread over threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    one = _matmul_tflops(torch.float32, n, "cpu", lambda: None)
+    torch.set_num_threads(threads)
+    return max(1.0, _matmul_tflops(torch.float32, n, "cpu", lambda: None) / one)
+
+
 def measure_local_ranks(host: Host) -> Link:
     """Fill host.fsdp for 2 local ranks and for twice as many ranks as cores (where ranks crowd the cores);
     return the gloo link measured between 2."""
@@ -322,6 +332,7 @@ def profile_hardware(out: str | Path | None = None, collectives: bool = True) ->
         tflops = {"float32": _matmul_tflops(torch.float32, 768, "cpu", sync),
                   "bfloat16": _matmul_tflops(torch.bfloat16, 128, "cpu", sync)}
         hbm = _copy_gbps(32 * 2**20, "cpu", "cpu", sync)
+        host.thread_slowdown = thread_slowdown()
         device = GPU("cpu", host.ram_bytes, tflops, hbm, 0, None, "gloo-loopback",
                      base.matmul_efficiency, base.mem_efficiency, 0, op_overhead_s=op_overhead_s("cpu", sync))
     if collectives:

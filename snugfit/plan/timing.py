@@ -120,8 +120,13 @@ def local_ranks(node: Node, busy: float = 1.0) -> tuple[dict[str, list[float]], 
 
 def cpu_share(node: Node, busy: float = 1.0) -> float:
     """How many times slower each rank computes because the node's ranks share its CPU (1 on GPUs):
-    shared caches and memory bandwidth, and the division of the cores among more ranks than cores."""
-    return local_ranks(node, busy)[1] if node.gpu.name == "cpu" else 1.0
+    shared caches and memory bandwidth, the division of the cores among more ranks than cores, and, for more
+    than one rank, their running one thread each (torchrun's OMP_NUM_THREADS=1) where the device's rates were
+    measured with every core."""
+    if node.gpu.name != "cpu":
+        return 1.0
+    one_thread = (node.host.thread_slowdown or 1.0) if node.count > 1 else 1.0
+    return local_ranks(node, busy)[1] * one_thread
 
 
 def stage_time(

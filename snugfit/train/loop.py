@@ -174,6 +174,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
         evaluate(0)
     window: list[float] = []  # train_step seconds since the last log line
     bad_in_a_row, skipped_total, overflow_total = 0, 0, 0
+    profile_checked = False  # the first measured steps against the prediction from this machine's profile
     for step in range(start, t.steps):
         done = step + 1
         log_now = done % t.log_every == 0 or done == t.steps
@@ -220,6 +221,9 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
             metrics.write(record)
             if env.is_main:
                 _say(compare_line(record), bar)
+                if not profile_checked and done >= 3 and env.device.type == "cpu" and plan.predicted:
+                    profile_checked = True
+                    _check_profile(step_time, plan.predicted.step_time_s, bar)
             window = []
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             evaluate(done)
@@ -239,6 +243,18 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
     if env.is_main:
         _report(cfg, out, result, checkpoints)
     return result
+
+
+def _check_profile(measured_s: float, predicted_s: float, bar) -> None:
+    """Say when the first measured steps are far from what this machine's cached profile predicts: it may have
+    been taken while another job ran, or on other hardware."""
+    from snugfit.hardware.catalogue import hardware_cache_path
+
+    ratio = measured_s / predicted_s
+    if not 1 / 1.5 <= ratio <= 1.5:
+        _say(f"warning: steps take {ratio:.2f}x the {predicted_s:.3g} s predicted; the hardware profile "
+             f"({hardware_cache_path()}) may be stale or taken while the machine was busy: "
+             "`snugfit profile-hardware` measures it again", bar)
 
 
 def _draw_trace(cfg: RunConfig, env: DistEnv, plan: Plan, trace: StepTrace, out: Path, bar) -> None:
