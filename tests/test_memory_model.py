@@ -150,3 +150,17 @@ def test_predicted_peak_within_5_percent_of_memtracker_on_cpu(mbs, m, policy, at
     pred = estimate(plan, profile_model(cfg, micro_batch_size=mbs, seq_len=96, use_cache=False), parse_cluster("cpu"))
     measured = measure_single_process(cfg, plan, steps=0).peak_bytes
     assert pred.peak_memory_bytes == pytest.approx(measured, rel=0.05)
+
+
+def test_a_plan_whose_start_up_overflows_host_ram_does_not_fit():
+    """Offload plans read the whole model (fp32) in every rank before sharding: 8 x 80M x 4 B per node here."""
+    from dataclasses import replace
+
+    prof, cl = synthetic_profile(), parse_cluster("8xA100-80GB")
+    plan = _plan(dp=8, block=BlockPlan(zero=3, offload_optimizer=True))
+    assert estimate(plan, prof, cl).fits
+    small = replace(cl, nodes=[replace(cl.nodes[0], host=replace(cl.nodes[0].host, ram_bytes=2 * 2**30))])
+    pred = estimate(plan, prof, small)
+    assert not pred.fits and any("start-up needs" in n and "8 ranks" in n for n in pred.notes)
+    sharded = _plan(dp=8, block=BlockPlan(zero=3))  # read after sharding: nothing whole at start-up
+    assert not any("start-up" in n for n in estimate(sharded, prof, small).notes)

@@ -98,10 +98,11 @@ def test_measured_piece_times_are_used_on_their_device():
 
 
 def _cpu_cluster(ranks: int, contention: float = 1.0):
-    """`ranks` x this machine's CPU: 2 cores, known FSDP2 costs and contention measured for 2 ranks only."""
+    """`ranks` x this machine's CPU: 2 cores, known FSDP2 costs and contention measured for 2 ranks only, one
+    thread as fast as all (the one-thread factor has its own test, in test_hardware)."""
     cluster = parse_cluster(f"{ranks}xcpu")
     h = cluster.nodes[0].host
-    h.cores = 2
+    h.cores, h.thread_slowdown = 2, 1.0
     h.fsdp = {"2": {"replicate": [3e-4, 1e-10], "gather": [1e-3, 1e-9], "regather": [5e-4, 1e-9],
                     "allreduce": [1e-3, 3e-9], "reduce": [2e-3, 2e-9], "update": [4e-4, 1e-10],
                     "stage": [3e-3, 0.0], "contention": [contention]}}

@@ -9,7 +9,7 @@ from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
     StageTime, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
 )
-from snugfit.profile.types import ModelProfile
+from snugfit.profile.types import ModelProfile, nf4_bytes
 
 HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
 
@@ -151,6 +151,15 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
     return pred
 
 
+def startup_host_bytes(plan: Plan, prof: ModelProfile) -> int:
+    """Host memory one rank holds before its first step: the whole model as built (fp32, NF4 weights as stored)
+    when the plan reads it whole (Plan.reads_whole_model), else nothing beyond its shards."""
+    if not plan.reads_whole_model:
+        return 0
+    quantized = sum(p.quantized for p in prof.pieces)
+    return (prof.num_params() - quantized) * 4 + nf4_bytes(quantized)
+
+
 def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]], step: float,
             phases: dict[str, float], sim: SimResult, notes: list[str], budget: int | None) -> Prediction:
     peak = max(device_bytes(c) for c in mem)
@@ -165,6 +174,12 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str
         if need > HOST_USABLE * node.host.ram_bytes:
             fits = False
             notes.append(f"node {i}: host memory {need / 2**30:.1f} GiB exceeds {HOST_USABLE:.0%} of its RAM")
+        start = len(ranks) * startup_host_bytes(plan, prof) if node.gpu.name != "cpu" else 0
+        if start > HOST_USABLE * node.host.ram_bytes:
+            fits = False
+            notes.append(f"node {i}: start-up needs {start / 2**30:.1f} GiB of host memory, over {HOST_USABLE:.0%} "
+                         f"of its RAM: each of its {len(ranks)} ranks reads the whole model before sharding, as "
+                         "plans with optimizer or parameter offload do")
     if any("reserve" in c for c in mem):
         notes.append("reserve = CUDA context + 5% allocator fragmentation")
     flops = prof.train_flops() * plan.num_microbatches * plan.dp

@@ -69,27 +69,15 @@ def apply_activations(blocks: dict[str, nn.Module], plan: Plan, indices: list[in
     log.info("activations: %s", {p: policies.count(p) for p in sorted(set(policies))})
 
 
-def reads_whole(plan: Plan) -> bool:
-    """Whether a model built on the meta device must be read whole (this rank's stages) before the plan applies.
-
-    Sharded plans read it after FSDP2 has sharded it, each rank its own rows.
-    Not these: an unwrapped model has nothing sharded; HostOffload copies whole
-    fp32 masters of its units before sharding; FSDP2's parameter offload wants
-    its shards allocated on host, where a load before sharding puts them.
-    """
-    units = [plan.root, *plan.blocks]
-    return plan.runs_unwrapped or any(u.offload_optimizer or u.offload_params for u in units)
-
-
 def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> HostOffload | None:
     """Frozen parameters and partial offload's units cast to the compute dtype (before FSDP2), then the model on
     `device`.
 
     A model still on the meta device stays there for `read_weights` after
-    sharding, unless the plan `reads_whole`: then it is read here, on CPU, as a
+    sharding, unless the plan `reads_whole_model`: then it is read here, on CPU, as a
     model loaded before the run would have been.
     """
-    if weights is not None and reads_whole(plan):
+    if weights is not None and plan.reads_whole_model:
         weights(model, torch.device("cpu"))
     if not plan.runs_unwrapped:
         store_frozen_in_compute_dtype(model, plan)
@@ -127,7 +115,7 @@ def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
     """Validate the plan against the model and the launch, apply it, and return the engine that runs it.
 
     weights: where a model built on the meta device (`train.build.build_model(cfg, on_meta=True)`)
-    gets its values; no process then holds the whole model unless the plan `reads_whole`.
+    gets its values; no process then holds the whole model unless the plan `reads_whole_model`.
     """
     check_launch(model, plan, env)
     ensure_process_group(env)
