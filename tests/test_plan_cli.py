@@ -162,3 +162,17 @@ def test_infeasible_plan_names_host_ram_when_it_binds(tmp_path, capsys):
     assert rc == 2 and "host RAM is the binding limit (8 GiB per node): with --host-ram" in out, out
     rc, out = _run([*args, "--host-ram", "64GiB"], capsys)
     assert rc == 0 and ("parameter offload" in out or "optimizer offload" in out), out
+
+
+def test_plan_takes_a_train_config(tmp_path, capsys):
+    """`snugfit plan --config run.toml`: the built-in model, sequence, batch and fixed parts a run would use."""
+    (tmp_path / "run.toml").write_text("[model]\ndim = 64\nn_layers = 4\nn_heads = 4\nmax_seq_len = 128\n"
+                                       "[train]\nseq_len = 128\nbatch_size = 8\n[parallel]\nzero = 3\n")
+    rc, out = _run(["plan", "--config", str(tmp_path / "run.toml"), "--cluster", "2xRTX4090", "--json",
+                    "--profile-cache", str(tmp_path)], capsys)
+    plan = json.loads(out)
+    assert rc == 0 and (plan["seq_len"], plan["dp"] * plan["micro_batch_size"] * plan["num_microbatches"]) == (128, 8)
+    assert {b["zero"] for b in [plan["root"], *plan["blocks"]]} == {3}
+    assert plan["model"]["name"] == "run.toml [model]" and plan["model"]["blocks"] == 4
+    with pytest.raises(SnugfitError, match="give --model"):
+        _run(["plan", "--cluster", "2xRTX4090"], capsys)

@@ -177,7 +177,9 @@ def format_prediction(plan: Plan, pred: Prediction) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="find the fastest training plan that fits, and say why")
-    p.add_argument("--model", required=True, help="catalogue name (llama-3-8b, gpt2, ...) or a config.json")
+    p.add_argument("--model", help="catalogue name (llama-3-8b, gpt2, ...) or a config.json")
+    p.add_argument("--config", help="a `snugfit train` TOML: its model, sequence, batch, dtype, fine-tuning and "
+                                    "[parallel] fixed parts, where the options here do not set them")
     p.add_argument("--cluster", default="cpu", help="e.g. 8xH100-80GB, 2x8xA100-80GB, 2xRTX4090+2xRTX3090, 2xcpu, "
                                                     "file.toml")
     p.add_argument("--seq", type=int, help="sequence length (default: the plan file's)")
@@ -217,8 +219,38 @@ def _whole(args: argparse.Namespace) -> bool:
     return None not in (args.pp, args.micro_batch, args.zero, args.recompute)
 
 
+def from_train_config(args: argparse.Namespace) -> None:
+    """Fill what the command line left unset from a train config (`--config`), so a run is planned as it runs."""
+    from snugfit.config import build_config
+
+    cfg = build_config(args.config)
+    t, f, par = cfg.train, cfg.finetune, cfg.parallel
+    if args.model is None:
+        args.model = cfg.model.name or None
+        args.model_config = None if args.model else cfg.model  # the built-in model the config describes
+    for key, value in (("seq", t.seq_len), ("global_batch", t.batch_size), ("micro_batch", t.micro_batch_size or None),
+                       ("dp", par.dp), ("pp", par.pp), ("schedule", par.schedule),
+                       ("virtual_stages", par.virtual_stages), ("num_microbatches", par.num_microbatches),
+                       ("zero", par.zero), ("recompute", par.recompute), ("offload_optimizer", par.offload_optimizer),
+                       ("evict_bound", par.evict_bound)):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.offload_params = args.offload_params or bool(par.offload_params)
+    args.lora_rank = args.lora_rank or f.lora_rank
+    if args.quantize_base == "none":
+        args.quantize_base = f.quantize_base
+    if args.dtype == "auto":
+        args.dtype = t.dtype
+
+
 def run(args: argparse.Namespace) -> int:
-    model = resolve_model(args.model)
+    args.model_config = None
+    if args.config:
+        from_train_config(args)
+    if args.model is None and args.model_config is None:
+        raise SnugfitError("give --model (a catalogue name or config.json) or --config (a train TOML)")
+    model = args.model_config or resolve_model(args.model)
+    args.model = args.model or f"{Path(args.config).name} [model]"
     cluster = parse_cluster(args.cluster)
     if args.host_ram:
         cluster = with_host_ram(cluster, parse_bytes(args.host_ram))
