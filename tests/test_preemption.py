@@ -61,3 +61,31 @@ def test_a_second_signal_while_stopping_changes_nothing():
     finally:
         stops.close()
     assert signal.getsignal(signal.SIGTERM) != stops._handle  # handlers restored
+
+
+def test_a_rank_that_stops_answering_is_named_and_nothing_is_left_behind(tmp_path):
+    """SIGSTOP one rank: the other fails within timeout_s naming it and the step; torchrun removes the stopped one."""
+    from tests.test_elastic import rank_pid
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+    out = tmp_path / "hang"
+    run = subprocess.Popen([sys.executable, "-m", "snugfit", "train", *ARGS, "--steps", "2000", "--timeout-s", "8",
+                            "--checkpoint-every", "5", "--out-dir", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not ((out / "metrics.jsonl").exists() and len(_losses(out)) >= 6):
+        time.sleep(0.2)
+    victim = rank_pid(out, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "rank 1 stopped answering after step" in lines[0], err[-2000:]
+    assert "the last checkpoint is step_000000" in lines[0]
+    time.sleep(1)
+    assert not os.path.exists(f"/proc/{victim}")  # the stopped rank is gone too

@@ -25,6 +25,7 @@ from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields
+from snugfit.train.liveness import Heartbeat
 from snugfit.train.preemption import StopRequests
 
 log = logging.getLogger("snugfit")
@@ -104,7 +105,7 @@ def run_dtype(requested: str, env: DistEnv) -> tuple[str, str]:
 
 
 def train(cfg: RunConfig) -> TrainResult:
-    stops = StopRequests(cfg.train.save_on_signal)  # from the start: a signal during set-up stops after step 1
+    stops = StopRequests(cfg.train.save_on_signal, cfg.parallel.timeout_s)  # from the start: a signal during set-up stops after step 1
     env = init_distributed(cfg.parallel.timeout_s)
     try:
         return _train(cfg, env, stops)
@@ -175,68 +176,75 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
     window: list[float] = []  # train_step seconds since the last log line
     bad_in_a_row, skipped_total, overflow_total = 0, 0, 0
     profile_checked = False  # the first measured steps against the prediction from this machine's profile
-    for step in range(start, t.steps):
-        done = step + 1
-        log_now = done % t.log_every == 0 or done == t.steps
-        lr = lr_at(step, cfg)
-        engine.set_lr(lr)
-        engine.track_memory = log_now  # count saved tensors only on the steps we report
-        batch = sampler.next_batch()
-        if done == t.trace_step:
-            engine.trace = StepTrace()
-            if dist.is_initialized():
-                dist.barrier()  # line the ranks' clocks up
-            engine.trace.begin()
-        t0 = time.perf_counter()
-        res = engine.train_step(batch)
-        window.append(time.perf_counter() - t0)
-        if engine.trace is not None:
-            _draw_trace(cfg, env, plan, engine.trace, out / "timeline.png", bar)
-            engine.trace = None
-        result.losses[done] = res.loss
-        result.last_step = done
-        # float16 overflows are the loss scale finding its level, not a run going bad
-        bad_in_a_row = bad_in_a_row + 1 if res.skipped and not res.overflow else 0
-        skipped_total += res.skipped
-        overflow_total += res.overflow
-        if bad_in_a_row >= t.max_bad_steps:
-            # Skipped steps left weights and optimizer untouched: what is saved is the last good state.
-            saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
-            raise SnugfitError(
-                f"loss or gradients were not finite for {bad_in_a_row} steps in a row (up to step {done}); "
-                f"the last good state is saved in {saved}; lower train.lr or check the data, then --resume"
-            )
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
-        if log_now:
-            step_time = statistics.median(window)
-            record = {
-                "kind": "train", "step": done, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
-                "skipped": res.skipped, "skipped_total": skipped_total, "overflow_total": overflow_total,
-                "step_time_s": step_time,
-                "tokens_per_s": plan.tokens_per_step / step_time, **measured_memory(engine),
-            }
-            record.update(predicted_fields(plan))
-            metrics.write(record)
-            if env.is_main:
-                _say(compare_line(record), bar)
-                if not profile_checked and done >= 3 and env.device.type == "cpu" and plan.predicted:
-                    profile_checked = True
-                    _check_profile(step_time, plan.predicted.step_time_s, bar)
-            window = []
-        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-            evaluate(done)
-        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-            checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
-        stop = stops.agreed()
-        if stop and done < t.steps:
-            saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+    heartbeat = Heartbeat(env.rank, env.world_size)
+    try:
+        for step in range(start, t.steps):
+            done = step + 1
+            log_now = done % t.log_every == 0 or done == t.steps
+            lr = lr_at(step, cfg)
+            engine.set_lr(lr)
+            engine.track_memory = log_now  # count saved tensors only on the steps we report
+            batch = sampler.next_batch()
+            if done == t.trace_step:
+                engine.trace = StepTrace()
+                if dist.is_initialized():
+                    dist.barrier()  # line the ranks' clocks up
+                engine.trace.begin()
+            t0 = time.perf_counter()
+            res = engine.train_step(batch)
+            window.append(time.perf_counter() - t0)
+            if engine.trace is not None:
+                _draw_trace(cfg, env, plan, engine.trace, out / "timeline.png", bar)
+                engine.trace = None
+            result.losses[done] = res.loss
+            result.last_step = done
+            # float16 overflows are the loss scale finding its level, not a run going bad
+            bad_in_a_row = bad_in_a_row + 1 if res.skipped and not res.overflow else 0
+            skipped_total += res.skipped
+            overflow_total += res.overflow
+            if bad_in_a_row >= t.max_bad_steps:
+                # Skipped steps left weights and optimizer untouched: what is saved is the last good state.
+                saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+                raise SnugfitError(
+                    f"loss or gradients were not finite for {bad_in_a_row} steps in a row (up to step {done}); "
+                    f"the last good state is saved in {saved}; lower train.lr or check the data, then --resume"
+                )
             if bar is not None:
-                bar.close()
-            metrics.close()
-            raise Stopped(f"stopped by {signal.Signals(stop).name} at step {done}; checkpoint {saved.name}; "
-                          "resume with --resume", stop)
+                bar.update(1)
+                bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
+            if log_now:
+                step_time = statistics.median(window)
+                record = {
+                    "kind": "train", "step": done, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
+                    "skipped": res.skipped, "skipped_total": skipped_total, "overflow_total": overflow_total,
+                    "step_time_s": step_time,
+                    "tokens_per_s": plan.tokens_per_step / step_time, **measured_memory(engine),
+                }
+                record.update(predicted_fields(plan))
+                metrics.write(record)
+                if env.is_main:
+                    _say(compare_line(record), bar)
+                    if not profile_checked and done >= 3 and env.device.type == "cpu" and plan.predicted:
+                        profile_checked = True
+                        _check_profile(step_time, plan.predicted.step_time_s, bar)
+                window = []
+            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+                evaluate(done)
+            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
+                checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+            heartbeat.beat(done)
+            stop = stops.agreed()
+            if stop and done < t.steps:
+                saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+                if bar is not None:
+                    bar.close()
+                metrics.close()
+                raise Stopped(f"stopped by {signal.Signals(stop).name} at step {done}; checkpoint {saved.name}; "
+                              "resume with --resume", stop)
+    except RuntimeError as err:  # a collective or transfer gave up waiting: name the rank that stopped
+        latest = checkpoints.latest()
+        heartbeat.explain(err, result.last_step, cfg.parallel.timeout_s, latest.name if latest else "none")
+        raise
     if bar is not None:
         bar.close()
     metrics.close()

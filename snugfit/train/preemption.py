@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 class StopRequests:
     """Records the first stop signal this process gets, from the moment it is made until `close()`."""
 
-    def __init__(self, enabled: bool = True):
-        self.received = 0
+    def __init__(self, enabled: bool = True, timeout_s: float = 300.0):
+        self.received, self.timeout = 0, timedelta(seconds=timeout_s)
         self._previous = {}
         if enabled and threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
@@ -45,8 +46,8 @@ class StopRequests:
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.received
         vote = torch.tensor([self.received], dtype=torch.int32)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=cached_group(("stop-vote",), lambda: dist.new_group(
-            backend="gloo")))  # host tensors: gloo beside NCCL
+        group = cached_group(("stop-vote",), lambda: dist.new_group(backend="gloo", timeout=self.timeout))
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)  # host tensors: gloo beside NCCL
         return int(vote.item())
 
     def close(self) -> None:

@@ -1,0 +1,48 @@
+"""A rank that stops answering becomes one error that names it.
+
+Every collective and transfer waits at most `parallel.timeout_s` (runtime/dist.py), so a stopped or lost
+rank already turns into an exception on the others; but gloo's and NCCL's messages name a socket or an
+operation, not the rank. Each rank therefore writes the last step it finished into the job's store (the
+rendezvous store the launcher holds, alive whatever the ranks do) after every step; when a step fails for
+lack of an answer, the rank that is behind is the one that stopped.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from snugfit.errors import SnugfitError
+
+LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer dead")
+
+
+class Heartbeat:
+    """The last step each rank finished, in the job's store (nothing to do for one process)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        multi = dist.is_initialized() and world_size > 1
+        self.store = dist.distributed_c10d._get_default_store() if multi else None  # torch has no public getter
+
+    def beat(self, step: int) -> None:
+        if self.store is not None:
+            self.store.set(f"snugfit/done/{self.rank}", str(step))
+
+    def last_steps(self) -> dict[int, int]:
+        """Each rank's last finished step; -1 for one that never finished any (store.check does not block)."""
+        out = {}
+        for r in range(self.world_size):
+            key = f"snugfit/done/{r}"
+            out[r] = int(self.store.get(key)) if self.store.check([key]) else -1
+        return out
+
+    def explain(self, err: BaseException, step: int, timeout_s: float, checkpoint: str) -> None:
+        """Raise one line naming the rank that stopped answering when `err` is a lost peer; else return."""
+        if self.store is None or not any(s in str(err).lower() for s in LOST_PEER):
+            return
+        steps = self.last_steps()
+        behind = min((r for r in steps if r != self.rank), key=lambda r: (steps[r], r))
+        raise SnugfitError(
+            f"rank {behind} stopped answering after step {steps[behind]} (nothing for {timeout_s:.0f} s while "
+            f"this rank ran step {step + 1}); the last checkpoint is {checkpoint}: restart with --resume, or "
+            "--max-restarts N to do so by itself") from None
