@@ -72,7 +72,7 @@ def _refuse_unknown(unknown: list[str], command: str) -> None:
     from snugfit.config import resolve_key
 
     option = next((u for u in unknown if u.startswith("-")), unknown[0])
-    if command == "train" and option.startswith("--"):
+    if command in ("train", "plan") and option.startswith("--"):
         resolve_key(option[2:].split("=")[0].replace("-", "_"))  # raises with suggestions when unknown
     raise SnugfitError(f"unexpected argument {option!r}; see `snugfit {command} --help`")
 

@@ -2,7 +2,8 @@
 
 Sections and keys are the fields of the dataclasses below; `snugfit train --help`
 lists them all. A key is written `--section.key value`, or `--key value` when
-the key name is unique across sections.
+the key name is unique across sections, on `snugfit train` and `snugfit plan`
+alike (snugfit/commands/options.py): a new field is a new option of both.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def validate(cfg: RunConfig) -> None:
         raise SnugfitError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
     if t.lr <= 0:
         raise SnugfitError(f"train.lr must be positive, got {t.lr}")
-    if t.seq_len > cfg.model.max_seq_len:
+    if t.seq_len > cfg.model.max_seq_len and not cfg.model.name:  # a named model has its own maximum
         raise SnugfitError(
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}); lower one or raise the other"
         )

@@ -164,15 +164,44 @@ def test_infeasible_plan_names_host_ram_when_it_binds(tmp_path, capsys):
     assert rc == 0 and ("parameter offload" in out or "optimizer offload" in out), out
 
 
-def test_plan_takes_a_train_config(tmp_path, capsys):
-    """`snugfit plan --config run.toml`: the built-in model, sequence, batch and fixed parts a run would use."""
-    (tmp_path / "run.toml").write_text("[model]\ndim = 64\nn_layers = 4\nn_heads = 4\nmax_seq_len = 128\n"
-                                       "[train]\nseq_len = 128\nbatch_size = 8\n[parallel]\nzero = 3\n")
-    rc, out = _run(["plan", "--config", str(tmp_path / "run.toml"), "--cluster", "2xRTX4090", "--json",
+def test_train_and_plan_share_one_option_set():
+    """Every run-config key is the same option, with the same spellings, on both commands."""
+    from snugfit.cli import build_parser
+    from snugfit.config import all_keys
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+
+    def spellings(command):
+        return {a.dest: sorted(a.option_strings) for a in sub.choices[command]._actions if "." in a.dest}
+
+    train, plan = spellings("train"), spellings("plan")
+    assert train == plan and set(train) == set(all_keys())
+    for key, alias in [("model.name", "--model"), ("train.seq_len", "--seq"), ("train.batch_size", "--global-batch"),
+                       ("train.micro_batch_size", "--micro-batch"), ("train.dtype", "--dtype"),
+                       ("finetune.lora_rank", "--lora-rank"), ("finetune.freeze", "--freeze"),
+                       ("parallel.zero", "--zero"), ("train.seq_len", "--seq-len"), ("parallel.plan", "--plan-file")]:
+        assert alias in train[key] and f"--{key}" in train[key]
+
+
+def test_plan_reads_a_train_config_for_the_built_in_model(tmp_path, capsys):
+    """`snugfit plan --config run.toml`: the built-in model of [model], [train] batch and seq, [parallel] fixed
+    parts and ranks, no model JSON; options override the file as they do for `snugfit train`."""
+    from snugfit.config import build_config
+
+    (tmp_path / "run.toml").write_text('[model]\ndim = 64\nn_layers = 4\nn_heads = 4\n'
+                                       '[train]\nseq_len = 64\nbatch_size = 8\n'
+                                       '[parallel]\nnproc = 2\nzero = 3\n')
+    rc, out = _run(["plan", "--config", str(tmp_path / "run.toml"), "--json", "--profile-cache", str(tmp_path)],
+                   capsys)
+    d = json.loads(out)
+    count = build_config(str(tmp_path / "run.toml")).model.num_params()
+    assert rc == 0 and d["model"]["parameters"] == d["model"]["trainable"] == count
+    assert (d["model"]["name"], d["model"]["blocks"], d["model"]["hidden"]) == ("built-in llama", 4, 64)
+    assert (d["seq_len"], d["micro_batch_size"] * d["num_microbatches"] * d["dp"], d["dp"] * d["pp"]) == (64, 8, 2)
+    assert {b["zero"] for b in [d["root"], *d["blocks"]]} == {3}
+    rc, out = _run(["plan", "--config", str(tmp_path / "run.toml"), "--lora-rank", "4", "--pp", "2", "--json",
                     "--profile-cache", str(tmp_path)], capsys)
-    plan = json.loads(out)
-    assert rc == 0 and (plan["seq_len"], plan["dp"] * plan["micro_batch_size"] * plan["num_microbatches"]) == (128, 8)
-    assert {b["zero"] for b in [plan["root"], *plan["blocks"]]} == {3}
-    assert plan["model"]["name"] == "run.toml [model]" and plan["model"]["blocks"] == 4
-    with pytest.raises(SnugfitError, match="give --model"):
-        _run(["plan", "--cluster", "2xRTX4090"], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["pp"] == 2 and d["model"]["parameters"] - d["model"]["trainable"] == count  # base frozen
+    with pytest.raises(SnugfitError, match="--zero fixes a part of a searched plan"):
+        _run(["plan", "--config", str(tmp_path / "run.toml"), "--plan", "dp"], capsys)

@@ -17,16 +17,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from snugfit.commands.options import add_config_options, config_from_args
 from snugfit.errors import SnugfitError
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
-from snugfit.plan.dtype import DTYPE_CHOICES, dtype_for_cluster
+from snugfit.plan.dtype import dtype_for_cluster
 from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result
-from snugfit.plan.options import POLICY_ALIASES, fixed_parts
-from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, SCHEDULES, BlockPlan, Plan, PlanError, Prediction
-from snugfit.plan.search import Constraints, NoPlanError, search
+from snugfit.plan.options import POLICY_ALIASES, fixed_parts, fixed_parts_of, refuse_fixed_parts_beside
+from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, BlockPlan, Plan, PlanError, Prediction
+from snugfit.plan.search import NoPlanError, search
 from snugfit.profile.types import ModelProfile
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
@@ -113,23 +114,31 @@ def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
     return plan
 
 
-def profile_for(model: ModelConfig | dict, *, micro_batch: int, seq: int, dtype: str, cache_dir: str | None = None,
-                name: str | None = None, lora_rank: int | None = None, quantize_base: str = "none") -> ModelProfile:
-    """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches)."""
-    from snugfit.profile.profile import profile_model
+@dataclass
+class Target:
+    """What is planned: the model and its fine-tuning, as the run config gives them."""
 
-    if isinstance(model, ModelConfig) and model.max_seq_len < seq:
-        model.max_seq_len = seq
-    return profile_model(model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=name, cache_dir=cache_dir,
-                         lora_rank=lora_rank or None, quantize_base=quantize_base)
+    model: ModelConfig | dict
+    name: str
+    lora_rank: int = 0
+    frozen: str = ""
+    quantize_base: str = "none"
+    cache_dir: str | None = None
+
+    def profile(self, micro_batch: int, seq: int, dtype: str) -> ModelProfile:
+        """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches)."""
+        from snugfit.profile.profile import profile_model
+
+        if isinstance(self.model, ModelConfig) and self.model.max_seq_len < seq:
+            self.model.max_seq_len = seq
+        return profile_model(self.model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name,
+                             cache_dir=self.cache_dir, lora_rank=self.lora_rank or None, frozen=self.frozen or None,
+                             quantize_base=self.quantize_base)
 
 
-def evaluate(plan: Plan, model: ModelConfig | dict, cluster: Cluster, *, memory_budget: int | None = None,
-             cache_dir: str | None = None, name: str | None = None, lora_rank: int | None = None,
-             quantize_base: str = "none") -> Prediction:
+def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
     """Profile the model for the plan's micro-batch, sequence and dtype, then estimate the plan."""
-    prof = profile_for(model, micro_batch=plan.micro_batch_size, seq=plan.seq_len, dtype=plan.compute_dtype,
-                       cache_dir=cache_dir, name=name, lora_rank=lora_rank, quantize_base=quantize_base)
+    prof = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype)
     try:
         return estimate(plan, prof, cluster, memory_budget)
     except PlanError as e:
@@ -141,15 +150,6 @@ def max_length(model: ModelConfig | dict) -> int | None:
     if isinstance(model, ModelConfig):
         return model.max_seq_len
     return next((model[k] for k in ("max_position_embeddings", "n_positions", "seq_length") if model.get(k)), None)
-
-
-def constraints_from_args(args: argparse.Namespace, world_size: int) -> Constraints:
-    """The parts of the plan fixed on the command line (plan.options.fixed_parts checks them)."""
-    return fixed_parts(world_size, dp=args.dp, pp=args.pp, micro_batch=args.micro_batch,
-                       num_microbatches=args.num_microbatches, schedule=args.schedule,
-                       virtual_stages=args.virtual_stages, zero=args.zero, recompute=args.recompute,
-                       offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
-                       evict_bound=args.evict_bound)
 
 
 def format_prediction(plan: Plan, pred: Prediction) -> str:
@@ -176,110 +176,74 @@ def format_prediction(plan: Plan, pred: Prediction) -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="find the fastest training plan that fits, and say why")
-    p.add_argument("--model", help="catalogue name (llama-3-8b, gpt2, ...) or a config.json")
-    p.add_argument("--config", help="a `snugfit train` TOML: its model, sequence, batch, dtype, fine-tuning and "
-                                    "[parallel] fixed parts, where the options here do not set them")
-    p.add_argument("--cluster", default="cpu", help="e.g. 8xH100-80GB, 2x8xA100-80GB, 2xRTX4090+2xRTX3090, 2xcpu, "
-                                                    "file.toml")
-    p.add_argument("--seq", type=int, help="sequence length (default: the plan file's)")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per GPU)")
-    fixed = p.add_argument_group("fixed parts of the plan (searched when not given)")
-    fixed.add_argument("--micro-batch", type=int)
-    fixed.add_argument("--dp", type=int)
-    fixed.add_argument("--pp", type=int)
-    fixed.add_argument("--schedule", choices=SCHEDULES)
-    fixed.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved)")
-    fixed.add_argument("--num-microbatches", type=int)
-    fixed.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
-    fixed.add_argument("--recompute", help="keep|recompute|selective|offload (none=keep, full=recompute)")
-    fixed.add_argument("--offload-optimizer", metavar="BLOCKS", help="'all', 'none' or the number of (first) blocks")
-    fixed.add_argument("--offload-params", action="store_true")
-    fixed.add_argument("--evict-bound", type=int, help="BPipe: most microbatches per stage")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="compute dtype; auto: bf16 where every GPU has it, else fp16 with loss scaling, fp32 on CPU")
-    p.add_argument("--reduce-dtype", default="float32", choices=DTYPES)
-    p.add_argument("--memory-budget", help="per-GPU limit, e.g. 20GiB (default: the GPU's memory)")
-    p.add_argument("--host-ram", help="host memory per node, e.g. 512GiB (default: the cluster's; catalogue nodes "
-                                      "256GiB)")
-    p.add_argument("--alternatives", type=int, default=3, help="runners-up to verify and show")
-    p.add_argument("--explain-bpipe", action="store_true", help="compare the best plans with and without BPipe")
-    p.add_argument("--plan-file", help="evaluate this plan JSON instead of building one from options")
-    p.add_argument("--profile-cache", help="directory for cached model profiles")
-    p.add_argument("--json", action="store_true", help="print the plan with its predictions as JSON")
-    p.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (base weights frozen)")
-    p.add_argument("--quantize-base", choices=("none", "nf4"), default="none",
-                   help="nf4: the frozen base's block linears in 4 bits (QLoRA; with --lora-rank)")
-    p.add_argument("--timeline", metavar="FILE", help="draw the chosen plan's step per rank (.png, .svg or .pdf)")
+    p = subparsers.add_parser(
+        "plan", help="find the fastest training plan that fits, and say why",
+        description="Plan the run that `snugfit train` takes the same options for (--config FILE, --key value): "
+        "--model is a catalogue name, a Hugging Face folder or a config.json (default: the built-in decoder of "
+        "[model]). --dp --pp --zero --recompute ... fix parts of the plan, the rest is searched; all four of --pp "
+        "--micro-batch --zero --recompute, or --plan-file, evaluate one plan as given. Without --seq and "
+        "--global-batch a named model is planned at its maximum length, one sequence per GPU.")
+    add_config_options(p)
+    own = p.add_argument_group("planning")
+    own.add_argument("--cluster", help="e.g. 8xH100-80GB, 2x8xA100-80GB, 2xRTX4090+2xRTX3090, 2xcpu, file.toml "
+                                       "(default: --nproc x cpu)")
+    own.add_argument("--reduce-dtype", default="float32", choices=DTYPES)
+    own.add_argument("--memory-budget", help="per-GPU limit, e.g. 20GiB (default: the GPU's memory)")
+    own.add_argument("--host-ram", help="host memory per node, e.g. 512GiB (default: the cluster's; catalogue "
+                                        "nodes 256GiB)")
+    own.add_argument("--alternatives", type=int, default=3, help="runners-up to verify and show")
+    own.add_argument("--explain-bpipe", action="store_true", help="compare the best plans with and without BPipe")
+    own.add_argument("--profile-cache", help="directory for cached model profiles")
+    own.add_argument("--json", action="store_true", help="print the plan with its predictions as JSON")
+    own.add_argument("--timeline", metavar="FILE", help="draw the chosen plan's step per rank (.png, .svg or .pdf)")
     return p
 
 
-def _whole(args: argparse.Namespace) -> bool:
-    """Did the user give the whole plan (evaluate it) rather than parts of it (search the rest)?"""
-    return None not in (args.pp, args.micro_batch, args.zero, args.recompute)
-
-
-def from_train_config(args: argparse.Namespace) -> None:
-    """Fill what the command line left unset from a train config (`--config`), so a run is planned as it runs."""
-    from snugfit.config import build_config
-
-    cfg = build_config(args.config)
-    t, f, par = cfg.train, cfg.finetune, cfg.parallel
-    if args.model is None:
-        args.model = cfg.model.name or None
-        args.model_config = None if args.model else cfg.model  # the built-in model the config describes
-    for key, value in (("seq", t.seq_len), ("global_batch", t.batch_size), ("micro_batch", t.micro_batch_size or None),
-                       ("dp", par.dp), ("pp", par.pp), ("schedule", par.schedule),
-                       ("virtual_stages", par.virtual_stages), ("num_microbatches", par.num_microbatches),
-                       ("zero", par.zero), ("recompute", par.recompute), ("offload_optimizer", par.offload_optimizer),
-                       ("evict_bound", par.evict_bound)):
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.offload_params = args.offload_params or bool(par.offload_params)
-    args.lora_rank = args.lora_rank or f.lora_rank
-    if args.quantize_base == "none":
-        args.quantize_base = f.quantize_base
-    if args.dtype == "auto":
-        args.dtype = t.dtype
-
-
 def run(args: argparse.Namespace) -> int:
-    args.model_config = None
-    if args.config:
-        from_train_config(args)
-    if args.model is None and args.model_config is None:
-        raise SnugfitError("give --model (a catalogue name or config.json) or --config (a train TOML)")
-    model = args.model_config or resolve_model(args.model)
-    args.model = args.model or f"{Path(args.config).name} [model]"
-    cluster = parse_cluster(args.cluster)
+    cfg, given = config_from_args(args)
+    t, par = cfg.train, cfg.parallel
+    refuse_fixed_parts_beside(par)
+    named = cfg.model.name
+    model = resolve_model(named) if named else cfg.model
+    target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
+                    cfg.finetune.quantize_base, args.profile_cache)
+    cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
     if args.host_ram:
         cluster = with_host_ram(cluster, parse_bytes(args.host_ram))
-    args.dtype, why = dtype_for_cluster(args.dtype, cluster)
+    dtype, why = dtype_for_cluster(t.dtype, cluster)
     n_blocks = model.n_layers if isinstance(model, ModelConfig) else int(model["num_hidden_layers"])
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-    notes = [f"dtype {args.dtype}: {why}"] if not args.plan_file else []
-    if args.seq is None and not args.plan_file:
-        args.seq = max_length(model)
-        if args.seq is None:
-            raise SnugfitError("--seq is required: the model's config gives no maximum length")
-        notes.append(f"seq {args.seq}: the model's maximum length (--seq to plan another)")
-    if args.plan_file or _whole(args):
-        plan = _read_plan(args.plan_file) if args.plan_file else _given_plan(args, n_blocks, cluster.world_size)
-        pred = evaluate(plan, model, cluster, memory_budget=budget, cache_dir=args.profile_cache, name=args.model,
-                        lora_rank=args.lora_rank, quantize_base=args.quantize_base)
-        plan.model = profile_for(model, micro_batch=plan.micro_batch_size, seq=plan.seq_len, dtype=plan.compute_dtype,
-                                 cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank,
-                                 quantize_base=args.quantize_base).summary()
-        print(plan.to_json() if args.json else "\n".join([format_prediction(plan, pred), *notes]))
-        _draw(args, plan, model, cluster, budget)
+    if par.plan not in ("auto", "dp"):
+        plan = _read_plan(par.plan)
+        _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, [])
         return 0
-    c = constraints_from_args(args, cluster.world_size)
-    dp = args.dp or (cluster.world_size // args.pp if args.pp else cluster.world_size)
-    gb = args.global_batch or (args.micro_batch or 1) * (args.num_microbatches or 1) * (
-        dp if args.num_microbatches else cluster.world_size)
-    prof = profile_for(model, micro_batch=args.micro_batch or 1, seq=args.seq, dtype=args.dtype,
-                       cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank,
-                       quantize_base=args.quantize_base)
+    notes = [f"dtype {dtype}: {why}"]
+    seq = t.seq_len
+    if named and "train.seq_len" not in given:
+        seq = max_length(model)
+        if seq is None:
+            raise SnugfitError("--seq is required: the model's config gives no maximum length")
+        notes.append(f"seq {seq}: the model's maximum length (--seq to plan another)")
+    micro = t.micro_batch_size or None
+    gb = t.batch_size if "train.batch_size" in given or not named else None  # None: one sequence per GPU
+    if par.plan == "auto" and None not in (par.pp, micro, par.zero, par.recompute):  # whole: evaluate as written
+        plan = plan_from_options(PlanOptions(
+            seq=seq, micro_batch=micro, dp=par.dp, pp=par.pp, schedule=par.schedule,
+            virtual_stages=par.virtual_stages or 1, num_microbatches=par.num_microbatches, global_batch=gb,
+            zero=par.zero, recompute=par.recompute, offload_optimizer=par.offload_optimizer,
+            offload_params=bool(par.offload_params), dtype=dtype, reduce_dtype=args.reduce_dtype,
+            evict_bound=par.evict_bound), n_blocks, cluster.world_size)
+        _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
+        return 0
+    if par.plan == "dp":  # plain data parallelism, as `snugfit train --plan dp` runs it; the micro-batch searched
+        c = fixed_parts(cluster.world_size, dp=cluster.world_size, pp=1, zero=0, recompute="keep",
+                        offload_optimizer="none", micro_batch=micro)
+    else:
+        c = fixed_parts_of(par, t.micro_batch_size, cluster.world_size)
+    if gb is None:
+        dp = c.dp or cluster.world_size // (c.pp or 1)
+        gb = (micro or 1) * (c.num_microbatches or 1) * (dp if c.num_microbatches else cluster.world_size)
+    prof = target.profile(micro or 1, seq, dtype)
     try:
         res = search(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget,
                      reduce_dtype=args.reduce_dtype, alternatives=args.alternatives, compare_bpipe=args.explain_bpipe)
@@ -302,19 +266,25 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join([format_result(res, cluster), *notes]))
         if args.explain_bpipe:
             print(explain_bpipe(res))
-    _draw(args, res.best, model, cluster, budget)
+    _draw(args, res.best, target, cluster, budget)
     return 0
 
 
-def _draw(args: argparse.Namespace, plan: Plan, model: ModelConfig | dict, cluster: Cluster, budget: int | None) -> None:
+def _report(args: argparse.Namespace, plan: Plan, pred: Prediction, target: Target, cluster: Cluster,
+            budget: int | None, notes: list[str]) -> None:
+    """A plan evaluated as given: what was planned, the prediction, the notes (or all as JSON)."""
+    plan.model = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype).summary()
+    print(plan.to_json() if args.json else "\n".join([format_prediction(plan, pred), *notes]))
+    _draw(args, plan, target, cluster, budget)
+
+
+def _draw(args: argparse.Namespace, plan: Plan, target: Target, cluster: Cluster, budget: int | None) -> None:
     """--timeline: the plan's simulated step per rank with memory over time (the time model's own simulation)."""
     if not args.timeline:
         return
     from snugfit.report.timeline import draw_timeline, timeline_for
 
-    prof = profile_for(model, micro_batch=plan.micro_batch_size, seq=plan.seq_len, dtype=plan.compute_dtype,
-                       cache_dir=args.profile_cache, name=args.model, lora_rank=args.lora_rank,
-                       quantize_base=args.quantize_base)
+    prof = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype)
     sim, detail = timeline_for(plan, prof, cluster, budget)
     out = draw_timeline(sim, plan, args.timeline, detail=detail)
     print(f"timeline: {out}", file=sys.stderr if args.json else sys.stdout)
@@ -328,13 +298,3 @@ def _read_plan(path_text: str) -> Plan:
         return Plan.from_json(path.read_text())
     except (PlanError, json.JSONDecodeError, TypeError) as e:
         raise SnugfitError(f"cannot read plan file {path}: {e}") from None
-
-
-def _given_plan(args: argparse.Namespace, n_blocks: int, world_size: int) -> Plan:
-    return plan_from_options(PlanOptions(
-        seq=args.seq, micro_batch=args.micro_batch, dp=args.dp, pp=args.pp, schedule=args.schedule,
-        virtual_stages=args.virtual_stages or 1, num_microbatches=args.num_microbatches,
-        global_batch=args.global_batch, zero=args.zero, recompute=args.recompute,
-        offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, dtype=args.dtype,
-        reduce_dtype=args.reduce_dtype, evict_bound=args.evict_bound,
-    ), n_blocks, world_size)

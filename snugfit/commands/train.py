@@ -6,35 +6,19 @@ import argparse
 import os
 import sys
 
-from snugfit.config import RunConfig, all_keys, build_config
-
-
-def _flag(key: str) -> str:
-    return "--" + key.split(".", 1)[1].replace("_", "-")
+from snugfit.commands.options import add_config_options, config_from_args
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    keys, defaults = all_keys(), RunConfig()
-    short_names = [k.split(".", 1)[1] for k in keys]
     p = sub.add_parser(
         "train",
         help="train a model (defaults: a small model on the embedded corpus)",
         description="Train a model. Settings come from defaults, then --config FILE (TOML with sections "
-        "[model] [data] [train] [parallel]), then --key value overrides. Every key is --section.key; "
-        "keys unique across sections also take the short form shown.",
+        "[model] [data] [train] [finetune] [parallel]), then --key value overrides. Every key is --section.key; "
+        "keys unique across sections also take the short form shown. [parallel] dp, pp, zero, ... fix parts of "
+        "the searched plan; the rest is searched for the launched ranks.",
     )
-    p.add_argument("--config", metavar="FILE", help="TOML file with [model] [data] [train] [parallel] sections")
-    for key, (section, tp) in keys.items():
-        names = [f"--{key}"]
-        if key == "model.name":
-            names.insert(0, "--model")  # `snugfit train --model path/to/hf_folder`
-        elif short_names.count(key.split(".", 1)[1]) == 1:
-            names.insert(0, _flag(key))
-        default = getattr(getattr(defaults, section), key.split(".", 1)[1])
-        kwargs = {"dest": key, "metavar": "V", "default": argparse.SUPPRESS, "help": f"[{section}] default: {default!r}"}
-        if tp is bool:
-            kwargs.update(nargs="?", const="true")
-        p.add_argument(*names, **kwargs)
+    add_config_options(p)
     return p
 
 
@@ -55,8 +39,7 @@ def _without_launch_options(argv: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in vars(args).items() if "." in k}
-    cfg = build_config(args.config, overrides)
+    cfg, _ = config_from_args(args)
     par = cfg.parallel
     if "RANK" not in os.environ and (par.nproc > 1 or par.nnodes > 1 or par.max_restarts > 0):
         from snugfit.runtime.launch import launch

@@ -33,6 +33,24 @@ class Constraints:
         return {k: v for k, v in vars(self).items() if v is not None}
 
 
+FIXED_KEYS = ("dp", "pp", "schedule", "virtual_stages", "num_microbatches", "zero", "recompute", "offload_optimizer",
+              "offload_params", "evict_bound")  # the run config's [parallel] keys that fix parts of a searched plan
+
+
+def fixed_parts_of(parallel, micro_batch_size: int, world_size: int) -> Constraints:
+    """The fixed parts a run config gives (its [parallel] FIXED_KEYS; micro-batch 0 = searched), checked."""
+    return fixed_parts(world_size, micro_batch=micro_batch_size or None,
+                       **{k: getattr(parallel, k) for k in FIXED_KEYS})
+
+
+def refuse_fixed_parts_beside(parallel) -> None:
+    """Fixed parts belong to a searched plan (plan "auto"), not to a plan file or plain data parallelism."""
+    fixed = [k for k in FIXED_KEYS if getattr(parallel, k) is not None]
+    if fixed and parallel.plan != "auto":
+        raise SnugfitError(f"--{fixed[0].replace('_', '-')} fixes a part of a searched plan, but --plan is "
+                           f"{parallel.plan!r}; drop --plan (auto) or the fixed parts")
+
+
 def fixed_parts(world_size: int, *, dp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
                 num_microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
                 zero: int | None = None, recompute: str | None = None, offload_optimizer: str | None = None,

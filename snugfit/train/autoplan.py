@@ -111,13 +111,9 @@ def measure_once(ranks: int, on_cpu: bool = True) -> None:
 
 def fixed_constraints(cfg: RunConfig, world_size: int):
     """The parts of the plan the run's [parallel] options fix (the micro-batch from train.micro_batch_size)."""
-    from snugfit.plan.options import fixed_parts
+    from snugfit.plan.options import fixed_parts_of
 
-    p = cfg.parallel
-    return fixed_parts(world_size, dp=p.dp, pp=p.pp, micro_batch=cfg.train.micro_batch_size or None,
-                       num_microbatches=p.num_microbatches, schedule=p.schedule, virtual_stages=p.virtual_stages,
-                       zero=p.zero, recompute=p.recompute, offload_optimizer=p.offload_optimizer,
-                       offload_params=p.offload_params, evict_bound=p.evict_bound)
+    return fixed_parts_of(cfg.parallel, cfg.train.micro_batch_size, world_size)
 
 
 def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:

@@ -48,10 +48,6 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-FIXED_PARTS = ("dp", "pp", "schedule", "virtual_stages", "num_microbatches", "zero", "recompute", "offload_optimizer",
-               "offload_params", "evict_bound")  # [parallel] keys that `auto` takes as fixed
-
-
 def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
     """The plan searched for this run (`auto`), a plan file as written, or plain data parallelism (`dp`)."""
     t = cfg.train
@@ -59,10 +55,9 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         from snugfit.train.autoplan import search_plan
 
         return search_plan(cfg, env)
-    fixed = [k for k in FIXED_PARTS if getattr(cfg.parallel, k) is not None]
-    if fixed:
-        raise SnugfitError(f"--{fixed[0].replace('_', '-')} fixes a part of a searched plan, but --plan is "
-                           f"{cfg.parallel.plan!r}; drop --plan (auto) or the fixed parts")
+    from snugfit.plan.options import refuse_fixed_parts_beside
+
+    refuse_fixed_parts_beside(cfg.parallel)
     if cfg.parallel.plan != "dp":
         try:
             plan = Plan.from_json(Path(cfg.parallel.plan).read_text())
