@@ -273,3 +273,26 @@ def test_a_stage_posts_its_sends_in_one_batch_with_its_next_receive(monkeypatch)
     comms.send_backward(y, 0)
     comms.finish_sends()
     assert batches == [[("isend", 12), ("irecv", 12)], [("isend", 10)]]
+
+
+def test_bpipe_partner_receives_evicted_activations_into_device_memory(monkeypatch):
+    """The heavy stage sends a device buffer; the partner must receive on its device (one backend for both)."""
+    from types import SimpleNamespace
+
+    import snugfit.runtime.schedules as schedules
+
+    received = []
+
+    def recv(t, stage, tag, action, group=None):
+        received.append(t)
+        return t.fill_(7) if t.dtype == torch.int64 else t
+
+    comms = SimpleNamespace(recv=recv, timeout_s=1, stage=3)
+    accepted = {}
+    acts = SimpleNamespace(accept=lambda key, flat: accepted.update({key: flat}))
+    store = schedules.PartnerStore(comms, None, heavy=0, moves=[("EVICT", 0)], acts=acts,
+                                   device=torch.device("meta"))
+    store.accept(0)
+    header, payload = received
+    assert header.device.type == "cpu" and payload.device.type == "meta" and payload.numel() == 7
+    assert accepted[(0, 0)] is payload

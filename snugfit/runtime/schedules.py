@@ -175,9 +175,11 @@ class PartnerStore(threading.Thread):
     need it earlier, since its backward waits on ours.
     """
 
-    def __init__(self, comms: StageComms, group, heavy: int, moves: list[tuple[str, int]], acts: StageActivations):
+    def __init__(self, comms: StageComms, group, heavy: int, moves: list[tuple[str, int]], acts: StageActivations,
+                 device: torch.device):
         super().__init__(daemon=True, name=f"bpipe-partner-{comms.stage}")
         self.comms, self.group, self.heavy, self.moves, self.acts = comms, group, heavy, moves, acts
+        self.device = device  # accepted activations live in this stage's device memory, as the plan counts them
         self.backward_done = {mb: threading.Event() for op, mb in moves}
         self.error: BaseException | None = None
 
@@ -191,7 +193,9 @@ class PartnerStore(threading.Thread):
     def accept(self, mb: int) -> None:
         header = self.comms.recv(torch.empty(1, dtype=torch.int64), self.heavy, _HEADER + mb,
                                  f"accept mb {mb} header from stage {self.heavy}", self.group)
-        flat = torch.empty(int(header.item()), dtype=torch.uint8)
+        # on the device: the heavy stage sends a device buffer, and under cuda:nccl,cpu:gloo a host buffer here
+        # would be served by the other backend, never meeting it
+        flat = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
         self.comms.recv(flat, self.heavy, _PAYLOAD + mb, f"accept mb {mb} from stage {self.heavy}", self.group)
         self.acts.accept((self.heavy, mb), flat)
 
@@ -237,7 +241,8 @@ class BPipeSchedule:
         self.evict_sends: list[tuple[object, torch.Tensor, int]] = []
         self.store = None
         if self.partner_moves:
-            self.store = PartnerStore(self.comms, self.evict_group, self.partner, self.partner_moves, self.acts)
+            self.store = PartnerStore(self.comms, self.evict_group, self.partner, self.partner_moves, self.acts,
+                                      self.hidden.device)
             self.store.start()
         actions = {"F": self.forward, "B": self.backward, "EVICT": self.evict, "LOAD": self.load}
         for op, mb in self.program:
@@ -295,7 +300,7 @@ class BPipeSchedule:
 
     def load(self, mb: int, micro) -> None:
         self.finish_evict_sends()  # room made for this microbatch must be gone before it lands
-        flat = torch.empty(self.nbytes[mb], dtype=torch.uint8)
+        flat = torch.empty(self.nbytes[mb], dtype=torch.uint8, device=self.hidden.device)
         self.comms.recv(flat, self.partner, _RETURN + mb, f"load mb {mb} from stage {self.partner}", self.evict_group)
         self.acts.load((self.comms.stage, mb), flat)
 
