@@ -146,3 +146,11 @@ def test_train_takes_the_fixed_parts_of_a_plan_as_options(tmp_path):
     assert zero3 == pytest.approx(alone, rel=1e-5) and bpipe == pytest.approx(alone, rel=1e-5)
     proc = run_cli("train", *FIXED, "--steps", "2", "--zero", "3", "--plan", "dp", cwd=tmp_path)
     assert proc.returncode == 2 and "drop --plan (auto) or the fixed parts" in proc.stderr
+
+
+def test_a_searched_plan_that_cannot_fit_names_the_fixed_part_to_drop(tmp_path):
+    """--micro-batch 1024 at 32k tokens cannot fit any host: one line naming that fixed part and the plan without it."""
+    proc = run_cli("train", *FIXED, "--out-dir", str(tmp_path / "big"), "--max-seq-len", "32768", "--seq-len", "32768",
+                   "--batch-size", "1024", "--micro-batch", "1024", "--recompute", "keep", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "no plan fits" in proc.stderr and "drop --micro-batch 1024: fits as dp 1 x pp 1" in proc.stderr

@@ -72,7 +72,8 @@ def _profile(cfg: RunConfig, micro_batch_size: int):
 
     model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
-                         lora_rank=cfg.finetune.lora_rank or None, quantize_base=cfg.finetune.quantize_base)
+                         lora_rank=cfg.finetune.lora_rank or None, frozen=cfg.finetune.freeze or None,
+                         quantize_base=cfg.finetune.quantize_base)
 
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
@@ -117,7 +118,7 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
 
 
 def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
-    from snugfit.plan.explain import format_result
+    from snugfit.plan.explain import advise, format_result
     from snugfit.plan.search import NoPlanError, search
 
     t = cfg.train
@@ -127,9 +128,11 @@ def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
     try:
         res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0)
     except NoPlanError as e:
-        parts = ", ".join(f"{k} {v}" for k, v in fixed.fixed().items())
-        hint = f"free some of the fixed parts ({parts}) or" if parts else "try"
-        raise SnugfitError(f"--plan auto: {e}; {hint} `snugfit plan` for the smallest change that fits") from None
+        if not e.result.candidates:
+            raise SnugfitError(f"--plan auto: {e}") from None
+        advice = advise(profile, cluster, global_batch=t.batch_size, constraints=fixed, memory_budget=None,
+                        result=e.result)  # the binding limit and the smallest change that lifts it, first
+        raise SnugfitError(f"--plan auto: {e}; {advice[0]}") from None
     log.info("auto plan for %s:\n%s", cluster_name(cluster), format_result(res, cluster))
     return res.best
 
