@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     try:
         if unknown:
-            _refuse_unknown(unknown, args.command)
+            _refuse_unknown(parser, unknown, args.command)
         return args.run(args) or 0
     except Stopped as e:  # the state is saved: say where, no "error"
         if rank == 0:
@@ -67,11 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _refuse_unknown(unknown: list[str], command: str) -> None:
-    """Name the first unknown option; for `train`, with close matches among the config keys."""
+def _refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str], command: str) -> None:
+    """Name the first unknown option, with close matches among the command's own options and spellings, then
+    (train, plan) among the config keys."""
+    import difflib
+
+    from snugfit.commands.options import ALIASES
     from snugfit.config import resolve_key
 
     option = next((u for u in unknown if u.startswith("-")), unknown[0])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    aliases = {s for spellings in ALIASES.values() for s in spellings}  # config keys the checks below don't know
+    own = [s for a in sub._actions for s in a.option_strings if s.startswith("--") and ("." not in a.dest or s in aliases)]
+    close = difflib.get_close_matches(option.split("=")[0], own, n=2, cutoff=0.8)
+    if close:
+        raise SnugfitError(f"unexpected argument {option!r}; did you mean {', '.join(close)}?")
     if command in ("train", "plan") and option.startswith("--"):
         resolve_key(option[2:].split("=")[0].replace("-", "_"))  # raises with suggestions when unknown
     raise SnugfitError(f"unexpected argument {option!r}; see `snugfit {command} --help`")

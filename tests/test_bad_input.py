@@ -53,6 +53,8 @@ CASES = [
     ("unknown-section", ["--config", "{t}/section.toml"], "unknown section [trainer]"),
     ("unknown-key", ["--setps", "3"], "unknown config key 'setps'; did you mean steps"),
     ("wrong-type", ["--lr", "fast"], "train.lr must be a number"),
+    ("misspelt-alias", ["--global-bach", "8"], "did you mean --global-batch?"),
+    ("fixed-part-beside-plan-file", ["--plan", "dp", "--zero", "3"], "--zero fixes a part of a searched plan"),
     ("zero-steps", ["--steps", "0"], "train.steps must be positive"),
     ("negative-batch", ["--batch-size", "-4"], "train.batch_size must be positive"),
     ("bad-choice", ["--dtype", "float8"], "train.dtype must be one of"),
