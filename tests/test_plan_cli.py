@@ -160,6 +160,10 @@ def test_infeasible_plan_names_host_ram_when_it_binds(tmp_path, capsys):
             "--profile-cache", str(tmp_path)]
     rc, out = _run([*args, "--host-ram", "8GiB"], capsys)
     assert rc == 2 and "host RAM is the binding limit (8 GiB per node): with --host-ram" in out, out
+    suggested = out.split("with --host-ram ")[1].split()[0]
+    assert 8 < int(suggested.removesuffix("GiB")) <= 32 and "GiB of host memory per node" in out
+    rc, out = _run([*args, "--host-ram", suggested], capsys)
+    assert rc == 0, out  # the advice is checked: the RAM it names is enough
     rc, out = _run([*args, "--host-ram", "64GiB"], capsys)
     assert rc == 0 and ("parameter offload" in out or "optimizer offload" in out), out
 

@@ -160,6 +160,16 @@ def startup_host_bytes(plan: Plan, prof: ModelProfile) -> int:
     return (prof.num_params() - quantized) * 4 + nf4_bytes(quantized)
 
 
+def node_host_need(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]],
+                   node: int) -> tuple[int, int]:
+    """Host bytes a node needs while training (its ranks' host memory; on CPU ranks all of their memory) and
+    at start-up (its ranks reading the whole model before sharding)."""
+    ranks = [r for r in range(plan.world_size) if cluster.node_of(r) == node]
+    on_cpu = cluster.nodes[node].gpu.name == "cpu"
+    need = sum(host_bytes(mem[r]) + (device_bytes(mem[r]) if on_cpu else 0) for r in ranks)
+    return need, 0 if on_cpu else len(ranks) * startup_host_bytes(plan, prof)
+
+
 def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]], step: float,
             phases: dict[str, float], sim: SimResult, notes: list[str], budget: int | None) -> Prediction:
     peak = max(device_bytes(c) for c in mem)
@@ -167,18 +177,15 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str
     budget = min(budget, gpu_mem) if budget else gpu_mem
     fits = all(device_bytes(c) <= budget for c in mem)
     for i, node in enumerate(cluster.nodes):
-        ranks = [r for r in range(plan.world_size) if cluster.node_of(r) == i]
-        need = sum(host_bytes(mem[r]) for r in ranks)
-        if cluster.nodes[i].gpu.name == "cpu":
-            need += sum(device_bytes(mem[r]) for r in ranks)
+        need, start = node_host_need(plan, prof, cluster, mem, i)
         if need > HOST_USABLE * node.host.ram_bytes:
             fits = False
             notes.append(f"node {i}: host memory {need / 2**30:.1f} GiB exceeds {HOST_USABLE:.0%} of its RAM")
-        start = len(ranks) * startup_host_bytes(plan, prof) if node.gpu.name != "cpu" else 0
         if start > HOST_USABLE * node.host.ram_bytes:
             fits = False
             notes.append(f"node {i}: start-up needs {start / 2**30:.1f} GiB of host memory, over {HOST_USABLE:.0%} "
-                         f"of its RAM: each of its {len(ranks)} ranks reads the whole model before sharding, as "
+                         f"of its RAM: each of its {sum(cluster.node_of(r) == i for r in range(plan.world_size))} "
+                         "ranks reads the whole model before sharding, as "
                          "plans with optimizer or parameter offload do")
     if any("reserve" in c for c in mem):
         notes.append("reserve = CUDA context + 5% allocator fragmentation")

@@ -3,10 +3,12 @@ would buy, and, when nothing fits, the smallest change that would. Pure: no torc
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 
 from snugfit.hardware.cluster import Cluster, with_host_ram
+from snugfit.plan.estimate import HOST_USABLE, node_host_need
 from snugfit.plan.memory import FRAGMENTATION, device_bytes
 from snugfit.plan.plan import Plan
 from snugfit.plan.options import Constraints, describe
@@ -128,8 +130,22 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
         for factor in (2, 4, 8):
             plan = _fits(profile, with_host_ram(cluster, has * factor), global_batch, c, memory_budget)
             if plan:
-                out.append(f"host RAM is the binding limit ({has / GIB:.0f} GiB per node): with --host-ram "
-                           f"{has * factor / GIB:.0f}GiB it fits as {summary(plan)} ({_figures(plan)})")
+                # The least RAM the search finds a plan in, from what this one needs (the search's host cap is
+                # coarser than the estimate's, so a little more may be needed) up to what it was found with.
+                mem = plan.predicted.memory_by_rank
+                need = max(max(node_host_need(plan, profile, cluster, mem, i)) for i in range(len(cluster.nodes)))
+                least = math.ceil(need / HOST_USABLE / GIB)
+                for ram in sorted({least, math.ceil(least * 1.25), math.ceil(least * 1.5), round(has * factor / GIB)}):
+                    found = ram * GIB <= has * factor and _fits(profile, with_host_ram(cluster, ram * GIB),
+                                                               global_batch, c, memory_budget)
+                    if found:
+                        plan = found
+                        break
+                need = max(max(node_host_need(plan, profile, cluster, plan.predicted.memory_by_rank, i))
+                           for i in range(len(cluster.nodes)))
+                out.append(f"host RAM is the binding limit ({has / GIB:.0f} GiB per node): with --host-ram {ram}GiB "
+                           f"it fits as {summary(plan)} ({_figures(plan)}; {need / GIB:.1f} GiB of host memory per "
+                           f"node, {HOST_USABLE:.0%} of RAM usable)")
                 break
     for key, value in c.fixed().items():
         plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget)
