@@ -296,3 +296,34 @@ def test_bpipe_partner_receives_evicted_activations_into_device_memory(monkeypat
     header, payload = received
     assert header.device.type == "cpu" and payload.device.type == "meta" and payload.numel() == 7
     assert accepted[(0, 0)] is payload
+
+
+def _bf16_stages(env) -> dict:
+    """A 2-stage bf16 pipeline of each kind: what stage 0 sends, and the step's loss."""
+    out = {}
+    for schedule in ("1f1b", "bpipe"):
+        cfg = _cfg(2, 64)
+        plan = Plan.uniform(2, pp=2, schedule=schedule, micro_batch_size=2, num_microbatches=2, seq_len=SEQ,
+                            compute_dtype="bfloat16")
+        torch.manual_seed(0)
+        engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env, timeout_s=60)
+        sent = []
+        engine.chunks[0].register_forward_hook(lambda m, a, y: sent.append(y.dtype))
+        batch = torch.randint(0, 64, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
+        out[schedule] = (engine.train_step(batch).loss, sent[-1])
+    return out
+
+
+def test_bf16_stages_send_bf16_hidden_states():
+    """Half the bytes of fp32 between stages, as the time model charges; the last stage's output stays fp32."""
+    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.dist import DistEnv
+
+    torch.manual_seed(0)
+    plan = Plan.uniform(2, micro_batch_size=2, num_microbatches=2, seq_len=SEQ, compute_dtype="bfloat16")
+    batch = torch.randint(0, 64, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    reference = build_engine(Decoder(_cfg(2, 64)), plan, OptimConfig(), DistEnv()).train_step(batch).loss
+    for rank, result in enumerate(run_ranks(_bf16_stages, 2)):
+        for schedule, (loss, sent) in result.items():
+            assert sent == (torch.bfloat16 if rank == 0 else torch.float32), (schedule, rank)
+            assert loss == pytest.approx(reference, rel=2e-2), schedule  # bf16 activations on both paths

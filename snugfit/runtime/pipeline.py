@@ -49,7 +49,7 @@ from snugfit.runtime.apply import Weights, apply_activations, place, read_weight
 from snugfit.runtime.dist import DistEnv, cached_group
 from snugfit.runtime.engine import Engine, OptimConfig, StepResult, loss_divisors, split_batch
 from snugfit.runtime.schedules import BPipeSchedule, PipelineError, StageComms
-from snugfit.runtime.sharding import apply_fsdp, data_meshes
+from snugfit.runtime.sharding import DTYPES, apply_fsdp, data_meshes
 
 
 class StageModule(nn.Module):
@@ -164,12 +164,13 @@ class PipelineEngine(Engine):
         self.chunks = []
         for k in self.stages:
             chunk = StageModule(model, ranges[k], k == 0, k == n - 1, k, self.acts)
-            apply_fsdp(chunk, {str(i): model.blocks[str(i)] for i in ranges[k]}, plan, meshes)
+            apply_fsdp(chunk, {str(i): model.blocks[str(i)] for i in ranges[k]}, plan, meshes, output_fp32=k == n - 1)
             self.chunks.append(chunk)
         read_weights(model, env.device, weights)
         super().__init__(model, plan, optim, env.device, dp_group=meshes.group if plan.dp > 1 else None,
                          host=host, stage_group=self.pp_group, units=tuple(self.chunks))
-        self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len, model.cfg.dim, device=env.device)
+        self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len, model.cfg.dim, device=env.device,
+                                  dtype=DTYPES[plan.compute_dtype])  # what stages send each other
         self.divisors: list[float] = []  # this step's, per microbatch (`loss_divisors`)
         self.comms = StageComms(self.pp_group, self.pp_rank, plan.pp, timeout_s)
         self.is_last = self.stages[-1] == n - 1

@@ -130,18 +130,21 @@ def shard_unit(module: nn.Module, block: BlockPlan, meshes: DataMeshes, mp: Mixe
 
 
 def apply_fsdp(
-    root: nn.Module, blocks: dict[str, nn.Module], plan: Plan, meshes: DataMeshes, indices: list[int] | None = None
+    root: nn.Module, blocks: dict[str, nn.Module], plan: Plan, meshes: DataMeshes, indices: list[int] | None = None,
+    output_fp32: bool = True,
 ) -> None:
     """Shard `blocks` (name -> block; block i follows plan.blocks[i]) then the root unit.
 
     `indices` maps the blocks, in order, to plan.blocks when they are a pipeline
-    stage's slice; by default the names are the block indices.
+    stage's slice; by default the names are the block indices. `output_fp32`: the
+    root casts its output to fp32; a pipeline stage before the last sends hidden
+    states in the compute dtype instead (half the bytes in bf16, as the time model charges).
     """
     indices = indices if indices is not None else [int(name) for name in blocks]
     mp = mixed_precision(plan, root=False)
     for i, block in zip(indices, blocks.values()):
         shard_unit(block, plan.blocks[i], meshes, mp)
-    shard_unit(root, plan.root, meshes, mixed_precision(plan, root=True))
+    shard_unit(root, plan.root, meshes, mixed_precision(plan, root=output_fp32))
     stages = Counter(f"zero{plan.blocks[i].zero}" + ("+offload_params" if plan.blocks[i].offload_params else "")
                      for i in indices)
     log.info(
