@@ -18,8 +18,8 @@ def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
     plan.validate(n_blocks=len(prof.blocks))
     if plan.world_size != cluster.world_size:
         raise PlanError(
-            f"plan uses {plan.world_size} ranks (dp {plan.dp} x pp {plan.pp}) but the cluster has "
-            f"{cluster.world_size} GPUs; choose dp x pp = {cluster.world_size}"
+            f"plan uses {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) but the cluster has "
+            f"{cluster.world_size} GPUs; choose dp x tp x pp = {cluster.world_size}"
         )
     if plan.seq_len != prof.seq_len:
         raise PlanError(f"profile is for seq_len {prof.seq_len}, plan for {plan.seq_len}; re-profile")
@@ -28,7 +28,7 @@ def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
 
 
 def _dp_group(plan: Plan, pp_rank: int) -> list[int]:
-    return [pp_rank * plan.dp + i for i in range(plan.dp)]
+    return [plan.layout.rank(pp_rank, i) for i in range(plan.dp)]
 
 
 def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
@@ -40,7 +40,7 @@ def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
     first: dict[tuple, int] = {}
     out = {}
     for rank in range(plan.world_size):
-        pp_rank = rank // plan.dp
+        pp_rank = plan.layout.coords(rank)[0]
         node = cluster.nodes[cluster.node_of(rank)]
         key = (pp_rank, repr(node), repr(cluster.link_for(_dp_group(plan, pp_rank))))
         out[rank] = first.setdefault(key, rank)
@@ -77,7 +77,7 @@ def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float =
     kind = _rank_kinds(plan, cluster)
     times: dict[int, dict[int, StageTime]] = {}
     for rank in sorted(set(kind.values())):
-        pp_rank = rank // plan.dp
+        pp_rank = plan.layout.coords(rank)[0]
         node = cluster.nodes[cluster.node_of(rank)]
         dp_link = cluster.link_for(_dp_group(plan, pp_rank))
         times[rank] = {

@@ -221,7 +221,7 @@ class RankMemory:
 
 def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimResult) -> RankMemory:
     """Categories of bytes on `rank` at its peak (device) plus 'host:*' categories, notes, and tracked peak."""
-    pp_rank = rank // plan.dp
+    pp_rank = plan.layout.coords(rank)[0]
     stages = rank_stages(plan, prof, pp_rank)
     all_pieces = [sp for k in sorted(stages) for sp in stages[k]]
     static: dict[str, int] = {}

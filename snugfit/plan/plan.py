@@ -40,6 +40,29 @@ class BlockPlan:
             raise PlanError(f"{where}: offload_params already keeps optimizer states on host; drop offload_optimizer")
 
 
+@dataclass(frozen=True)
+class RankLayout:
+    """Where each rank sits on the pp x dp x tp grid. tp is innermost, so a rank's tensor-parallel peers are
+    its neighbours (one node: NVLink), then its data-parallel peers, then the pipeline stages:
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank. The one place this formula is written."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def stage_ranks(self, pp_rank: int) -> list[int]:
+        """Every rank that holds pipeline rank pp_rank's stages."""
+        per = self.dp * self.tp
+        return list(range(pp_rank * per, (pp_rank + 1) * per))
+
+
 @dataclass
 class Prediction:
     """What the memory and time models said about this plan (filled by plan/)."""
@@ -59,9 +82,10 @@ class Prediction:
 
 @dataclass
 class Plan:
-    world_size: int = 1
+    world_size: int = 1  # dp x tp x pp
     dp: int = 1
     pp: int = 1
+    tp: int = 1  # tensor-parallel degree: each block's linears split over tp ranks of one node
     micro_batch_size: int = 1
     num_microbatches: int = 1  # per data-parallel rank per optimizer step
     seq_len: int = 128
@@ -84,6 +108,10 @@ class Plan:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    @property
+    def layout(self) -> "RankLayout":
+        return RankLayout(pp=self.pp, dp=self.dp, tp=self.tp)
 
     def stage_ranges(self) -> list[range]:
         """Block indices of each stage, in stage order (stage k runs on pipeline rank k % pp)."""
@@ -122,6 +150,7 @@ class Plan:
         *,
         dp: int = 1,
         pp: int = 1,
+        tp: int = 1,
         block: BlockPlan | None = None,
         root: BlockPlan | None = None,
         schedule: str | None = None,
@@ -134,9 +163,10 @@ class Plan:
         base, extra = divmod(n_blocks, n_stages)
         stage_blocks = [base + (1 if i >= n_stages - extra else 0) for i in range(n_stages)]
         return cls(
-            world_size=dp * pp,
+            world_size=dp * tp * pp,
             dp=dp,
             pp=pp,
+            tp=tp,
             schedule=schedule or ("none" if pp == 1 else "1f1b"),
             virtual_stages=virtual_stages,
             stage_blocks=stage_blocks,
@@ -148,11 +178,13 @@ class Plan:
     # -- checks --
     def validate(self, n_blocks: int | None = None, world_size: int | None = None) -> None:
         """Refuse a plan that contradicts itself, the model or the launch."""
-        for name in ("world_size", "dp", "pp", "micro_batch_size", "num_microbatches", "seq_len", "virtual_stages"):
+        for name in ("world_size", "dp", "pp", "tp", "micro_batch_size", "num_microbatches", "seq_len", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise PlanError(f"plan.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dp * self.pp != self.world_size:
-            raise PlanError(f"plan: dp ({self.dp}) x pp ({self.pp}) must equal world_size ({self.world_size})")
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise PlanError(
+                f"plan: dp ({self.dp}) x tp ({self.tp}) x pp ({self.pp}) must equal world_size ({self.world_size})"
+            )
         if world_size is not None and world_size != self.world_size:
             raise PlanError(
                 f"plan is for {self.world_size} ranks but {world_size} were launched; "

@@ -32,6 +32,8 @@ Weights = Callable[[nn.Module, torch.device], object]
 def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
     """Refuse, before the first step, a plan this model and this launch cannot run as written."""
     plan.validate(n_blocks=len(model.blocks), world_size=env.world_size)
+    if plan.tp > 1:
+        raise PlanError(f"plan.tp {plan.tp}: this runtime does not run tensor parallelism yet; re-plan with tp 1")
     if plan.reduce_dtype == "float16":
         raise PlanError("plan: reduce_dtype float16 would overflow summing scaled gradients; reduce in float32")
     max_seq = getattr(getattr(model, "cfg", None), "max_seq_len", None)
