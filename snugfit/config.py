@@ -60,6 +60,7 @@ class TrainConfig:
     plot: bool = True  # loss-curve PNG at the end
     tensorboard: bool = False  # also write TensorBoard event files to out_dir/tensorboard (extra: tensorboard)
     save_on_signal: bool = True  # SIGTERM / SIGINT / SIGUSR1: finish the step, checkpoint it, exit 128 + signal
+    async_checkpoint: bool = True  # interval checkpoints written in the background; the step waits for the copy
 
 
 @dataclass

@@ -5,7 +5,8 @@ optimizer keyed by parameter name, so a checkpoint loads under another plan or
 world size), trainer.json (step, data position, config, plan) and one
 rng_rank<r>.safetensors per rank. Every rank writes into `step_N.tmp`; rank 0
 renames it once all ranks are done, so a half-written checkpoint never has a
-name that `latest()` picks up.
+name that `latest()` picks up. `save_async` does the same with the write in
+the background.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file, save_file
 
 from snugfit.errors import SnugfitError
-from snugfit.runtime.dist import DistEnv
+from snugfit.runtime.dist import DistEnv, cached_group
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -59,6 +61,8 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 class Checkpoints:
     def __init__(self, root: Path, keep: int, env: DistEnv):
         self.root, self.keep, self.env = root, keep, env
+        self._in_flight: threading.Thread | None = None  # the background commit of an async save
+        self._error: SnugfitError | None = None  # its failure, raised by the next wait()
 
     def committed(self) -> list[Path]:
         if not self.root.is_dir():
@@ -70,36 +74,110 @@ class Checkpoints:
         return found[-1] if found else None
 
     def save(self, step: int, engine_state: dict, trainer_state: dict) -> Path:
+        """Write and commit the checkpoint of `step` before returning (after any save still in flight)."""
+        self.wait()
+        final, tmp = self._prepare(step)
+        if tmp is None:
+            return final
+        try:
+            self._write_small(tmp, step, trainer_state)
+            with dcp_quiet():
+                dcp.save(engine_state, checkpoint_id=str(tmp), no_dist=self.env.world_size == 1)
+        except (OSError, CheckpointException) as e:
+            raise self._failed(final, tmp, e) from e
+        _barrier()
+        self._commit(tmp, final)
+        _barrier()
+        return final
+
+    def save_async(self, step: int, engine_state: dict, trainer_state: dict) -> Path:
+        """Stage the checkpoint of `step` in host memory and write it in the background (DCP's async_save):
+        training waits only for the copy. A background thread commits it (the rename) once every rank's write
+        has finished; until then the previous checkpoint stays the newest, so a crash in between loses nothing
+        committed. A failed write is raised by the next `save`, `save_async` or `wait`."""
+        self.wait()
+        final, tmp = self._prepare(step)
+        if tmp is None:
+            return final
+        multi = self.env.world_size > 1
+        # The background write and commit talk on their own gloo group: the training's collectives on the
+        # default group go on meanwhile, and two threads must never share a group's order of operations.
+        group = cached_group(("checkpoint",), lambda: dist.new_group(backend="gloo")) if multi else None
+        try:
+            self._write_small(tmp, step, trainer_state)
+            with dcp_quiet():
+                future = dcp.async_save(engine_state, checkpoint_id=str(tmp), process_group=group, no_dist=not multi)
+        except (OSError, CheckpointException) as e:
+            raise self._failed(final, tmp, e) from e
+        self._in_flight = threading.Thread(target=self._commit_when_written, args=(future, group, final, tmp),
+                                           name=f"commit {final.name}", daemon=True)
+        self._in_flight.start()
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, is committed; raise its failure as a one-line error."""
+        if self._in_flight is not None:
+            self._in_flight.join()
+            self._in_flight = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _prepare(self, step: int) -> tuple[Path, Path | None]:
         final = self.root / f"step_{step:08d}"
         if final.exists():  # already saved (e.g. the last step coincides with an interval): never overwrite
-            return final
+            return final, None
         tmp = final.with_name(final.name + ".tmp")
         if self.env.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)  # leftover of a crashed save: never committed, safe to drop
+            tmp.mkdir()
         _barrier()
-        try:
-            with dcp_quiet():
-                dcp.save(engine_state, checkpoint_id=str(tmp), no_dist=self.env.world_size == 1)
-            save_file(rng_state(), str(tmp / f"rng_rank{self.env.rank}.safetensors"))
-            if self.env.is_main:
-                _write_json(tmp / "trainer.json", {"step": step, **trainer_state})
-        except (OSError, CheckpointException) as e:
-            if self.env.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)  # never committed; frees what it took
-            raise SnugfitError(
-                f"writing checkpoint {final.name} failed ({root_cause(e)}); free disk space or change train.out_dir — "
-                "earlier checkpoints are untouched"
-            ) from e
-        _barrier()
+        return final, tmp
+
+    def _write_small(self, tmp: Path, step: int, trainer_state: dict) -> None:
+        save_file(rng_state(), str(tmp / f"rng_rank{self.env.rank}.safetensors"))
+        if self.env.is_main:
+            _write_json(tmp / "trainer.json", {"step": step, **trainer_state})
+
+    def _failed(self, final: Path, tmp: Path, e: BaseException) -> SnugfitError:
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # never committed; frees what it took
+        return SnugfitError(
+            f"writing checkpoint {final.name} failed ({root_cause(e)}); free disk space or change train.out_dir — "
+            "earlier checkpoints are untouched"
+        )
+
+    def _commit(self, tmp: Path, final: Path) -> None:
         if self.env.is_main:
             os.replace(tmp, final)
             _fsync_dir(self.root)
             for old in self.committed()[: -self.keep]:
                 shutil.rmtree(old)
-        _barrier()
-        return final
+
+    def _commit_when_written(self, future, group, final: Path, tmp: Path) -> None:
+        """In the background: every rank says whether its write succeeded; rank 0 renames only if all did."""
+        failure: BaseException | None = None
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 - handed to the training thread by wait()
+            failure = e
+        try:
+            failed = torch.tensor([failure is not None], dtype=torch.int32)
+            if group is not None:
+                dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+            if failed.item():
+                failure = failure or RuntimeError("another rank's write failed")
+            else:
+                self._commit(tmp, final)
+            if group is not None:
+                dist.barrier(group=group)  # committed on rank 0 before any rank's wait() returns
+        except Exception as e:  # noqa: BLE001 - a peer gone mid-commit: not committed
+            failure = failure or e
+        if failure is not None:
+            self._error = self._failed(final, tmp, failure)
+            self._error.__cause__ = failure
 
     def load(self, path: Path, engine_state: dict, model_identity: dict) -> dict:
         """Fill engine_state in place from path; return the trainer state saved with it."""

@@ -226,7 +226,12 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 evaluate(done)
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-                checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+                in_background = t.async_checkpoint and done < t.steps  # the last one is complete on return
+                t0 = time.perf_counter()
+                save = checkpoints.save_async if in_background else checkpoints.save
+                save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+                metrics.write({"kind": "checkpoint", "step": done, "async": in_background,
+                               "blocked_s": time.perf_counter() - t0})
             heartbeat.beat(done)
             stop = stops.agreed()
             if stop and done < t.steps:
