@@ -40,7 +40,7 @@ from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.profile import profile_model  # noqa: E402
 from snugfit.profile.measure_step import measure_single_process  # noqa: E402
-from snugfit.runtime.apply import build_engine  # noqa: E402
+from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.engine import OptimConfig  # noqa: E402
 from snugfit.runtime.spawn import run_ranks  # noqa: E402
 

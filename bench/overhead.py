@@ -16,7 +16,7 @@ import torch
 from snugfit.config import build_config
 from snugfit.data import BatchSampler, load_tokenizer, load_tokens, split
 from snugfit.model import Decoder
-from snugfit.runtime.apply import build_engine
+from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import OptimConfig
 from snugfit.train.loop import lr_at, resolve_plan

@@ -50,7 +50,7 @@ def _measure(env, plans: list[str], passes: int, steps: int) -> list[list[float]
     or why build_engine refused it. One engine at a time (live pipeline engines would share the gloo
     pairs); each pass visits the plans in a new shuffled order, so that a stretch of machine load
     lands on different plans in different passes instead of on one plan's every step."""
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.runtime.engine import OptimConfig
 
     torch.set_num_threads(1)

@@ -68,7 +68,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _step(env: DistEnv, world: int) -> dict:
     """Every plan for this world size: eval and one step on this rank's rows, checked against the reference."""
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
 
     ref_loss, ref_grads = reference()
     out = {}

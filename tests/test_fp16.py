@@ -23,7 +23,7 @@ SEQ, MBS, STEPS, OVERFLOW_AT = 16, 2, 4, 1
 def _run(env, dp: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
 
     torch.manual_seed(0)
     plan = Plan.uniform(CFG.n_layers, dp=dp, block=BlockPlan(zero=2), root=BlockPlan(zero=2, offload_optimizer=True),

@@ -199,16 +199,17 @@ def _train_two_ranks(env, folders: dict[str, str], saved: str) -> dict:
 
     from snugfit.model.hf import materialize
     from snugfit.plan import BlockPlan, Plan
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.runtime.engine import OptimConfig
-    from snugfit.runtime.sharding import apply_fsdp, data_meshes
+    from snugfit.runtime.mesh import ParallelDims
+    from snugfit.runtime.sharding import apply_fsdp
 
     optim = OptimConfig(lr=1e-2, grad_clip=0.5)
     out = {}
     for arch, folder in folders.items():  # built on meta, sharded, then each rank reads its own rows
         model = load_hf(folder, device="meta")
         plan = Plan.uniform(2, dp=2, block=BlockPlan(zero=3), root=BlockPlan(zero=3), seq_len=SEQ)
-        apply_fsdp(model, dict(model.blocks.items()), plan, data_meshes("cpu", 2))
+        apply_fsdp(model, dict(model.blocks.items()), plan, ParallelDims.of(plan, "cpu", env.rank))
         materialize(model, "cpu", folder)
         x = tokens()
         out[arch] = model(x, x).item()

@@ -66,7 +66,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _train(env, folder: str, plan: Plan, lora: int, on_meta: bool) -> dict:
     """Build (whole CPU load, or on meta + weights), train STEPS steps; losses, first-step gradients, parameters."""
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.train.build import build_model, model_weights
 
     cfg = build_config(None, {"model.name": folder, "lora_rank": lora, "seed": 3})
@@ -151,7 +151,7 @@ def test_plans_needing_whole_tensors_read_whole(two_ranks):
 
 def test_random_init_and_unwrapped_runs_keep_the_cpu_path(tmp_path):
     """config.json alone: nothing to read, built as before; one fp32 process runs unwrapped, read normally."""
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.runtime.dist import DistEnv
     from snugfit.train.build import build_model, model_weights
 

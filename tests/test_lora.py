@@ -122,7 +122,7 @@ def test_frozen_weights_are_stored_once_in_the_compute_dtype(zero):
     from torch.distributed.tensor import DTensor
 
     from snugfit.plan import BlockPlan, Plan
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.runtime.dist import DistEnv
 
     model = decoder()

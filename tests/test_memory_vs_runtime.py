@@ -23,7 +23,7 @@ from snugfit.model.quantize import quantize_base
 from snugfit.plan import BlockPlan, Plan
 from snugfit.plan.estimate import estimate
 from snugfit.profile import ModelProfile, profile_model
-from snugfit.runtime.apply import build_engine
+from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import OptimConfig
 from tests.distributed import run_ranks

@@ -231,7 +231,7 @@ def _rebuilt_engines(env) -> list[int]:
     """Native threads of this rank after each of several engines built in turn (pipelines and data parallel)."""
     import os
 
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
 
     cfg = _cfg(4, 64)
     plans = [Plan.uniform(4, pp=2, schedule="bpipe", num_microbatches=2, seq_len=16),
@@ -316,7 +316,7 @@ def _bf16_stages(env) -> dict:
 
 def test_bf16_stages_send_bf16_hidden_states():
     """Half the bytes of fp32 between stages, as the time model charges; the last stage's output stays fp32."""
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.runtime.dist import DistEnv
 
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ def _cfg(folder: str):
 
 
 def _train(env, folder: str, plan: Plan, on_meta: bool, dequantize: bool = False) -> dict:
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.train.build import build_model, model_weights
 
     cfg = _cfg(folder)

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
-from snugfit.runtime.apply import build_engine
+from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import OptimConfig
 from tests.distributed import run_ranks

@@ -40,7 +40,7 @@ from snugfit.plan.memory import device_bytes  # noqa: E402
 from snugfit.plan.plan import Plan  # noqa: E402
 from snugfit.plan.search import Constraints, NoPlanError, search  # noqa: E402
 from snugfit.profile.profile import profile_model  # noqa: E402
-from snugfit.runtime.apply import build_engine  # noqa: E402
+from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.dist import DistEnv, init_distributed  # noqa: E402
 from snugfit.runtime.engine import OptimConfig  # noqa: E402
 from snugfit.train.autoplan import local_cluster  # noqa: E402

@@ -185,7 +185,7 @@ def _pipeline_stage_cost(world: int, replicate: list[float]) -> float:
     `replicate`, and its compute). Measured through the runtime itself: those costs are its own."""
     from snugfit.model.decoder import Decoder, ModelConfig
     from snugfit.plan.plan import Plan
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.runtime.dist import DistEnv
     from snugfit.runtime.engine import OptimConfig
 

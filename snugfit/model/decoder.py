@@ -155,9 +155,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         cfg = self.cfg
-        q = self.q(x).view(b, s, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, s, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        # Heads counted from the projections (-1), not the config: a tensor-parallel rank holds a slice of them.
+        q = self.q(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cfg.n_kv_heads != cfg.n_heads:
@@ -169,7 +170,7 @@ class Attention(nn.Module):
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(cfg.head_dim)
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             y = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
-        return self.o(y.transpose(1, 2).reshape(b, s, cfg.dim))
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):

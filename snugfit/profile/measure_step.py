@@ -39,7 +39,7 @@ def measure_single_process(cfg: ModelConfig, plan: Plan, steps: int = 3, track_m
     """Peak bytes (MemTracker, one step after a warm-up) and best step time of `plan` (dp = pp = 1)."""
     if plan.world_size != 1:
         raise ValueError("measure_single_process runs dp = pp = 1 plans only")
-    from snugfit.runtime.apply import build_engine
+    from snugfit.runtime.build import build_engine
     from snugfit.runtime.dist import DistEnv
     from snugfit.runtime.engine import OptimConfig
 

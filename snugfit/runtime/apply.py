@@ -1,9 +1,11 @@
-"""apply_plan: turn a plain model into the parallel model a Plan describes, then an engine to step it.
+"""apply_plan: turn a plain model into the parallel model a Plan describes (runtime.build makes its engine).
 
 Reads like torchtitan's parallelize functions: one `apply_*` per technique,
-each taking only its part of the Plan. The per-block functions (`apply_fsdp`,
-`offload_units` + `HostOffload`) take blocks and a mesh, so a pipeline stage
-applies them to its own blocks on its data-parallel sub-mesh. A model built on
+each taking only its part of the Plan, in the order they compose: tensor
+parallelism (`apply_tp`), activation policies, placement and partial offload,
+FSDP2 (`apply_fsdp`), then the weights. The per-block functions take blocks
+and the plan's `ParallelDims`, so a pipeline stage applies them to its own
+blocks on its data-parallel sub-mesh. A model built on
 the meta device gets its weights after sharding, each rank reading only what it
 holds (`place`, `read_weights`).
 """
@@ -18,10 +20,11 @@ import torch.nn as nn
 
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.activations import apply_activation_policy
-from snugfit.runtime.dist import DistEnv, ensure_process_group
-from snugfit.runtime.engine import Engine, OptimConfig
+from snugfit.runtime.dist import DistEnv
+from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
-from snugfit.runtime.sharding import DTYPES, DataMeshes, apply_fsdp, data_meshes, store_frozen_in_compute_dtype
+from snugfit.runtime.sharding import DTYPES, apply_fsdp, store_frozen_in_compute_dtype
+from snugfit.runtime.tensor_parallel import apply_tp, check_tp
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +35,6 @@ Weights = Callable[[nn.Module, torch.device], object]
 def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
     """Refuse, before the first step, a plan this model and this launch cannot run as written."""
     plan.validate(n_blocks=len(model.blocks), world_size=env.world_size)
-    if plan.tp > 1:
-        raise PlanError(f"plan.tp {plan.tp}: this runtime does not run tensor parallelism yet; re-plan with tp 1")
     if plan.reduce_dtype == "float16":
         raise PlanError("plan: reduce_dtype float16 would overflow summing scaled gradients; reduce in float32")
     max_seq = getattr(getattr(model, "cfg", None), "max_seq_len", None)
@@ -41,6 +42,7 @@ def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
         raise PlanError(f"plan.seq_len ({plan.seq_len}) exceeds the model's max_seq_len ({max_seq}); re-plan")
     if plan.pp == 1 and plan.stage_blocks and plan.stage_blocks != [len(model.blocks)]:
         raise PlanError(f"plan.stage_blocks {plan.stage_blocks} splits blocks but pp is 1")
+    check_tp(model, plan)
 
 
 def offload_units(model: nn.Module, plan: Plan, blocks: dict[str, nn.Module] | None = None,
@@ -100,32 +102,15 @@ def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, meshes: DataMeshes,
+def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, dims: ParallelDims,
                weights: Weights | None = None) -> tuple[nn.Module, HostOffload | None]:
-    """Activation policies, partial offload (cast first), FSDP2 per block and root on env.device, then the weights
-    of a model built on the meta device (`weights`)."""
+    """Tensor parallelism, activation policies, partial offload (cast first), FSDP2 per block and root on
+    env.device, then the weights of a model built on the meta device (`weights`)."""
+    if plan.tp > 1:
+        apply_tp(model, dims.tp_mesh)
     apply_activations(dict(model.blocks.items()), plan)
     host = place(model, plan, env.device, weights)
     if not plan.runs_unwrapped:
-        apply_fsdp(model, dict(model.blocks.items()), plan, meshes)
+        apply_fsdp(model, dict(model.blocks.items()), plan, dims)
     read_weights(model, env.device, weights)
     return model, host
-
-
-def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
-                 weights: Weights | None = None) -> Engine:
-    """Validate the plan against the model and the launch, apply it, and return the engine that runs it.
-
-    weights: where a model built on the meta device (`train.build.build_model(cfg, on_meta=True)`)
-    gets its values; no process then holds the whole model unless the plan `reads_whole_model`.
-    """
-    check_launch(model, plan, env)
-    ensure_process_group(env)
-    if plan.pp > 1:
-        from snugfit.runtime.pipeline import build_pipeline_engine  # pipeline builds on this module
-
-        return build_pipeline_engine(model, plan, optim, env, weights=weights)
-    meshes = data_meshes(env.device.type, plan.dp, plan.pp)
-    model, host = apply_plan(model, plan, env, meshes, weights)
-    dp_group = meshes.group if plan.dp > 1 else None
-    return Engine(model, plan, optim, env.device, dp_group=dp_group, host=host)

@@ -128,18 +128,20 @@ def loss_divisors(batch: torch.Tensor, plan: Plan, dp_group=None, device: torch.
     return [total.item() / (plan.dp * max(c, 1)) for c in counts.tolist()]
 
 
-def shard_group(p: torch.Tensor):
-    """Process group over which p's local shards partition it, or None if this rank holds all of it."""
-    if isinstance(p, DTensor):
-        for mesh_dim, placement in enumerate(p.placements):
-            if placement.is_shard() and p.device_mesh.size(mesh_dim) > 1:
-                return p.device_mesh.get_group(mesh_dim)
-    return None
+def shard_groups(p: torch.Tensor) -> tuple:
+    """The process groups over which p's local pieces partition it (FSDP2's dp, tensor parallelism's tp: each
+    mesh dimension that shards it), empty if this rank holds all of it."""
+    if not isinstance(p, DTensor):
+        return ()
+    # not is_shard(): FSDP2 over a tensor-parallel weight shards it with _StridedShard, which is no Shard
+    return tuple(p.device_mesh.get_group(dim) for dim, placement in enumerate(p.placements)
+                 if not (placement.is_replicate() or placement.is_partial()) and p.device_mesh.size(dim) > 1)
 
 
 def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                      stage_group=None) -> torch.Tensor:
-    """L2 norm over all (parameter, local gradient) pairs: shards are summed over their group, replicas counted once.
+    """L2 norm over all (parameter, local gradient) pairs: shards are summed over their groups, replicas counted
+    once.
 
     stage_group: pipeline ranks holding disjoint parts of the model; their squares add up too.
 
@@ -147,14 +149,14 @@ def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     meshes (zero 0 blocks live on a 2-D mesh, sharded ones on a 1-D mesh) and
     knows nothing of gradients held on host.
     """
-    by_group: dict[object, torch.Tensor] = {}
+    by_groups: dict[tuple, torch.Tensor] = {}
     for p, g in grads:
         sq = torch.linalg.vector_norm(local(g), dtype=torch.float32).to(device) ** 2
-        key = shard_group(p)
-        by_group[key] = by_group.get(key, torch.zeros((), device=device)) + sq
+        key = shard_groups(p)
+        by_groups[key] = by_groups.get(key, torch.zeros((), device=device)) + sq
     total = torch.zeros((), device=device)
-    for group, sq in by_group.items():
-        if group is not None:
+    for groups, sq in by_groups.items():
+        for group in groups:  # a 2-D shard: sum over dp, then over tp
             dist.all_reduce(sq, group=group)
         total += sq
     if stage_group is not None:

@@ -1,6 +1,6 @@
 """Pipeline-parallel plans: stages cut from the Decoder, scheduled 1F1B, interleaved 1F1B or BPipe.
 
-Rank layout (mesh dims ("pp", "dp")): rank = pp_rank * dp + dp_rank. Pipeline
+Ranks sit on the plan's pp x dp x tp grid (`ParallelDims`, `plan.RankLayout`). Pipeline
 stage k runs on pp rank k % pp (more than one stage per rank when interleaved).
 
 Each rank keeps one pruned Decoder holding everything its stages run (blocks
@@ -13,8 +13,9 @@ stage, which the schedules drive:
   Schedule1F1B / ScheduleInterleaved1F1B).
 - bpipe: `schedules.BPipeSchedule` (hand-written; see there why).
 
-Inside a stage the plan applies as without pipelining (runtime.apply): each
-block follows its BlockPlan (FSDP2 zero 0-3 over this stage's dp ranks,
+Inside a stage the plan applies as without pipelining (runtime.apply): tensor
+parallelism splits its pieces over the tp ranks (stages then send and receive
+their sequence slices), each block follows its BlockPlan (FSDP2 zero 0-3 over this stage's dp ranks,
 parameter or optimizer offload, activation policy) and the StageModule is the
 FSDP2 root unit of its embedding/final norm/head. Gradients are reduced over
 dp on the last microbatch's backward only. Optimizer step, exact clipping
@@ -35,28 +36,33 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import nullcontext
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, Shard
 
 from snugfit.model.decoder import Decoder, cross_entropy
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.activations import StageActivations
 from snugfit.runtime.apply import Weights, apply_activations, place, read_weights
-from snugfit.runtime.dist import DistEnv, cached_group
+from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import Engine, OptimConfig, StepResult, loss_divisors, split_batch
+from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.schedules import BPipeSchedule, PipelineError, StageComms
-from snugfit.runtime.sharding import DTYPES, apply_fsdp, data_meshes
+from snugfit.runtime.sharding import DTYPES, apply_fsdp
+from snugfit.runtime.tensor_parallel import apply_tp
 
 
 class StageModule(nn.Module):
     """One pipeline stage: [embedding] -> its blocks -> [final norm + head], sharing the rank's Decoder."""
 
-    def __init__(self, decoder: Decoder, blocks: range, first: bool, last: bool, index: int, acts: StageActivations):
+    def __init__(self, decoder: Decoder, blocks: range, first: bool, last: bool, index: int, acts: StageActivations,
+                 tp_mesh: DeviceMesh | None = None):
         super().__init__()
+        self.__dict__["tp_mesh"] = tp_mesh  # stages exchange plain tensors: this rank's sequence slice
         self.index = index
         self.embed = decoder.embed if first else None
         self.blocks = nn.ModuleList(decoder.blocks[str(i)] for i in blocks)
@@ -76,9 +82,13 @@ class StageModule(nn.Module):
             self.untracked -= 1
         with self.acts.microbatch(key) if tracked else nullcontext():
             h = self.embed(x) if self.embed is not None else x
+            if self.embed is None and self.tp_mesh is not None:
+                h = DTensor.from_local(h, self.tp_mesh, [Shard(1)])
             for block in self.blocks:
                 h = block(h, self.decoder.rope)
-            return self.head(self.norm(h)) if self.head is not None else h
+            if self.head is not None:
+                return self.head(self.norm(h))
+            return h.to_local() if isinstance(h, DTensor) else h
 
 
 def trace_stage(stage: PipelineStage, engine: Engine) -> None:
@@ -124,25 +134,6 @@ def prune_to_rank(model: Decoder, plan: Plan, pp_rank: int) -> list[int]:
     return stages
 
 
-def pipeline_groups(plan: Plan, env: DistEnv, timeout_s: float):
-    """This rank's pipeline group and BPipe eviction group (one each per dp rank).
-
-    Built with new_group (every rank creates every group) so they carry their
-    own timeout: a dead peer then fails the step within timeout_s. The dp
-    groups come from the device mesh FSDP2 shards over.
-    """
-    pp_group = evict_group = None
-    timeout = timedelta(seconds=timeout_s)
-    for d in range(plan.dp):
-        ranks = [s * plan.dp + d for s in range(plan.pp)]
-        g = cached_group(("pipeline", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
-        e = (cached_group(("evict", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
-             if plan.schedule == "bpipe" else None)
-        if env.rank % plan.dp == d:
-            pp_group, evict_group = g, e
-    return pp_group, evict_group
-
-
 class PipelineEngine(Engine):
     """`Engine` (step, clipping, host offload, checkpoints) over this rank's stages, run by the plan's schedule."""
 
@@ -152,24 +143,27 @@ class PipelineEngine(Engine):
             raise PlanError(f"plan.schedule {plan.schedule!r} is not a pipeline schedule")
         if model.cfg.tie_embeddings:
             raise PlanError("tied embeddings cannot be split across pipeline stages; set model.tie_embeddings=false")
-        self.pp_rank, self.dp_rank = env.rank // plan.dp, env.rank % plan.dp
-        self.pp_group, self.evict_group = pipeline_groups(plan, env, timeout_s)
+        dims = ParallelDims.of(plan, env.device.type, env.rank)
+        self.pp_rank, self.dp_rank = dims.pp_rank, dims.dp_rank
+        self.pp_group, self.evict_group = dims.pipeline_groups(timeout_s, bpipe=plan.schedule == "bpipe")
         self.stages = prune_to_rank(model, plan, self.pp_rank)
+        tp_mesh = dims.tp_mesh if plan.tp > 1 else None
+        if tp_mesh is not None:
+            apply_tp(model, tp_mesh)
         apply_activations(dict(model.blocks.items()), plan)
         host = place(model, plan, env.device, weights)  # a model on meta: read after sharding, this rank's stages only
         self.acts = StageActivations([model])
         ranges = plan.stage_ranges()
         n = len(ranges)
-        meshes = data_meshes(env.device.type, plan.dp, plan.pp)
         self.chunks = []
         for k in self.stages:
-            chunk = StageModule(model, ranges[k], k == 0, k == n - 1, k, self.acts)
-            apply_fsdp(chunk, {str(i): model.blocks[str(i)] for i in ranges[k]}, plan, meshes, output_fp32=k == n - 1)
+            chunk = StageModule(model, ranges[k], k == 0, k == n - 1, k, self.acts, tp_mesh)
+            apply_fsdp(chunk, {str(i): model.blocks[str(i)] for i in ranges[k]}, plan, dims, output_fp32=k == n - 1)
             self.chunks.append(chunk)
         read_weights(model, env.device, weights)
-        super().__init__(model, plan, optim, env.device, dp_group=meshes.group if plan.dp > 1 else None,
+        super().__init__(model, plan, optim, env.device, dp_group=dims.dp_group,
                          host=host, stage_group=self.pp_group, units=tuple(self.chunks))
-        self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len, model.cfg.dim, device=env.device,
+        self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len // plan.tp, model.cfg.dim, device=env.device,
                                   dtype=DTYPES[plan.compute_dtype])  # what stages send each other
         self.divisors: list[float] = []  # this step's, per microbatch (`loss_divisors`)
         self.comms = StageComms(self.pp_group, self.pp_rank, plan.pp, timeout_s)

@@ -23,6 +23,10 @@ each ZeRO stage maps onto FSDP2:
             (unsharded) copy of the parameters during forward/backward, counted
             as "buffers" by the tracker.
 
+With tensor parallelism (runtime.tensor_parallel, applied first) a unit's weights
+are already DTensors split over tp; FSDP2 shards each rank's piece over dp on top
+(a 2-D shard), and zero 0 replicates it over dp.
+
 `offload_params` (zero 3 only, checked by the Plan) adds FSDP2's
 CPUOffloadPolicy: the shard, its gradient and its optimizer step live on host.
 
@@ -39,48 +43,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from snugfit.model.quantize import check_shardable, is_quantized
 from snugfit.plan import BlockPlan, Plan
-from snugfit.runtime.dist import cached_group
+from snugfit.runtime.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class DataMeshes:
-    """The data-parallel meshes of this rank: `shard` (1-D, dp ranks) and `replicate` (2-D, dp x 1)."""
-
-    shard: DeviceMesh
-    replicate: DeviceMesh
-
-    @property
-    def dp(self) -> int:
-        return self.shard.size()
-
-    @property
-    def group(self):
-        """The data-parallel process group (loss averaging, gradient-norm reduction)."""
-        return self.shard.get_group()
-
-
-def data_meshes(device_type: str, dp: int, pp: int = 1) -> DataMeshes:
-    """Meshes for a pp x dp launch (rank = stage * dp + dp_rank); this rank's dp sub-meshes.
-
-    Built from one (pp, dp, 1) world mesh so that pipeline and data parallelism
-    agree on which ranks form a data-parallel group.
-    """
-    world = cached_group(("mesh", device_type, pp, dp),
-                         lambda: init_device_mesh(device_type, (pp, dp, 1), mesh_dim_names=("pp", "dp", "one")))
-    return DataMeshes(shard=world["dp"], replicate=world["dp", "one"])
 
 
 def mixed_precision(plan: Plan, root: bool) -> MixedPrecisionPolicy:
@@ -113,15 +86,15 @@ def store_frozen_in_compute_dtype(model: nn.Module, plan: Plan) -> None:
                 p.data = p.data.to(dtype)
 
 
-def shard_unit(module: nn.Module, block: BlockPlan, meshes: DataMeshes, mp: MixedPrecisionPolicy) -> None:
+def shard_unit(module: nn.Module, block: BlockPlan, dims: ParallelDims, mp: MixedPrecisionPolicy) -> None:
     """Make `module` one FSDP2 unit as `block.zero` says (see the module docstring)."""
     frozen = {p for p in module.parameters() if not p.requires_grad and (block.zero == 0 or (
-        meshes.dp == 1 and is_quantized(p)))}  # torchao's NF4 all-gather hooks fail on a one-rank group
+        dims.dp == 1 and is_quantized(p)))}  # torchao's NF4 all-gather hooks fail on a one-rank group
     if block.zero > 0:
-        check_shardable(module, meshes.dp)
+        check_shardable(module, dims.dp)
     fully_shard(
         module,
-        mesh=meshes.replicate if block.zero == 0 else meshes.shard,
+        mesh=dims.replicate if block.zero == 0 else dims.shard,
         reshard_after_forward=block.zero == 3,
         mp_policy=mp,
         offload_policy=offload_policy(block),
@@ -130,7 +103,7 @@ def shard_unit(module: nn.Module, block: BlockPlan, meshes: DataMeshes, mp: Mixe
 
 
 def apply_fsdp(
-    root: nn.Module, blocks: dict[str, nn.Module], plan: Plan, meshes: DataMeshes, indices: list[int] | None = None,
+    root: nn.Module, blocks: dict[str, nn.Module], plan: Plan, dims: ParallelDims, indices: list[int] | None = None,
     output_fp32: bool = True,
 ) -> None:
     """Shard `blocks` (name -> block; block i follows plan.blocks[i]) then the root unit.
@@ -143,12 +116,12 @@ def apply_fsdp(
     indices = indices if indices is not None else [int(name) for name in blocks]
     mp = mixed_precision(plan, root=False)
     for i, block in zip(indices, blocks.values()):
-        shard_unit(block, plan.blocks[i], meshes, mp)
-    shard_unit(root, plan.root, meshes, mixed_precision(plan, root=output_fp32))
+        shard_unit(block, plan.blocks[i], dims, mp)
+    shard_unit(root, plan.root, dims, mixed_precision(plan, root=output_fp32))
     stages = Counter(f"zero{plan.blocks[i].zero}" + ("+offload_params" if plan.blocks[i].offload_params else "")
                      for i in indices)
     log.info(
         "fsdp: dp=%d, %d blocks %s, root zero%d%s, params %s, reduce %s",
-        meshes.dp, len(indices), dict(stages), plan.root.zero,
+        dims.dp, len(indices), dict(stages), plan.root.zero,
         "+offload_params" if plan.root.offload_params else "", plan.compute_dtype, plan.reduce_dtype,
     )

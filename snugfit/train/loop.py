@@ -19,7 +19,7 @@ from snugfit.config import RunConfig
 from snugfit.errors import SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
-from snugfit.runtime.apply import build_engine
+from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv, init_distributed
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
@@ -136,7 +136,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
         engine = build_engine(model, plan, optim, env, weights)
     except PlanError as e:
         raise SnugfitError(str(e)) from None
-    dp_rank = env.rank % plan.dp
+    dp_rank = plan.layout.coords(env.rank)[1]
     sampler = data.sampler(plan, t.seed, dp_rank)
 
     start = 0

@@ -1,0 +1,88 @@
+"""ParallelDims: the plan's pp x dp x tp grid as one device mesh, and this rank's groups on it.
+
+Every technique asks this object for its ranks and groups instead of computing them: FSDP2 shards over
+`shard` (dp), zero-0 units replicate over `replicate` (dp x a size-1 dim, HSDP with one-rank shard groups),
+tensor parallelism splits over `tp`, pipeline stages talk over `pipeline_group`. Rank arithmetic itself is
+`plan.RankLayout`'s (tp innermost, so tensor-parallel peers share a node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from snugfit.plan import Plan
+from snugfit.runtime.dist import cached_group
+
+
+@dataclass
+class ParallelDims:
+    plan: Plan
+    rank: int
+    world: DeviceMesh  # dims ("pp", "dp", "one", "tp")
+
+    @classmethod
+    def of(cls, plan: Plan, device_type: str, rank: int) -> "ParallelDims":
+        """The mesh of `plan` (made once per process group and shape, see `cached_group`)."""
+        shape = (plan.pp, plan.dp, 1, plan.tp)
+        world = cached_group(("mesh", device_type, *shape),
+                             lambda: init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "one", "tp")))
+        return cls(plan, rank, world)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.plan.layout.coords(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.plan.layout.coords(self.rank)[1]
+
+    @property
+    def dp(self) -> int:
+        return self.plan.dp
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
+
+    @property
+    def shard(self) -> DeviceMesh:
+        """This rank's data-parallel mesh: what FSDP2 shards over."""
+        return self.world["dp"]
+
+    @property
+    def replicate(self) -> DeviceMesh:
+        """dp x 1: zero-0 units as HSDP whose shard groups have one rank (see runtime.sharding)."""
+        return self.world["dp", "one"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.world["tp"]
+
+    @property
+    def dp_group(self):
+        """The data-parallel process group (loss averaging, target counts), or None at dp 1."""
+        return self.shard.get_group() if self.dp > 1 else None
+
+    def pipeline_groups(self, timeout_s: float, bpipe: bool):
+        """This rank's pipeline group and BPipe eviction group (None without BPipe): the pp ranks that share its
+        dp and tp coordinates.
+
+        Built with new_group (every rank creates every group, in the same order) so they carry their own timeout:
+        a dead peer then fails the step within timeout_s.
+        """
+        layout, timeout = self.plan.layout, timedelta(seconds=timeout_s)
+        _, my_dp, my_tp = layout.coords(self.rank)
+        mine = (None, None)
+        for d in range(self.dp):
+            for t in range(self.tp):
+                ranks = [layout.rank(s, d, t) for s in range(self.plan.pp)]
+                g = cached_group(("pipeline", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
+                e = (cached_group(("evict", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
+                     if bpipe else None)
+                if (d, t) == (my_dp, my_tp):
+                    mine = (g, e)
+        return mine

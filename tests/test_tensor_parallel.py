@@ -1,0 +1,67 @@
+"""Tensor parallelism on a Hugging Face Llama with grouped-query attention, at 4 gloo ranks, against one process;
+a tp2 checkpoint resumed without tensor parallelism. (The built-in decoder's tp plans, 2 and 4 ranks, are in
+test_runtime_dp.py beside the other plans.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+pytest.importorskip("transformers")
+
+from snugfit.plan import BlockPlan, Plan  # noqa: E402
+from snugfit.runtime.build import build_engine  # noqa: E402
+from snugfit.runtime.engine import OptimConfig  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
+from tests.test_hf import MBS, NMB, SEQ, STEPS, _batches, _fresh, _reference  # noqa: E402
+
+OPTIM = OptimConfig(lr=1e-2, grad_clip=0.5)
+Z3 = BlockPlan(zero=3)
+
+
+def plans() -> dict[str, Plan]:
+    """Every plan trains the reference's global batch of 2 x MBS x NMB rows per step."""
+    return {
+        "dp2_tp2": Plan.uniform(2, dp=2, tp=2, block=Z3, root=Z3, micro_batch_size=MBS, num_microbatches=NMB,
+                                seq_len=SEQ),
+        "tp2_pp2": Plan.uniform(2, tp=2, pp=2, micro_batch_size=MBS, num_microbatches=2 * NMB, seq_len=SEQ),
+        # where the dp2_tp2 checkpoint resumes: no tensor parallelism, other data-parallel layouts
+        "dp4": Plan.uniform(2, dp=4, block=Z3, root=Z3, micro_batch_size=MBS, num_microbatches=NMB // 2,
+                            seq_len=SEQ),
+        "dp2_pp2": Plan.uniform(2, dp=2, pp=2, micro_batch_size=MBS, num_microbatches=NMB, seq_len=SEQ),
+    }
+
+
+def _step(engine, plan: Plan, batch: torch.Tensor, rank: int) -> float:
+    rows = plan.micro_batch_size * plan.num_microbatches
+    dp_rank = plan.layout.coords(rank)[1]
+    return engine.train_step(batch[dp_rank * rows:(dp_rank + 1) * rows]).loss
+
+
+def _run(env, ckpt: str) -> dict[str, list[float]]:
+    p, batches, out = plans(), _batches(STEPS), {}
+    for name in ("dp2_tp2", "tp2_pp2"):
+        engine = build_engine(_fresh(False), p[name], OPTIM, env)
+        out[name] = [_step(engine, p[name], b, env.rank) for b in batches]
+        if name == "dp2_tp2":
+            engine = build_engine(_fresh(False), p[name], OPTIM, env)
+            for b in batches[:2]:
+                _step(engine, p[name], b, env.rank)
+            dcp.save(engine.state_dict(), checkpoint_id=ckpt)
+    for name in ("dp4", "dp2_pp2"):
+        engine = build_engine(_fresh(False), p[name], OPTIM, env)
+        state = engine.state_dict()
+        dcp.load(state, checkpoint_id=ckpt)
+        engine.load_state_dict(state)
+        out[name] = [_step(engine, p[name], batches[2], env.rank)]
+    return out
+
+
+def test_llama_gqa_tensor_parallel_matches_one_process_and_resumes_without_it(tmp_path):
+    results = run_ranks(_run, 4, str(tmp_path / "tp2"))
+    reference = _reference(False, OPTIM)
+    for name, losses in results[0].items():
+        assert all(r[name] == losses for r in results), name  # every rank reports the global loss
+        want = reference if len(losses) == STEPS else reference[2:]  # resumed: the step after the checkpoint
+        assert losses == pytest.approx(want, rel=1e-5), name
