@@ -34,12 +34,12 @@ from scipy.stats import spearmanr  # noqa: E402
 
 from snugfit.hardware import parse_cluster  # noqa: E402
 from snugfit.model.decoder import Decoder  # noqa: E402
-from snugfit.hardware.measure import profile_hardware  # noqa: E402
+from snugfit.calibrate.hardware import profile_hardware  # noqa: E402
 from snugfit.model.decoder import ModelConfig  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.profile import profile_model  # noqa: E402
-from snugfit.profile.measure_step import measure_single_process  # noqa: E402
+from snugfit.calibrate.step import measure_single_process  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.engine import OptimConfig  # noqa: E402
 from snugfit.runtime.spawn import run_ranks  # noqa: E402

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 from snugfit.hardware import load_local, parse_cluster  # noqa: E402
-from snugfit.hardware.measure import profile_hardware  # noqa: E402
+from snugfit.calibrate.hardware import profile_hardware  # noqa: E402
 from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.explain import summary  # noqa: E402

@@ -53,7 +53,7 @@ def test_toml_roundtrip(tmp_path):
 
 
 def test_profile_hardware_measures_this_machine(tmp_path):
-    from snugfit.hardware.measure import profile_hardware
+    from snugfit.calibrate.hardware import profile_hardware
 
     out = tmp_path / "hw.json"
     local = profile_hardware(out, collectives=False)
@@ -66,7 +66,7 @@ def test_profile_hardware_measures_this_machine(tmp_path):
 
 
 def test_gloo_collective_bandwidth_and_fsdp_overheads_between_two_processes():
-    from snugfit.hardware.measure import measure_collectives
+    from snugfit.calibrate.hardware import measure_collectives
 
     link, fsdp, together = measure_collectives(2, nbytes=2**20)
     assert link.gbps > 0.01 and 0 < link.latency_s < 1 and 0 < together < 10
@@ -108,7 +108,7 @@ def test_torch_device_names_find_their_catalogue_entry(device_name, memory_gib, 
 
 
 def test_an_unknown_card_is_measured_from_its_properties():
-    from snugfit.hardware.measure import measure_accelerator
+    from snugfit.calibrate.hardware import measure_accelerator
     gpu, link = measure_accelerator("NVIDIA Mystery 9000", dev="cpu", size=128)
     assert gpu.name == "NVIDIA Mystery 9000"
     assert set(gpu.tflops) >= {"float32", "float16", "bfloat16"} and all(t > 0 for t in gpu.tflops.values())

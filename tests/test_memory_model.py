@@ -142,7 +142,7 @@ def test_recompute_policies_shrink_activations():
 ])
 def test_predicted_peak_within_5_percent_of_memtracker_on_cpu(mbs, m, policy, attention):
     from snugfit.profile import profile_model
-    from snugfit.profile.measure_step import measure_single_process
+    from snugfit.calibrate.step import measure_single_process
 
     cfg = ModelConfig(arch="llama", dim=32, n_layers=2, n_heads=2, vocab_size=512, max_seq_len=96, attention=attention)
     plan = Plan.uniform(2, block=BlockPlan(activations=policy), root=BlockPlan(), micro_batch_size=mbs,

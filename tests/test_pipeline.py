@@ -17,7 +17,7 @@ from snugfit.plan import BlockPlan, Plan, PlanError
 from snugfit.plan.simulate import simulate
 from snugfit.runtime.engine import OptimConfig, split_batch
 from snugfit.runtime.memory import local
-from snugfit.runtime.offload import local_shard
+from snugfit.model.shards import local_shard
 from snugfit.runtime.pipeline import build_pipeline_engine
 from snugfit.runtime.schedules import PipelineError, bpipe_program, one_f_one_b
 from tests.distributed import run_ranks

@@ -21,7 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from snugfit.hardware.measure import profile_hardware
+    from snugfit.calibrate.hardware import profile_hardware
 
     local = profile_hardware(args.out, collectives=not args.no_collectives)
     print(json.dumps(local.to_dict(), indent=2))

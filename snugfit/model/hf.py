@@ -38,6 +38,7 @@ from snugfit.errors import SnugfitError
 from snugfit.model.decoder import Decoder
 from snugfit.model.lora import init_adapters, merged_state_dict, plain_named_tensors
 from snugfit.model.quantize import copy_nf4, is_quantized, quantize
+from snugfit.model.shards import local_shard
 
 log = logging.getLogger(__name__)
 
@@ -361,8 +362,6 @@ def _read_into(f, name: str, target: torch.Tensor, file: str) -> None:
         raise SnugfitError(f"{file}: {name} has shape {tuple(sl.get_shape())}, the config says "
                            f"{tuple(target.shape)}; is config.json from the same model?")
     if is_quantized(target):  # NF4 quantizes whole tensors (its scales' mean is per tensor), then shards
-        from snugfit.runtime.offload import local_shard  # FSDP2's row split (torch.chunk), as offload uses
-
         held = getattr(target, "_local_tensor", target)  # the NF4 object itself: to_local() returns a fresh alias
         copy_nf4(held, local_shard(quantize(f.get_tensor(name), like=held), target))
     elif isinstance(target, DTensor):

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.model.recompute import recompute
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
 from snugfit.profile.types import DTYPE_BYTES, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
 
@@ -244,13 +245,12 @@ class _PieceTimer:
 
     def __init__(self, cfg: ModelConfig, prof: ModelProfile, device: str, clock: Callable[[], float], policy: str,
                  tune: tuple[int | None, str | None]):
-        from snugfit.plan.plan import BlockPlan, Plan
-        from snugfit.profile.measure_step import apply_recompute
-
         torch.manual_seed(0)
         self.model = Decoder(cfg).to(device=device, dtype=getattr(torch, prof.dtype))
         fine_tune(self.model, *tune)
-        apply_recompute(self.model, Plan.uniform(cfg.n_layers, block=BlockPlan(activations=policy)))
+        if policy in ("recompute", "selective"):
+            for block in self.model.blocks.values():
+                recompute(block, selective=policy == "selective")
         parts = model_parts(self.model)
         names = ["embed"] + [f"block.{i}" for i in range(len(parts.blocks))] + ["head"]
         mods = [parts.embed[0], *parts.blocks, parts.last[0]]

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from snugfit.runtime.activations import SAVED_OPS
+from snugfit.model.recompute import SAVED_OPS
 
 # "selective" recomputation keeps the outputs of the ops the runtime's policy saves
 # (matmuls and fused attention) plus the block input; everything else is recomputed.

@@ -27,51 +27,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-aten = torch.ops.aten
-# Ops whose outputs selective recomputation keeps: the matmuls and the attention kernels.
-SAVED_OPS = {
-    aten.mm.default,
-    aten.addmm.default,
-    aten.bmm.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class _KeepInput(torch.autograd.Function):
-    """Identity that saves its input for backward.
-
-    Non-reentrant checkpoint holds the block input in a closure, invisible to
-    saved-tensor hooks around the block; saving it here too makes it visible to
-    the memory tracker and lets a pipeline stage evict it (same storage, so no
-    extra bytes).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def _recompute(forward: Callable, selective: bool, x: torch.Tensor, *args: Any) -> torch.Tensor:
-    if torch.is_grad_enabled() and x.requires_grad:
-        x = _KeepInput.apply(x)
-    context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
-    kw = {"context_fn": context} if context else {}
-    return checkpoint(forward, x, *args, use_reentrant=False, **kw)
-
+from snugfit.model.recompute import recompute
 
 class _HostCopy:
     """One saved tensor in host memory; `fetch` starts the copy back, `get` waits for it."""
@@ -152,11 +109,10 @@ def apply_activation_policy(block: nn.Module, policy: str) -> nn.Module:
     """Make `block` keep, recompute, selectively recompute or offload its saved activations (in place)."""
     if policy == "keep":
         return block
-    forward = block.forward
     if policy in ("recompute", "selective"):
-        block.forward = functools.partial(_recompute, forward, policy == "selective")
+        recompute(block, selective=policy == "selective")
     elif policy == "offload":
-        block.forward = functools.partial(_offload, forward)
+        block.forward = functools.partial(_offload, block.forward)
     else:
         raise ValueError(f"unknown activation policy {policy!r}; use keep, recompute, selective or offload")
     return block

@@ -33,25 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
+from snugfit.model.shards import local_shard
 from snugfit.runtime.memory import local, tensor_bytes
 
 log = logging.getLogger(__name__)
-
-
-def local_shard(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `full` laid out as DTensor `p` is (FSDP2 shards with torch.chunk)."""
-    t = full
-    if isinstance(p, DTensor):
-        for mesh_dim, placement in enumerate(p.placements):
-            if placement.is_shard():
-                n, r = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
-                chunks = torch.chunk(t, n, dim=placement.dim)
-                t = chunks[r] if r < len(chunks) else t.narrow(placement.dim, 0, 0)
-    if t.shape != local(p).shape:
-        raise RuntimeError(f"host shard {tuple(t.shape)} does not match device shard {tuple(local(p).shape)}")
-    return t
 
 
 def _host_empty_like(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ def local_cluster(env: DistEnv) -> Cluster:
     if env.device.type == "cpu":
         return parse_cluster(f"{env.world_size}xcpu")
     from snugfit.hardware.catalogue import Host, Link, gpu_for_device
-    from snugfit.hardware.measure import host_ram, measure_accelerator
+    from snugfit.calibrate.hardware import host_ram, measure_accelerator
     from snugfit.runtime.dist import disable_p2p_without_peer_access
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
@@ -93,7 +93,7 @@ def measure_once(ranks: int, on_cpu: bool = True) -> None:
     measures the rest and says how to complete it.
     """
     from snugfit.hardware.catalogue import hardware_cache_path, load_local
-    from snugfit.hardware.measure import profile_hardware
+    from snugfit.calibrate.hardware import profile_hardware
 
     local = load_local()
     multi = ranks > 1

@@ -1,7 +1,7 @@
 """Run a single-process plan of the built-in model on this machine and measure it.
 
 The reference the memory and time models are checked against (tests, bench/):
-the runtime's own engine (runtime.apply.build_engine: FSDP2 units, activation
+the runtime's own engine (runtime.build.build_engine: FSDP2 units, activation
 policies, fused AdamW, gradient accumulation) in one process; peak memory from
 torch's MemTracker, which sees every tensor (transients too, unlike the
 runtime's MemoryTracker; it works on CPU, where there are no allocator
@@ -24,14 +24,6 @@ from snugfit.plan.plan import Plan
 class MeasuredStep:
     peak_bytes: int
     step_time_s: float  # fastest of the timed steps (interference on a shared machine only adds time)
-
-
-def apply_recompute(model: Decoder, plan: Plan) -> None:
-    """Each block's saved-activation policy as the runtime applies it."""
-    from snugfit.runtime.activations import apply_activation_policy
-
-    for i, block in model.blocks.items():
-        apply_activation_policy(block, plan.blocks[int(i)].activations)
 
 
 def measure_single_process(cfg: ModelConfig, plan: Plan, steps: int = 3, track_memory: bool = True,
