@@ -21,6 +21,9 @@ heads, the MLP hidden size, the vocabulary and the sequence must divide by tp.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -35,53 +38,64 @@ from torch.distributed.tensor.parallel import (
 
 from snugfit.plan import Plan, PlanError
 
-# (attention norm, attention, its column-wise projections, its row-wise one,
-#  MLP norm, MLP, its column-wise projections, its row-wise one, how the attention takes its input)
-BLOCK_LAYOUTS = {
-    "built-in": ("attn_norm", "attn", ("q", "k", "v"), "o", "mlp_norm", "mlp", ("gate", "up"), "down", "args"),
-    "hf-llama": ("layer.input_layernorm", "layer.self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj",
-                 "layer.post_attention_layernorm", "layer.mlp", ("gate_proj", "up_proj"), "down_proj", "kwargs"),
-}
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a block's pieces are, by module name inside the block."""
+
+    attn_norm: str
+    attn: str
+    attn_columns: tuple[str, ...]  # split by heads: q, k, v
+    attn_row: str  # o: its partial sums reduce-scattered back to sequence slices
+    mlp_norm: str
+    mlp: str
+    mlp_columns: tuple[str, ...]  # split by the hidden size (gate where the MLP has one, up)
+    mlp_row: str  # down
+    attn_takes_keywords: bool  # HF attention takes hidden_states by keyword, the built-in one (x, rope)
+
+    def missing(self, block: nn.Module) -> set[str]:
+        """The modules this layout needs that `block` lacks."""
+        have = {n for n, _ in block.named_modules()}
+        need = {self.attn_norm, self.mlp_norm, f"{self.mlp}.{self.mlp_row}", f"{self.mlp}.{self.mlp_columns[-1]}",
+                *(f"{self.attn}.{n}" for n in (*self.attn_columns, self.attn_row))}
+        return need - have
+
+    def plan(self, block: nn.Module) -> dict:
+        """The parallelize_module plan of `block`."""
+        if self.attn_takes_keywords:
+            gather_attn = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                             desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        else:  # attn(x, rope): gather x, leave the rotary table
+            gather_attn = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        have = {n for n, _ in block.named_modules()}
+        return {
+            self.attn_norm: SequenceParallel(),
+            self.attn: gather_attn,
+            **{f"{self.attn}.{n}": ColwiseParallel() for n in self.attn_columns},
+            f"{self.attn}.{self.attn_row}": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            self.mlp_norm: SequenceParallel(),
+            self.mlp: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            **{f"{self.mlp}.{n}": ColwiseParallel() for n in self.mlp_columns if f"{self.mlp}.{n}" in have},
+            f"{self.mlp}.{self.mlp_row}": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        }
 
 
-def block_layout(block: nn.Module) -> str:
-    """Which of BLOCK_LAYOUTS `block` has, or a PlanError naming the block type."""
-    names = {n for n, _ in block.named_modules()}
-    for kind, (a_norm, attn, cols, row, m_norm, mlp, mcols, mrow, _) in BLOCK_LAYOUTS.items():
-        wanted = [a_norm, m_norm, *(f"{attn}.{n}" for n in (*cols, row)), f"{mlp}.{mrow}", f"{mlp}.{mcols[-1]}"]
-        if all(n in names for n in wanted):
-            return kind
+LAYOUTS = (
+    BlockLayout("attn_norm", "attn", ("q", "k", "v"), "o", "mlp_norm", "mlp", ("gate", "up"), "down", False),
+    BlockLayout("layer.input_layernorm", "layer.self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj",
+                "layer.post_attention_layernorm", "layer.mlp", ("gate_proj", "up_proj"), "down_proj", True),
+)
+
+
+def block_layout(block: nn.Module) -> BlockLayout:
+    """The layout `block` has, or a PlanError naming the block type."""
+    for layout in LAYOUTS:
+        if not layout.missing(block):
+            return layout
     inner = getattr(block, "layer", block)
     raise PlanError(f"tensor parallelism splits the built-in decoder's and Llama-family (Llama, Mistral, Qwen2) "
                     f"blocks, not {type(inner).__name__}; plan with tp 1")
-
-
-def _block_plan(kind: str, block: nn.Module) -> dict:
-    a_norm, attn, cols, row, m_norm, mlp, mcols, mrow, call = BLOCK_LAYOUTS[kind]
-    if call == "args":  # attn(x, rope): gather x, leave the rotary table
-        gather_attn = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-    else:  # HF attention takes hidden_states by keyword
-        gather_attn = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                         desired_input_kwarg_layouts={"hidden_states": Replicate()})
-    out = {
-        a_norm: SequenceParallel(),
-        attn: gather_attn,
-        **{f"{attn}.{n}": ColwiseParallel() for n in cols},
-        f"{attn}.{row}": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        m_norm: SequenceParallel(),
-        mlp: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        **{f"{mlp}.{n}": ColwiseParallel() for n in mcols if _has(block, f"{mlp}.{n}")},
-        f"{mlp}.{mrow}": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
-    return out
-
-
-def _has(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
 
 
 def check_tp(model: nn.Module, plan: Plan) -> None:
@@ -94,20 +108,18 @@ def check_tp(model: nn.Module, plan: Plan) -> None:
                         "or untie them (model.tie_embeddings = false)")
     if any(type(m).__name__.startswith("LoRA") for m in model.modules()):
         raise PlanError("tensor parallelism does not split LoRA adapters yet; plan LoRA with tp 1")
-    for block in model.blocks.values():
-        kind = block_layout(block)
-        _, attn, cols, _, _, mlp, mcols, _, _ = BLOCK_LAYOUTS[kind]
-        sizes = {f"{attn}.{n}": block.get_submodule(f"{attn}.{n}").out_features for n in cols}
-        sizes[f"{mlp}.{mcols[-1]}"] = block.get_submodule(f"{mlp}.{mcols[-1]}").out_features
-        head_dim = getattr(getattr(block, "attn", None), "cfg", None)
-        head_dim = head_dim.head_dim if head_dim is not None else block.layer.self_attn.head_dim
-        for name, n in sizes.items():
-            units = n // head_dim if name.startswith(attn) else n
-            if units % tp:
-                what = "heads" if name.startswith(attn) else "outputs"
-                raise PlanError(f"tp {tp} does not divide {name}'s {units} {what}; choose a tp that divides the "
-                                "model's heads, key/value heads and MLP hidden size")
-        break  # every block has the same shape
+    block = next(iter(model.blocks.values()))  # every block has the same shape
+    layout = block_layout(block)
+    attn = block.get_submodule(layout.attn)
+    head_dim = attn.head_dim if hasattr(attn, "head_dim") else attn.cfg.head_dim
+    for name in layout.attn_columns:
+        heads = block.get_submodule(f"{layout.attn}.{name}").out_features // head_dim
+        if heads % tp:
+            raise PlanError(f"tp {tp} does not divide {layout.attn}.{name}'s {heads} heads; choose a tp that "
+                            "divides the model's heads and key/value heads")
+    hidden = block.get_submodule(f"{layout.mlp}.{layout.mlp_columns[-1]}").out_features
+    if hidden % tp:
+        raise PlanError(f"tp {tp} does not divide the MLP hidden size ({hidden}); choose a tp that divides it")
     if cfg.vocab_size % tp:
         raise PlanError(f"tp {tp} does not divide the vocabulary ({cfg.vocab_size}); choose a tp that divides it")
     if plan.seq_len % tp:
@@ -133,7 +145,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(model.embed, mesh, PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
     for block in model.blocks.values():
-        parallelize_module(block, mesh, _block_plan(block_layout(block), block))
+        parallelize_module(block, mesh, block_layout(block).plan(block))
     if model.head is not None:
         # The final norm runs on the whole sequence (its weight stays a plain tensor: every tp rank computes
         # the same gradient), so the loss may slice tokens as it likes (chunked cross-entropy).
@@ -141,3 +153,5 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
         head = [m for m in model.head.modules() if isinstance(m, nn.Linear)][-1]
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=Replicate()))
+    log.info("tensor parallel: %d blocks%s split over %d ranks (sequence parallel)", len(model.blocks),
+             "".join(f" + {name}" for name in ("embed", "head") if getattr(model, name) is not None), mesh.size())

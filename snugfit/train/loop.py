@@ -148,8 +148,8 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
     if env.is_main:
         (out / "plan.json").write_text(plan.to_json())
         log.info(
-            "plan dp=%d pp=%d micro-batch %d x %d, %d tokens/step, %s",
-            plan.dp, plan.pp, plan.micro_batch_size, plan.num_microbatches,
+            "plan dp=%d tp=%d pp=%d micro-batch %d x %d, %d tokens/step, %s",
+            plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches,
             plan.tokens_per_step, f"resuming at step {start}" if start else "starting",
         )
 
