@@ -61,6 +61,10 @@ TWO = {
     "pp2_1f1b": (_plan(1, m=4, pp=2, schedule="1f1b"), ""),
     # stage 0 keeps one microbatch, evicting the others to stage 1, which holds them beside its own
     "pp2_bpipe_evict": (_plan(1, m=4, pp=2, schedule="bpipe", evict_bound=1), ""),
+    # tensor parallelism: matrices split, norms replicated, the projections' gathered inputs kept whole
+    "tp2": (_plan(1, m=2, tp=2), ""),
+    "tp2_recompute": (_plan(1, BlockPlan(activations="recompute"), m=2, tp=2), ""),
+    "tp2_zero3": (_plan(1, BlockPlan(zero=3), m=2, tp=2), ""),
 }
 
 

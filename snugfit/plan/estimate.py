@@ -7,15 +7,38 @@ from snugfit.plan.memory import StagePiece, device_bytes, host_bytes, rank_memor
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
-    StageTime, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
+    StageTime, TensorParallel, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
 )
-from snugfit.profile.types import ModelProfile, nf4_bytes
+from snugfit.profile.types import DTYPE_BYTES, ModelProfile, nf4_bytes
 
 HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
 
 
+def tensor_parallel_problem(prof: ModelProfile, tp: int) -> str | None:
+    """Why `tp` cannot split this model (runtime.tensor_parallel's conditions), or None."""
+    if tp == 1:
+        return None
+    c = prof.config
+    sizes = {"heads": c.get("n_heads") or c.get("num_attention_heads"),
+             "key/value heads": c.get("n_kv_heads") or c.get("num_key_value_heads") or c.get("n_heads")
+             or c.get("num_attention_heads"),
+             "MLP hidden size": c.get("ffn_dim") or c.get("intermediate_size"), "vocabulary": c.get("vocab_size"),
+             "sequence length": prof.seq_len}
+    bad = [f"{name} ({n})" for name, n in sizes.items() if n and n % tp]
+    if bad:
+        return f"tp {tp} does not divide the model's {', '.join(bad)}"
+    if prof.tied_params:
+        return "tensor parallelism cannot split tied embedding and head weights"
+    if any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces):
+        return "tensor parallelism does not split LoRA adapters"
+    return None
+
+
 def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
     plan.validate(n_blocks=len(prof.blocks))
+    problem = tensor_parallel_problem(prof, plan.tp)
+    if problem:
+        raise PlanError(f"{problem}; plan with another tp")
     if plan.world_size != cluster.world_size:
         raise PlanError(
             f"plan uses {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) but the cluster has "
@@ -31,6 +54,19 @@ def _dp_group(plan: Plan, pp_rank: int) -> list[int]:
     return [plan.layout.rank(pp_rank, i) for i in range(plan.dp)]
 
 
+def _tp_group(plan: Plan, rank: int) -> list[int]:
+    pp_rank, dp_rank, _ = plan.layout.coords(rank)
+    return [plan.layout.rank(pp_rank, dp_rank, t) for t in range(plan.tp)]
+
+
+def _tensor_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int) -> TensorParallel | None:
+    if plan.tp == 1:
+        return None
+    vocab = prof.config.get("vocab_size") or 0
+    logits = prof.micro_batch_size * prof.seq_len * vocab * DTYPE_BYTES[plan.compute_dtype]
+    return TensorParallel(plan.tp, cluster.link_for(_tp_group(plan, rank)), logits)
+
+
 def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
     """rank -> the first rank alike to it (same pipeline rank, same kind of node, same data-parallel link).
 
@@ -42,7 +78,8 @@ def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
     for rank in range(plan.world_size):
         pp_rank = plan.layout.coords(rank)[0]
         node = cluster.nodes[cluster.node_of(rank)]
-        key = (pp_rank, repr(node), repr(cluster.link_for(_dp_group(plan, pp_rank))))
+        key = (pp_rank, repr(node), repr(cluster.link_for(_dp_group(plan, pp_rank))),
+               repr(cluster.link_for(_tp_group(plan, rank))))
         out[rank] = first.setdefault(key, rank)
     return out
 
@@ -83,7 +120,7 @@ def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float =
         times[rank] = {
             k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.dp,
                           dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped,
-                          pipelined=plan.pp > 1, busy=busy)
+                          pipelined=plan.pp > 1, busy=busy, tensor=_tensor_parallel(plan, prof, cluster, rank))
             for k, sps in stages_of[pp_rank].items()
         }
     return stages_of, kind, times
@@ -95,7 +132,7 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
     memory_budget_bytes caps what each GPU may use (default: its memory).
     """
     _check(plan, profile, cluster)
-    prof = profile.scaled(plan.micro_batch_size)
+    prof = profile.scaled(plan.micro_batch_size).split(plan.tp)
     pp, dp, m, v = plan.pp, plan.dp, plan.num_microbatches, plan.virtual_stages
     n_stages = pp * v
     notes: list[str] = []
@@ -104,20 +141,20 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
 
     stages_of, kind, times = stage_times(plan, prof, cluster)
     p2p, move = [0.0] * n_stages, [0.0] * n_stages
+    first = plan.layout.rank  # the first rank of a pipeline rank's dp x tp group: its peers talk alike
     for k in range(n_stages):
-        r = (k % pp) * dp
         out = stages_of[k % pp][k][-1].piece.output_bytes
         if k + 1 < n_stages:
-            p2p[k] = transfer_time(out, cluster.link_for([r, ((k + 1) % pp) * dp]))
+            p2p[k] = transfer_time(out, cluster.link_for([first(k % pp), first((k + 1) % pp)]))
         saved = sum(sp.piece.saved_bytes["keep"] for sp in stages_of[k % pp][k])
-        move[k] = transfer_time(saved, cluster.link_for([r, (pp - 1 - k % pp) * dp]))
+        move[k] = transfer_time(saved, cluster.link_for([first(k % pp), first(pp - 1 - k % pp)]))
     bound = plan.bpipe_bound() if plan.schedule == "bpipe" else None
     sim = simulate(plan.schedule, pp, m, *_paces(plan, kind, times), v=v, p2p=p2p, bound=bound, move=move)
 
     # -- per-rank totals --
     mem, tracked, step, phases_of = {}, {}, -1.0, {}
     for rank in sorted(set(kind.values())):
-        pp_rank = rank // dp
+        pp_rank = plan.layout.coords(rank)[0]
         node = cluster.nodes[cluster.node_of(rank)]
         rm = rank_memory(plan, prof, node.gpu, rank, sim)
         mem[rank], tracked[rank] = rm.cats, rm.tracked
@@ -137,6 +174,7 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
             "recompute": m * sum(st.recompute for st in sts.values()),
             "bubble": sim.bubble(pp_rank) if pp > 1 else 0.0,
             "dp_comm_exposed": m * sum(st.comm_exposed for st in sts.values()) + reduce,
+            "tp_comm": m * sum(st.tp_fwd + st.tp_bwd for st in sts.values()),
             "offload_exposed": m * sum(st.offload_exposed for st in sts.values()) + opt_host,
             "pipeline_runtime": m * sum(st.pipe for st in sts.values()),
             "optimizer": opt_dev + sum(st.update for st in sts.values()),
@@ -189,7 +227,7 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str
                          "plans with optimizer or parameter offload do")
     if any("reserve" in c for c in mem):
         notes.append("reserve = CUDA context + 5% allocator fragmentation")
-    flops = prof.train_flops() * plan.num_microbatches * plan.dp
+    flops = prof.train_flops() * plan.num_microbatches * plan.dp * plan.tp  # prof: one tensor-parallel rank's
     peak_rate = sum(cluster.gpu_of(r).tflops.get(plan.compute_dtype, 0.0) * 1e12 for r in range(plan.world_size))
     pred = Prediction(
         peak_memory_bytes=peak, memory_by_rank=mem, step_time_s=step, time_by_phase=phases,

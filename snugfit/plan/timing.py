@@ -79,6 +79,34 @@ def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, dtype: st
     return 0.0
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """A stage's tensor-parallel group, as runtime.tensor_parallel talks over it (Megatron with sequence
+    parallelism): per block, the attention and MLP inputs are all-gathered and their outputs reduce-scattered,
+    in forward and again (as reduce-scatter and all-gather) in backward; recomputation gathers again. The
+    embedding all-reduces its output, the head gathers its input and its logits. torch's eager DTensor runs each
+    collective when its op needs it: none overlaps compute."""
+
+    size: int
+    link: Link
+    logits_bytes: float  # one microbatch's whole logits in the compute dtype
+
+    def times(self, p: PieceProfile, policy: str) -> tuple[float, float]:
+        """(forward, backward) seconds of p's collectives per microbatch; p as one tp rank holds it."""
+        n, link = self.size, self.link
+        if p.name.startswith("block"):
+            whole = p.input_bytes * n
+            gather, scatter = ring_time("all_gather", whole, n, link), ring_time("reduce_scatter", whole, n, link)
+            again = {"recompute": 2 * (gather + scatter), "selective": 2 * gather}.get(policy, 0.0)
+            return 2 * (gather + scatter), 2 * (gather + scatter) + again
+        if p.name == "embed":
+            whole = p.output_bytes * n
+            return ring_time("all_reduce", whole, n, link), ring_time("all_gather", whole, n, link)
+        whole = p.input_bytes * n
+        return (ring_time("all_gather", whole, n, link) + ring_time("all_gather", self.logits_bytes, n, link),
+                ring_time("all_reduce", whole, n, link))
+
+
 @dataclass
 class StageTime:
     """One stage on one rank, per microbatch, and what it adds once per step."""
@@ -91,14 +119,16 @@ class StageTime:
     reduce_bytes: list[float] | None = None  # per piece: gradient bytes reduced at the end of the step
     update: float = 0.0  # per step: the optimizer step's FSDP2 (DTensor) work on CPU ranks
     pipe: float = 0.0  # the pipeline runtime's own work for this stage on CPU ranks (transfers, bookkeeping)
+    tp_fwd: float = 0.0  # tensor-parallel collectives in forward (all exposed)
+    tp_bwd: float = 0.0  # and in backward, recomputation's included
 
     @property
     def f_total(self) -> float:
-        return self.fwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
+        return self.fwd + self.tp_fwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
     @property
     def b_total(self) -> float:
-        return self.bwd + self.recompute + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
+        return self.bwd + self.recompute + self.tp_bwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
 
 def local_ranks(node: Node, busy: float = 1.0) -> tuple[dict[str, list[float]], float]:
@@ -132,9 +162,11 @@ def cpu_share(node: Node, busy: float = 1.0) -> float:
 def stage_time(
     pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
     measured_on: str | None, wrapped: bool = True, pipelined: bool = False, busy: float = 1.0,
+    tensor: TensorParallel | None = None,
 ) -> StageTime:
     """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped); pipelined: they are a stage
-    of a pipeline (pp > 1); busy: the share of the node's ranks working at once (`local_ranks`)."""
+    of a pipeline (pp > 1); busy: the share of the node's ranks working at once (`local_ranks`); tensor: the
+    pieces are one tensor-parallel rank's (ModelProfile.split) and talk over this group."""
     gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     on_cpu, share = gpu.name == "cpu", cpu_share(node, busy)
@@ -146,6 +178,9 @@ def stage_time(
         policy = d.activations if p.name.startswith("block") else "keep"
         rc = recompute_time(p, policy, f, gpu, dtype, measured_on)
         st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share
+        if tensor is not None:
+            tf, tb = tensor.times(p, policy)
+            st.tp_fwd, st.tp_bwd = st.tp_fwd + tf, st.tp_bwd + tb
         if d.zero >= 1 and dp > 1 and not on_cpu:  # CPU ranks: FSDP2's measured costs below
             gather = ring_time("all_gather", sp.n_params * c, dp, dp_link)
             if d.offload_params:

@@ -58,10 +58,10 @@ def fine_tune(model: nn.Module, lora_rank: int | None, frozen: str | None) -> No
         freeze(model, frozen)
 
 
-def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> tuple[dict[str, int], int]:
-    """(dtype -> element count, trainable elements) of parameters not yet in `seen`."""
+def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> tuple[dict[str, int], int, int]:
+    """(dtype -> element count, trainable elements, elements of 1-D parameters) of parameters not yet in `seen`."""
     out: dict[str, int] = {}
-    trainable = 0
+    trainable = vectors = 0
     for m in modules:
         for p in m.parameters():
             if id(p) in seen:
@@ -70,17 +70,19 @@ def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> tuple[dict[str
             key = str(p.dtype).removeprefix("torch.")
             out[key] = out.get(key, 0) + p.numel()
             trainable += p.numel() if p.requires_grad else 0
-    return out, trainable
+            vectors += p.numel() if p.dim() < 2 else 0
+    return out, trainable, vectors
 
 
-def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int], is_block: bool) -> PieceProfile:
+def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int], is_block: bool) -> PieceProfile:
     keep = rec.saved
     saved = {"keep": keep}
     if is_block:
         saved["recompute"] = rec.input_bytes
         saved["selective"] = min(keep, rec.input_bytes + rec.selective_extra)
     return PieceProfile(
-        name=name, params=params[0], trainable=params[1], input_bytes=rec.input_bytes, output_bytes=rec.output_bytes,
+        name=name, params=params[0], trainable=params[1], vectors=params[2], input_bytes=rec.input_bytes,
+        output_bytes=rec.output_bytes,
         saved_bytes=saved,
         fwd_peak_bytes=rec.fwd.peak_delta, bwd_peak_bytes=rec.bwd.peak_delta, fwd_flops=rec.fwd.flops,
         bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,

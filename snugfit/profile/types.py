@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing; 5: recompute intercepts
-PROFILE_VERSION = 6  # 6: the loss is chunked (model.decoder.chunked_cross_entropy); 5: earlier profiles
+PROFILE_VERSION = 7  # 7: 1-D parameter counts (tensor parallelism); 6: the loss is chunked
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -45,6 +45,7 @@ class PieceProfile:
     recompute_fixed_s: dict[str, float] = field(default_factory=dict)  # of which the part no batch size changes
     trainable: int | None = None  # trainable elements (LoRA, frozen pieces); None: all of them
     quantized: int = 0  # of the frozen ones, those stored in 4-bit NF4 (QLoRA base weights)
+    vectors: int = 0  # elements of 1-D parameters (norm weights, biases): what tensor parallelism does not split
 
     @property
     def num_trainable(self) -> int:
@@ -135,3 +136,49 @@ class ModelProfile:
 
         return replace(self, micro_batch_size=micro_batch_size, embed=piece(self.embed),
                        blocks=[piece(b) for b in self.blocks], head=piece(self.head))
+
+    def split(self, tp: int) -> "ModelProfile":
+        """This profile as one of `tp` tensor-parallel ranks holds and runs it (runtime.tensor_parallel).
+
+        Matrices are split (column- or row-wise, the embedding and head by vocabulary), 1-D parameters (norms,
+        biases) replicated; FLOPs, memory traffic and measured times divide, but for the fixed part of times.
+        Sequence parallelism slices the residual stream, so what blocks send and keep divides too, except the
+        two whole-sequence inputs of the attention and MLP projections (all-gathered, saved by autograd on every
+        rank). Recomputation gathers them again rather than keeping them. The head runs its norm and loss on the
+        whole sequence, with gathered logits: its saved and working bytes do not divide.
+        """
+        if tp == 1:
+            return self
+
+        def share(n: int, kept: int) -> int:
+            return (n - kept) // tp + kept
+
+        def time(t: float | None, fixed: float) -> float | None:
+            return None if t is None else fixed + (t - fixed) / tp
+
+        def piece(p: PieceProfile, block: bool) -> PieceProfile:
+            whole = p.input_bytes  # one whole-sequence hidden state (the profile's is unsplit)
+            big = max(p.params, key=p.params.get) if p.params else None  # the dtype holding the matrices
+            params = {k: (share(v, min(p.vectors, v)) if k == big else v) for k, v in p.params.items()}
+            trainable = None if p.trainable is None else share(p.trainable, min(p.vectors, p.trainable))
+            out = replace(
+                p, params=params, trainable=trainable, quantized=p.quantized // tp,
+                fwd_flops=p.fwd_flops / tp, bwd_flops=p.bwd_flops / tp, fwd_mem_bytes=p.fwd_mem_bytes / tp,
+                bwd_mem_bytes=p.bwd_mem_bytes / tp, fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s),
+                bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
+                recompute_time_s={k: time(v, p.recompute_fixed_s.get(k, 0.0)) for k, v in p.recompute_time_s.items()},
+            )
+            if p.name == "head":
+                return replace(out, input_bytes=p.input_bytes // tp)
+            out.output_bytes = p.output_bytes // tp
+            if block:
+                keep = p.saved_bytes["keep"]
+                out.input_bytes = p.input_bytes // tp
+                out.saved_bytes = {k: v // tp for k, v in p.saved_bytes.items()}
+                out.saved_bytes["keep"] = share(keep, min(keep, 2 * whole))
+                out.fwd_peak_bytes = p.fwd_peak_bytes // tp + whole
+                out.bwd_peak_bytes = p.bwd_peak_bytes // tp + whole
+            return out
+
+        return replace(self, embed=piece(self.embed, False), blocks=[piece(b, True) for b in self.blocks],
+                       head=piece(self.head, False))
