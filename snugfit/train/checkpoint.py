@@ -12,6 +12,7 @@ the background.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from snugfit.errors import SnugfitError
 from snugfit.runtime.dist import DistEnv, cached_group
 
+log = logging.getLogger("snugfit")
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -123,6 +125,20 @@ class Checkpoints:
             error, self._error = self._error, None
             raise error
 
+    def settle(self, timeout_s: float) -> None:
+        """On the way out of a failed run: give the save in flight up to timeout_s to commit (its write is usually
+        done; its commit needs the other ranks, which may be gone). Its own failure is logged, not raised: the
+        run's error is the one to report."""
+        if self._in_flight is not None:
+            self._in_flight.join(timeout_s)
+            if self._in_flight.is_alive():
+                log.warning("checkpoint %s was still being written; the newest committed one stays the newest",
+                            self._in_flight.name.removeprefix("commit "))
+            self._in_flight = None
+        if self._error is not None:
+            log.warning("%s", self._error)
+            self._error = None
+
     def _prepare(self, step: int) -> tuple[Path, Path | None]:
         final = self.root / f"step_{step:08d}"
         if final.exists():  # already saved (e.g. the last step coincides with an interval): never overwrite
@@ -161,7 +177,7 @@ class Checkpoints:
         failure: BaseException | None = None
         try:
             future.result()
-        except Exception as e:  # noqa: BLE001 - handed to the training thread by wait()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - raised by wait(); DCP's is a BaseException
             failure = e
         try:
             failed = torch.tensor([failure is not None], dtype=torch.int32)

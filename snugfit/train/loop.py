@@ -29,6 +29,7 @@ from snugfit.train.liveness import Heartbeat
 from snugfit.train.preemption import StopRequests
 
 log = logging.getLogger("snugfit")
+SETTLE_S = 60.0  # how long a failing run waits for its background checkpoint write to commit
 
 
 @dataclass
@@ -241,9 +242,11 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
                 metrics.close()
                 raise Stopped(f"stopped by {signal.Signals(stop).name} at step {done}; checkpoint {saved.name}; "
                               "resume with --resume", stop)
-    except RuntimeError as err:  # a collective or transfer gave up waiting: name the rank that stopped
-        latest = checkpoints.latest()
-        heartbeat.explain(err, result.last_step, cfg.parallel.timeout_s, latest.name if latest else "none")
+    except BaseException as err:
+        checkpoints.settle(min(SETTLE_S, cfg.parallel.timeout_s))  # a save in flight still commits if it can
+        if isinstance(err, RuntimeError):  # a collective or transfer gave up waiting: name the rank that stopped
+            latest = checkpoints.latest()
+            heartbeat.explain(err, result.last_step, cfg.parallel.timeout_s, latest.name if latest else "none")
         raise
     if bar is not None:
         bar.close()
