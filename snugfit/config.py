@@ -85,6 +85,7 @@ class ParallelConfig:
     # Fixed parts of the plan `auto` searches (unset: searched), as `snugfit plan` takes them; train.micro_batch_size
     # fixes the micro-batch.
     dp: int | None = None
+    tp: int | None = None  # tensor-parallel degree (ranks of one node)
     pp: int | None = None
     schedule: str | None = None  # 1f1b | interleaved | bpipe
     virtual_stages: int | None = None

@@ -71,7 +71,7 @@ CASES = [
     ("plan-not-json", ["--plan", "{t}/plan_bad.json"], "is not a valid plan"),
     ("plan-missing", ["--plan", "{t}/nope.json"], "cannot read plan"),
     ("plan-unknown-field", ["--plan", "{t}/plan_field.json"], "unknown fields ['shard']"),
-    ("plan-world-size", ["--plan", "{t}/plan_world.json"], "dp (1) x pp (1) must equal world_size (2)"),
+    ("plan-world-size", ["--plan", "{t}/plan_world.json"], "dp (1) x tp (1) x pp (1) must equal world_size (2)"),
     ("plan-batch-mismatch", ["--plan", "{t}/plan_batch.json"], "set --batch-size 2"),
     ("plan-contradiction", ["--plan", "{t}/plan_offload.json"], "offload_params needs zero 3"),
     ("existing-run", [], "already holds checkpoints"),

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -60,7 +61,7 @@ WHOLE = ["--micro-batch", "1", "--zero", "0", "--recompute", "keep"]  # with --p
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--cluster", "4xA10", "--dp", "3", "--pp", "1", *WHOLE], "--dp 3 x --pp 1"),
+    (["--cluster", "4xA10", "--dp", "3", "--pp", "1", *WHOLE], "--dp 3 x --tp 1 x --pp 1"),
     (["--cluster", "4xA10", "--dp", "3"], "--dp 3 does not divide"),
     (["--cluster", "4xA10", "--pp", "3"], "does not divide"),
     (["--cluster", "2xA10", "--global-batch", "5", "--pp", "1", *WHOLE], "not divisible"),
@@ -70,6 +71,9 @@ WHOLE = ["--micro-batch", "1", "--zero", "0", "--recompute", "keep"]  # with --p
     (["--cluster", "2xA10", "--offload-params", "--zero", "2"], "--zero 3"),
     (["--cluster", "2xA10", "--offload-optimizer", "2"], "'all' or 'none'"),
     (["--cluster", "2xA01"], "A10"),
+    (["--cluster", "4xA10", "--tp", "3"], "--tp 3 does not divide"),
+    (["--cluster", "4xA10", "--tp", "4"], "tp 4 does not divide the model's heads"),
+    (["--cluster", "4xA10", "--tp", "2", "--zero", "3", "--offload-params"], "does not combine with BPipe or host"),
 ])
 def test_impossible_plans_are_one_line_errors(tiny_model, argv, match, capsys):
     with pytest.raises(SnugfitError, match=match) as e:
@@ -119,6 +123,16 @@ def test_search_respects_fixed_parts_and_prints_json(tiny_model, tmp_path, capsy
     d = json.loads(out)
     assert rc == 0 and d["pp"] == 2 and d["dp"] == 2 and all(b["zero"] == 3 for b in d["blocks"])
     assert d["predicted"]["fits"] and d["micro_batch_size"] * d["num_microbatches"] * d["dp"] == 8
+
+
+def test_tensor_parallelism_is_searched_within_nodes_and_can_be_fixed(tiny_model, tmp_path, capsys):
+    rc, out = _run(["plan", "--model", tiny_model, "--cluster", "2x2xA100-80GB", "--seq", "64", "--global-batch", "8",
+                    "--alternatives", "8", "--profile-cache", str(tmp_path)], capsys)
+    assert rc == 0 and set(re.findall(r"x tp (\d+) x", out)) == {"2"}  # searched, and 2 GPUs a node: never tp 4
+    rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xA100-80GB", "--seq", "64", "--global-batch", "8",
+                    "--tp", "2", "--json", "--profile-cache", str(tmp_path)], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["tp"] == 2 and d["dp"] * d["pp"] == 2 and d["predicted"]["time_by_phase"]["tp_comm"] > 0
 
 
 def test_nothing_fits_prints_advice_not_a_plan(tiny_model, tmp_path, capsys):

@@ -189,8 +189,8 @@ def test_no_uniform_plan_that_fits_beats_the_choice(model, spec):
             continue
         srch = Searcher(prof, cluster, 8, Constraints(), budget)
         for cand in srch.candidates():
-            for o in srch.options(cand.dp):
-                plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=cand.pp, block=o, root=o, seq_len=prof.seq_len,
+            for o in srch.options(cand.dp, cand.tp):
+                plan = Plan.uniform(len(prof.blocks), dp=cand.dp, tp=cand.tp, pp=cand.pp, block=o, root=o, seq_len=prof.seq_len,
                                     schedule=cand.schedule, virtual_stages=cand.v, micro_batch_size=cand.mbs,
                                     num_microbatches=cand.m, compute_dtype=prof.dtype)
                 pred = estimate(plan, prof, cluster, budget)

@@ -49,6 +49,7 @@ class PlanOptions:
     seq: int
     micro_batch: int = 1
     dp: int | None = None
+    tp: int = 1
     pp: int = 1
     schedule: str | None = None
     virtual_stages: int = 1
@@ -65,11 +66,12 @@ class PlanOptions:
 
 def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
     """A Plan from explicit choices; SnugfitError when they cannot describe a runnable step."""
-    if o.pp < 1 or world_size % o.pp:
-        raise SnugfitError(f"--pp {o.pp} does not divide the cluster's {world_size} GPUs")
-    dp = o.dp if o.dp is not None else world_size // o.pp
-    if dp * o.pp != world_size:
-        raise SnugfitError(f"--dp {dp} x --pp {o.pp} = {dp * o.pp}, but the cluster has {world_size} GPUs")
+    if o.pp < 1 or o.tp < 1 or world_size % (o.pp * o.tp):
+        raise SnugfitError(f"--tp {o.tp} x --pp {o.pp} does not divide the cluster's {world_size} GPUs")
+    dp = o.dp if o.dp is not None else world_size // (o.pp * o.tp)
+    if dp * o.tp * o.pp != world_size:
+        raise SnugfitError(f"--dp {dp} x --tp {o.tp} x --pp {o.pp} = {dp * o.tp * o.pp}, but the cluster has "
+                           f"{world_size} GPUs")
     if o.num_microbatches is not None:
         m = o.num_microbatches
         if o.global_batch is not None and o.global_batch != o.micro_batch * m * dp:
@@ -99,7 +101,7 @@ def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
                            f"got {o.offload_optimizer!r}")
     try:
         plan = Plan.uniform(
-            n_blocks, dp=dp, pp=o.pp, schedule=o.schedule, virtual_stages=o.virtual_stages,
+            n_blocks, dp=dp, tp=o.tp, pp=o.pp, schedule=o.schedule, virtual_stages=o.virtual_stages,
             block=BlockPlan(zero=o.zero, offload_params=o.offload_params, activations=policy),
             root=BlockPlan(zero=o.zero, offload_params=o.offload_params, offload_optimizer=n_off == n_blocks > 0
                            and not o.offload_params),
@@ -228,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     gb = t.batch_size if "train.batch_size" in given or not named else None  # None: one sequence per GPU
     if par.plan == "auto" and None not in (par.pp, micro, par.zero, par.recompute):  # whole: evaluate as written
         plan = plan_from_options(PlanOptions(
-            seq=seq, micro_batch=micro, dp=par.dp, pp=par.pp, schedule=par.schedule,
+            seq=seq, micro_batch=micro, dp=par.dp, tp=par.tp or 1, pp=par.pp, schedule=par.schedule,
             virtual_stages=par.virtual_stages or 1, num_microbatches=par.num_microbatches, global_batch=gb,
             zero=par.zero, recompute=par.recompute, offload_optimizer=par.offload_optimizer,
             offload_params=bool(par.offload_params), dtype=dtype, reduce_dtype=args.reduce_dtype,

@@ -28,7 +28,8 @@ def summary(plan: Plan) -> str:
     counts = Counter(describe(b) for b in plan.blocks)
     blocks = ", ".join(f"{n} x {d}" for d, n in counts.most_common())
     stages = f" stages {plan.stage_blocks}" if plan.pp > 1 else ""
-    return (f"dp {plan.dp} x pp {plan.pp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
+    tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
+    return (f"dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
             f"{plan.num_microbatches}; blocks: {blocks}; root: {describe(plan.root, root=True)}")
 
 

@@ -24,7 +24,7 @@ from snugfit.plan.memory import (
     FRAGMENTATION, StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, param_state,
 )
 from snugfit.plan.plan import BlockPlan, Plan
-from snugfit.plan.timing import grad_reduce_exposed, optimizer_time, reduce_time, stage_time
+from snugfit.plan.timing import TensorParallel, grad_reduce_exposed, optimizer_time, reduce_time, stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
 BUCKETS = 128  # memory resolution (rounded up: conservative by < blocks / BUCKETS of a stage's budget)
@@ -86,12 +86,14 @@ class StageCosts:
     """Option costs on one kind of rank (its node's GPU, dp, micro-batch), cached per piece and option."""
 
     def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str,
-                 busy: float = 1.0):
+                 busy: float = 1.0, tensor: TensorParallel | None = None):
         self.node = cluster.nodes[cluster.node_of(rank)]
         self.gpu = self.node.gpu
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
         self.busy = busy  # the share of the node's ranks working at once (timing.local_ranks)
-        self.dp_link = cluster.link_for(list(range(rank, rank + dp)))
+        self.tensor = tensor  # prof is then one tensor-parallel rank's (ModelProfile.split)
+        tp = tensor.size if tensor else 1
+        self.dp_link = cluster.link_for(list(range(rank, rank + dp * tp, tp)))  # plan.RankLayout: tp innermost
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
         self._cache: dict[tuple, Cost] = {}
 
@@ -127,7 +129,7 @@ class StageCosts:
             host_act += sp.piece.saved_bytes["keep"] if o.activations == "offload" and block else 0
         unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
-                  measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy)
+                  measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor)
         one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
         # what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
         # costs the same wherever it is, and the root's per-unit costs count once for its pieces

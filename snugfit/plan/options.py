@@ -18,6 +18,7 @@ class Constraints:
     """Parts of the plan fixed by the user; None = search it."""
 
     dp: int | None = None
+    tp: int | None = None
     pp: int | None = None
     micro_batch: int | None = None
     num_microbatches: int | None = None
@@ -33,7 +34,7 @@ class Constraints:
         return {k: v for k, v in vars(self).items() if v is not None}
 
 
-FIXED_KEYS = ("dp", "pp", "schedule", "virtual_stages", "num_microbatches", "zero", "recompute", "offload_optimizer",
+FIXED_KEYS = ("dp", "tp", "pp", "schedule", "virtual_stages", "num_microbatches", "zero", "recompute", "offload_optimizer",
               "offload_params", "evict_bound")  # the run config's [parallel] keys that fix parts of a searched plan
 
 
@@ -51,17 +52,24 @@ def refuse_fixed_parts_beside(parallel) -> None:
                            f"{parallel.plan!r}; drop --plan (auto) or the fixed parts")
 
 
-def fixed_parts(world_size: int, *, dp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
+def fixed_parts(world_size: int, *, dp: int | None = None, tp: int | None = None, pp: int | None = None,
+                micro_batch: int | None = None,
                 num_microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
                 zero: int | None = None, recompute: str | None = None, offload_optimizer: str | None = None,
                 offload_params: bool | None = None, evict_bound: int | None = None) -> Constraints:
     """The parts of a plan a user fixed (`snugfit plan` and `snugfit train` options of the same names), checked
     against the launch: one-line errors naming the fix for those that cannot work."""
-    for flag, v in (("--dp", dp), ("--pp", pp)):
+    for flag, v in (("--dp", dp), ("--tp", tp), ("--pp", pp)):
         if v is not None and (v < 1 or world_size % v):
             raise SnugfitError(f"{flag} {v} does not divide the {world_size} ranks (GPUs) of the launch")
-    if dp and pp and dp * pp != world_size:
-        raise SnugfitError(f"--dp {dp} x --pp {pp} = {dp * pp}, but the launch has {world_size} ranks (GPUs)")
+    if dp and pp and tp and dp * tp * pp != world_size:
+        raise SnugfitError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the launch has {world_size} "
+                           "ranks (GPUs)")
+    if (dp or 1) * (tp or 1) * (pp or 1) > world_size or world_size % ((dp or 1) * (tp or 1) * (pp or 1)):
+        raise SnugfitError(f"--dp x --tp x --pp must divide into the launch's {world_size} ranks (GPUs)")
+    if tp and tp > 1 and (schedule == "bpipe" or offload_params or offload_optimizer not in (None, "none", "0")
+                          or recompute == "offload"):
+        raise SnugfitError(f"--tp {tp} does not combine with BPipe or host offload yet; drop one of them")
     if pp and pp > 1 and num_microbatches and num_microbatches < pp:
         raise SnugfitError(f"--num-microbatches {num_microbatches} must be >= --pp {pp}")
     if offload_params and zero not in (None, 3):
@@ -77,7 +85,7 @@ def fixed_parts(world_size: int, *, dp: int | None = None, pp: int | None = None
     if offload == "?":
         raise SnugfitError("--offload-optimizer in a search takes 'all' or 'none'; to offload the first N blocks, "
                            "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
-    return Constraints(dp=dp, pp=pp, micro_batch=micro_batch, num_microbatches=num_microbatches, schedule=schedule,
+    return Constraints(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, num_microbatches=num_microbatches, schedule=schedule,
                        virtual_stages=virtual_stages, zero=zero, activations=policy, offload_optimizer=offload,
                        offload_params=offload_params or None, evict_bound=evict_bound)
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.estimate import HOST_USABLE, estimate
+from snugfit.plan.estimate import HOST_USABLE, estimate, tensor_parallel_problem
 from snugfit.plan.knapsack import (
     BUCKETS, INF, StageCosts, knapsack, resident_microbatches, split, usable, with_reserve, working,
 )
@@ -29,7 +29,7 @@ from snugfit.plan.memory import device_bytes
 from snugfit.plan.options import Constraints, block_options
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
-from snugfit.plan.timing import cpu_stage_time
+from snugfit.plan.timing import TensorParallel, cpu_stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
@@ -54,10 +54,15 @@ class Candidate:
     solved: bool = False
     fits: bool | None = None  # estimate()'s verdict once verified
     polished: bool = False  # given back the room the knapsack could not see (Searcher.polish)
+    tp: int = 1
 
     @property
     def family(self) -> str:
-        return f"dp {self.dp} x pp {self.pp}"
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}"
+
+    def first_rank(self, s: int) -> int:
+        """The first rank of pipeline rank s (its dp x tp ranks follow it: plan.RankLayout)."""
+        return s * self.dp * self.tp
 
 
 def divisors(n: int) -> list[int]:
@@ -79,72 +84,98 @@ class Searcher:
         self.rdtype, self.n = reduce_dtype, len(profile.blocks)
         blocks = profile.blocks
         self.rep = max(range(self.n), key=lambda i: (blocks[i].num_params, blocks[i].saved_bytes["keep"]))
-        self._scaled: dict[int, ModelProfile] = {}
+        self._scaled: dict[tuple[int, int], ModelProfile] = {}
         self._costs: dict[tuple, StageCosts] = {}
         self._opts: dict[tuple[int, bool], list[BlockPlan]] = {}
         self._fastest_of: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.verified, self.verify_s = 0, 0.0
         self.cpu_only = all(n.gpu.name == "cpu" for n in cluster.nodes)
 
+    def tp_degrees(self) -> list[int]:
+        """Tensor-parallel degrees worth searching: within one node (every node's GPU count divides by it), up to
+        8, that the model splits (heads, key/value heads, MLP, vocabulary, sequence) and the fixed parts allow.
+        Not on CPU ranks unless fixed: DTensor's per-operator dispatch, which the time model does not charge,
+        costs more there than the split saves (a tp2 step of the default model measured about twice a dp2 step)."""
+        if self.c.tp:
+            return [self.c.tp]
+        if self.cpu_only:
+            return [1]
+        per_node = math.gcd(*(n.count for n in self.cluster.nodes))
+        fixed_out = self.c.schedule == "bpipe" or self.c.offload_optimizer or self.c.offload_params or (
+            self.c.activations == "offload")
+        return [1] + [t for t in (2, 4, 8) if per_node % t == 0 and not fixed_out
+                      and tensor_parallel_problem(self.prof, t) is None]
+
     def candidates(self) -> list[Candidate]:
         c, w, out = self.c, self.cluster.world_size, []
-        for pp in [c.pp] if c.pp else divisors(w):
-            dp = w // pp
-            if w % pp or (c.dp and c.dp != dp) or pp > self.n or self.gb % dp:
+        for tp, pp in [(tp, pp) for tp in self.tp_degrees() for pp in ([c.pp] if c.pp else divisors(w))]:
+            dp = w // (pp * tp)
+            if w % (pp * tp) or (c.dp and c.dp != dp) or pp > self.n or self.gb % dp:
                 continue
-            if any(len({self.cluster.gpu_of(r).name for r in range(s * dp, (s + 1) * dp)}) > 1 for s in range(pp)):
-                continue  # data-parallel groups only of like GPUs
+            if any(len({self.cluster.gpu_of(r).name for r in range(s * dp * tp, (s + 1) * dp * tp)}) > 1
+                   for s in range(pp)):
+                continue  # data- and tensor-parallel groups only of like GPUs
             mbss = [c.micro_batch] if c.micro_batch else [d for d in divisors(self.gb // dp) if d <= MAX_MICRO_BATCH]
             for mbs in mbss:
                 m = self.gb // (dp * mbs)
                 if self.gb % (dp * mbs) or (c.num_microbatches and m != c.num_microbatches):
                     continue
-                for sched in ["none"] if pp == 1 else ["1f1b", "interleaved", "bpipe"]:
+                for sched in ["none"] if pp == 1 else ["1f1b", "interleaved"] + (["bpipe"] if tp == 1 else []):
                     v = (c.virtual_stages or 2) if sched == "interleaved" else 1
                     if (c.schedule and sched != c.schedule) or (pp > 1 and m < pp):
                         continue
                     if sched == "interleaved" and (m % pp or self.n < pp * v):
                         continue
-                    out.append(Candidate(dp, pp, mbs, m, sched, v))
+                    out.append(Candidate(dp, pp, mbs, m, sched, v, tp=tp))
         return out
 
-    def profile(self, mbs: int) -> ModelProfile:
-        if mbs not in self._scaled:
-            self._scaled[mbs] = self.prof.scaled(mbs)
-        return self._scaled[mbs]
+    def profile(self, cand: Candidate) -> ModelProfile:
+        """The profile at the candidate's micro-batch size, as one of its tensor-parallel ranks holds it."""
+        key = (cand.mbs, cand.tp)
+        if key not in self._scaled:
+            self._scaled[key] = self.prof.scaled(cand.mbs).split(cand.tp)
+        return self._scaled[key]
 
     def costs(self, cand: Candidate, s: int) -> StageCosts:
-        node = self.cluster.nodes[self.cluster.node_of(s * cand.dp)]
+        first = cand.first_rank(s)
+        node = self.cluster.nodes[self.cluster.node_of(first)]
         busy = 1.0
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
             busy = cand.m / (cand.m + (cand.pp - 1) / cand.v)  # crowded CPU ranks: a pipeline's busy share
-        key = (self.cluster.node_of(s * cand.dp), cand.dp, cand.mbs, busy)
+        key = (self.cluster.node_of(first), cand.dp, cand.tp, cand.mbs, busy)
         if key not in self._costs:
-            self._costs[key] = StageCosts(self.profile(cand.mbs), self.cluster, s * cand.dp, cand.dp, self.rdtype,
-                                          busy)
+            prof = self.profile(cand)
+            tensor = None
+            if cand.tp > 1:
+                logits = prof.micro_batch_size * prof.seq_len * (prof.config.get("vocab_size") or 0) * \
+                    DTYPE_BYTES[prof.dtype]
+                tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))), logits)
+            self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor)
         return self._costs[key]
 
     def _stage(self, cand: Candidate, s: int):
         """(costs, representative block, root pieces, block options, root options, resident microbatches)."""
-        prof = self.profile(cand.mbs)
+        prof = self.profile(cand)
         roots = ([prof.embed] if s == 0 else []) + ([prof.head] if s == cand.pp - 1 else [])
         r = resident_microbatches(cand.schedule, cand.pp, cand.m, s, cand.v, self.c.evict_bound)
-        return self.costs(cand, s), prof.blocks[self.rep], roots, self.options(cand.dp), self.options(cand.dp, True), r
+        return (self.costs(cand, s), prof.blocks[self.rep], roots, self.options(cand.dp, cand.tp),
+                self.options(cand.dp, cand.tp, True), r)
 
-    def options(self, dp: int, root: bool = False) -> list[BlockPlan]:
-        """The allowed options; on CPU ranks host and device are one memory, so offloading only costs time."""
-        if (dp, root) not in self._opts:
+    def options(self, dp: int, tp: int = 1, root: bool = False) -> list[BlockPlan]:
+        """The allowed options; on CPU ranks host and device are one memory, so offloading only costs time, and
+        tensor-parallel plans offload nothing (the runtime does not combine them yet)."""
+        if (dp, tp, root) not in self._opts:
             opts = block_options(self.c, dp, root)
-            if self.cpu_only:
+            if self.cpu_only or tp > 1:
                 lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.activations == "offload")]
-                opts = lean or opts
-            self._opts[(dp, root)] = opts
-        return self._opts[(dp, root)]
+                opts = lean if lean or tp > 1 else opts
+            self._opts[(dp, tp, root)] = opts
+        return self._opts[(dp, tp, root)]
 
     def lower_bound(self, cand: Candidate) -> float:
         """Every block at its fastest option, perfectly balanced over the fastest GPU kind."""
         best = INF
-        for s in {self.cluster.node_of(s * cand.dp): s for s in range(cand.pp)}.values():
+        for s in {self.cluster.node_of(cand.first_rank(s)): s for s in range(cand.pp)}.values():
             tb, tr, t_mb = self._fastest(cand, s)
             pipe = cpu_stage_time(self.costs(cand, s).node) * cand.v if cand.pp > 1 else 0.0
             best = min(best, (self.n * tb + tr) / cand.pp + cand.m * pipe
@@ -157,7 +188,7 @@ class Searcher:
         st, blk, _, opts, ropts, _ = self._stage(cand, s)
         key = (id(st), cand.m)
         if key not in self._fastest_of:
-            prof = self.profile(cand.mbs)
+            prof = self.profile(cand)
             self._fastest_of[key] = (
                 min(st.cost(blk, o).time(cand.m) for o in opts),
                 min(st.root([prof.embed, prof.head], o).time(cand.m) for o in ropts),
@@ -202,7 +233,7 @@ class Searcher:
 
     def _buffers(self, cand: Candidate) -> tuple[float, float]:
         """(ZeRO-3 gather buffers, activation-offload window): two blocks of each, as memory.py counts them."""
-        blk = self.profile(cand.mbs).blocks[self.rep]
+        blk = self.profile(cand).blocks[self.rep]
         return 2 * blk.num_params * DTYPE_BYTES[self.prof.dtype], 2 * blk.saved_bytes["keep"]
 
     def _extra(self, cand: Candidate, o: BlockPlan) -> float:
@@ -266,7 +297,7 @@ class Searcher:
             blocks += [replace(opts_of[k % pp][i]) for i in take]
         roots = [ropts_of[s][choices[s][0]] for s in (0, pp - 1) if choices[s][0] is not None]
         root = min(roots, key=lambda o: (not o.offload_params, not o.offload_optimizer, -o.zero))  # the leaner
-        return Plan(world_size=cand.dp * pp, dp=cand.dp, pp=pp, micro_batch_size=cand.mbs, num_microbatches=cand.m,
+        return Plan(world_size=cand.dp * cand.tp * pp, dp=cand.dp, tp=cand.tp, pp=pp, micro_batch_size=cand.mbs, num_microbatches=cand.m,
                     seq_len=self.prof.seq_len, schedule=cand.schedule, virtual_stages=v, stage_blocks=stage_blocks,
                     evict_bound=self.c.evict_bound if cand.schedule == "bpipe" else None,
                     compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, root=replace(root), blocks=blocks)
@@ -369,6 +400,8 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     """
     c = constraints or Constraints()
     budget = budget_for(cluster, memory_budget)
+    if c.tp and (problem := tensor_parallel_problem(profile, c.tp)):
+        raise NoPlanError(f"{problem}; choose another --tp", SearchResult(None, budget_bytes=budget, candidates=0))
     srch = Searcher(profile, cluster, global_batch, c, budget, reduce_dtype)
     cands = srch.candidates()
     res = SearchResult(None, budget_bytes=budget, candidates=len(cands))
