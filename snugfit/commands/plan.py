@@ -24,7 +24,7 @@ from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import dtype_for_cluster
-from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result
+from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result, rank_runs
 from snugfit.plan.options import POLICY_ALIASES, fixed_parts, fixed_parts_of, refuse_fixed_parts_beside
 from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, BlockPlan, Plan, PlanError, Prediction
 from snugfit.plan.search import NoPlanError, search
@@ -157,15 +157,17 @@ def max_length(model: ModelConfig | dict) -> int | None:
 def format_prediction(plan: Plan, pred: Prediction) -> str:
     gib = 2**30
     lines = [describe_model(plan.model)] if plan.model else []
-    lines += [f"plan: dp {plan.dp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
+    tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
+    lines += [f"plan: dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
              f"{plan.num_microbatches} microbatches, seq {plan.seq_len}, {plan.compute_dtype}; "
              f"global batch {plan.global_batch}"]
     lines.append("peak memory per rank (GiB):")
     cats = sorted({c for m in pred.memory_by_rank for c in m}, key=lambda c: (c.startswith("host:"), c))
     lines.append("  rank  " + "  ".join(f"{c:>16}" for c in cats) + f"  {'device total':>13}")
-    for r, m in enumerate(pred.memory_by_rank):
+    for ranks, m in rank_runs(pred.memory_by_rank):
         total = sum(v for k, v in m.items() if not k.startswith("host:"))
-        lines.append(f"  {r:>4}  " + "  ".join(f"{m.get(c, 0) / gib:>16.3f}" for c in cats) + f"  {total / gib:>13.3f}")
+        lines.append(f"  {ranks:>4}  " + "  ".join(f"{m.get(c, 0) / gib:>16.3f}" for c in cats)
+                     + f"  {total / gib:>13.3f}")
     lines.append("step time by phase (s): " + ", ".join(f"{k} {v:.4g}" for k, v in pred.time_by_phase.items() if v))
     lines.append(f"step {pred.step_time_s:.4g} s, {pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}")
     budget = pred.memory_budget_bytes or 0

@@ -45,6 +45,17 @@ def describe_model(m: dict) -> str:
             f"hidden {m['hidden']}, vocabulary {m['vocabulary']}")
 
 
+def rank_runs(values: list) -> list[tuple[str, object]]:
+    """Consecutive ranks with equal values as ("first-last", value): a 1024-GPU plan has a few kinds of rank."""
+    out: list[tuple[str, object]] = []
+    start = 0
+    for r in range(1, len(values) + 1):
+        if r == len(values) or values[r] != values[start]:
+            out.append((str(start) if r - 1 == start else f"{start}-{r - 1}", values[start]))
+            start = r
+    return out
+
+
 def format_result(res: SearchResult, cluster: Cluster) -> str:
     """What was planned, the chosen plan, per-rank peak memory, alternatives and rejected families, and the
     safety margin."""
@@ -52,7 +63,9 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
     lines = [describe_model(best.model)] if best.model else []
     lines += [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {best.predicted.mfu:.1%})"]
     peaks = [device_bytes(m) for m in best.predicted.memory_by_rank]
-    lines.append("  peak memory per rank (GiB): " + " ".join(f"{b / GIB:.2f}" for b in peaks))
+    runs = rank_runs([round(b / GIB, 2) for b in peaks])
+    lines.append("  peak memory per rank (GiB): " + (" ".join(f"{v:.2f}" for _, v in runs) if len(runs) == len(peaks)
+                                                     else ", ".join(f"ranks {r}: {v:.2f}" for r, v in runs)))
     phases = best.predicted.time_by_phase
     lines.append("  step time by phase (s): " + ", ".join(f"{k} {v:.3g}" for k, v in phases.items() if v))
     if res.alternatives:
