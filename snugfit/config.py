@@ -25,11 +25,12 @@ except ModuleNotFoundError:  # Python 3.10
 @dataclass
 class DataConfig:
     path: str = ""  # file or folder; empty: the embedded corpus (Python's standard library source)
-    format: str = "auto"  # auto | text | jsonl | bin | instruct (.jsonl of prompt/response pairs)
+    format: str = "auto"  # auto | text | jsonl | bin | instruct (prompt/response pairs) | chat (messages)
     tokenizer: str = "byte"  # 'byte' or a local tokenizer.json (or its folder)
     text_field: str = "text"  # field of each .jsonl line
     prompt_field: str = "prompt"  # instruct: the loss is masked on the prompt
     response_field: str = "response"
+    messages_field: str = "messages"  # chat: [{"role", "content"}, ...], rendered with the model's chat template
     bin_dtype: str = "uint16"  # uint16 | uint32, for pre-tokenized .bin files
     val_fraction: float = 0.05  # the last part of the stream held out for validation
 
@@ -114,7 +115,7 @@ class RunConfig:
 
 SECTIONS = {f.name: f.type for f in fields(RunConfig)}
 CHOICES = {
-    "data.format": ("auto", "text", "jsonl", "bin", "instruct"),
+    "data.format": ("auto", "text", "jsonl", "bin", "instruct", "chat"),
     "data.bin_dtype": ("uint16", "uint32"),
     "train.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.arch": ("llama", "gpt2"),

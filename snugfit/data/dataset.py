@@ -1,13 +1,13 @@
 """Token streams from local data, and a deterministic, resumable batch sampler.
 
 Sources: the embedded corpus (the Python standard library's own source, on
-every machine, no download), a text file or a folder of them, a `.jsonl` with
-a text field, or a pre-tokenized uint16/uint32 `.bin` memmap.
+every machine, no download), a text file or a folder of them, a `.jsonl`,
+`.parquet` or `.arrow` file with a text field, or a pre-tokenized uint16/uint32
+`.bin` memmap.
 """
 
 from __future__ import annotations
 
-import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from snugfit.data.records import TABLE_SUFFIXES, read_records
 from snugfit.data.tokenizer import ByteTokenizer, Tokenizer
 from snugfit.errors import SnugfitError
 
@@ -38,18 +39,13 @@ def embedded_corpus() -> list[str]:
 
 
 def _read_documents(path: Path, fmt: str, text_field: str) -> list[str]:
-    if fmt == "jsonl":
+    if fmt == "jsonl":  # records: .jsonl lines, .parquet or .arrow rows
         docs = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    docs.append(json.loads(line)[text_field])
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise SnugfitError(
-                        f"{path}:{lineno}: not a JSON object with a {text_field!r} string ({e}); fix the line or set data.text_field"
-                    ) from e
+        for where, rec in read_records(path):
+            text = rec.get(text_field) if isinstance(rec, dict) else None
+            if not isinstance(text, str):
+                raise SnugfitError(f"{where}: not a record with a {text_field!r} string; fix it or set data.text_field")
+            docs.append(text)
         return docs
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
@@ -72,7 +68,7 @@ def tokenize(docs: list[str], tokenizer: Tokenizer) -> np.ndarray:
 
 
 def detect_format(path: Path) -> str:
-    if path.suffix == ".jsonl":
+    if path.suffix in (".jsonl", *TABLE_SUFFIXES):
         return "jsonl"
     if path.suffix == ".bin":
         return "bin"

@@ -9,7 +9,6 @@ learns token j+1 only where that token is part of a response (or its EOS).
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 
 from snugfit.data.dataset import BatchSampler
+from snugfit.data.records import read_records
 from snugfit.data.tokenizer import Tokenizer
 from snugfit.errors import SnugfitError
 
@@ -26,8 +26,11 @@ log = logging.getLogger(__name__)
 
 def encode_example(prompt: list[int], response: list[int], seq_len: int, eos_id: int, pad_id: int) -> np.ndarray | None:
     """(2, seq_len + 1): ids and labels, truncated on the right; None when no response token fits."""
-    ids = prompt + response + [eos_id]
-    labels = [IGNORE] * len(prompt) + response + [eos_id]
+    return pack_example(prompt + response + [eos_id], [IGNORE] * len(prompt) + response + [eos_id], seq_len, pad_id)
+
+
+def pack_example(ids: list[int], labels: list[int], seq_len: int, pad_id: int) -> np.ndarray | None:
+    """(2, seq_len + 1): ids and labels truncated on the right and padded; None when no label is left to learn."""
     ids, labels = ids[: seq_len + 1], labels[: seq_len + 1]
     if all(t == IGNORE for t in labels[1:]):  # label 0 is never a target
         return None
@@ -37,7 +40,7 @@ def encode_example(prompt: list[int], response: list[int], seq_len: int, eos_id:
 
 def load_instruct(path: str | Path, tokenizer: Tokenizer, seq_len: int, prompt_field: str = "prompt",
                   response_field: str = "response", eos_id: int | None = None, pad_id: int | None = None) -> np.ndarray:
-    """All examples of a .jsonl file as one (N, 2, seq_len + 1) array.
+    """All examples of a .jsonl, .parquet or .arrow file as one (N, 2, seq_len + 1) array.
 
     eos_id defaults to the tokenizer's; pad_id to eos_id (padding is never
     learned, so its value only has to be a valid id). Examples whose prompt
@@ -49,23 +52,19 @@ def load_instruct(path: str | Path, tokenizer: Tokenizer, seq_len: int, prompt_f
     pad = pad_id if pad_id is not None else eos
     p = Path(path)
     if not p.is_file():
-        raise SnugfitError(f"instruction data {path} does not exist; pass a .jsonl file")
+        raise SnugfitError(f"instruction data {path} does not exist; pass a .jsonl, .parquet or .arrow file")
     examples, dropped = [], 0
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                prompt, response = rec[prompt_field], rec[response_field]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise SnugfitError(f"{path}:{lineno}: not a JSON object with {prompt_field!r} and {response_field!r} "
-                                   f"strings ({e}); fix the line or set the field names") from e
+    for where, rec in read_records(p):
+        try:
+            prompt, response = rec[prompt_field], rec[response_field]
             ex = encode_example(tokenizer.encode(prompt), tokenizer.encode(response), seq_len, eos, pad)
-            if ex is None:
-                dropped += 1
-            else:
-                examples.append(ex)
+        except (KeyError, TypeError) as e:
+            raise SnugfitError(f"{where}: not a record with {prompt_field!r} and {response_field!r} strings ({e}); "
+                               "fix it or set the field names") from e
+        if ex is None:
+            dropped += 1
+        else:
+            examples.append(ex)
     if dropped:
         log.warning("%s: %d examples dropped, their prompt fills all %d tokens", path, dropped, seq_len)
     if not examples:

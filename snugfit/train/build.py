@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from snugfit.config import RunConfig
 from snugfit.data import BatchSampler, eval_batches, load_tokenizer, load_tokens, split
+from snugfit.data.chat import load_chat
 from snugfit.data.instruct import InstructSampler, instruct_eval_batches, load_instruct
 from snugfit.data.tokenizer import Tokenizer
 from snugfit.errors import SnugfitError
@@ -77,6 +78,15 @@ def run_tokenizer(cfg: RunConfig) -> Tokenizer:
     return load_tokenizer(spec)
 
 
+def chat_folder(cfg: RunConfig) -> Path:
+    """Where chat data's template comes from: data.tokenizer when it names a folder, else the model's folder."""
+    for spec in (cfg.data.tokenizer, cfg.model.name):
+        if spec and Path(spec).is_dir():
+            return Path(spec)
+    raise SnugfitError("chat data is rendered with a model's chat template: train a local Hugging Face model "
+                       "folder (--model.name) or point --data.tokenizer at one")
+
+
 @dataclass
 class RunData:
     """Training and validation data of one kind: a token stream, or instruction examples (N, 2, seq+1)."""
@@ -105,15 +115,19 @@ def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only {vocab_size}; "
             "raise model.vocab_size or use the model's own tokenizer"
         )
-    if d.format != "instruct":
+    if d.format not in ("instruct", "chat"):
         tokens = load_tokens(d.path, d.format, tokenizer, d.text_field, d.bin_dtype)
         splits = split(tokens, seq, d.val_fraction, vocab_size)
         return RunData(splits.train, splits.val, instruct=False)
     if not d.path:
-        raise SnugfitError("data.format 'instruct' needs data.path: a .jsonl with prompt/response fields")
-    # The byte tokenizer has no end-of-sequence token: responses end with byte 0, which text never holds.
-    eos = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    examples = load_instruct(d.path, tokenizer, seq, d.prompt_field, d.response_field, eos_id=eos)
+        raise SnugfitError(f"data.format {d.format!r} needs data.path: a .jsonl, .parquet or .arrow file with "
+                           + ("prompt/response fields" if d.format == "instruct" else "messages"))
+    if d.format == "chat":
+        examples = load_chat(d.path, chat_folder(cfg), seq, d.messages_field)
+    else:
+        # The byte tokenizer has no end-of-sequence token: responses end with byte 0, which text never holds.
+        eos = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+        examples = load_instruct(d.path, tokenizer, seq, d.prompt_field, d.response_field, eos_id=eos)
     n_val = int(len(examples) * d.val_fraction)
     if len(examples) - n_val < 1:
         raise SnugfitError(f"{d.path} has too few examples to hold out {d.val_fraction:.0%} for validation")
