@@ -1,0 +1,32 @@
+"""The GPU acceptance script's logic, on CPU (`bench/gpu/run.py --smoke`): every part of its report is there and
+every technique trains as the plain PyTorch reference does."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_reference(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "SNUGFIT_HARDWARE_PROFILE": str(tmp_path / "hardware.json")}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "run.py"), "--smoke"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "acceptance.json").read_text())
+    rows = {r["technique"]: r for r in report["techniques"]}
+    assert set(rows) == {"replicated", "optimizer offload", "parameter offload", "recompute", "selective",
+                         "activation offload", "LoRA", "NF4 base (QLoRA)", "fp16 + loss scaling", "bfloat16"}
+    for name, r in rows.items():
+        if "skipped" in r:
+            assert name == "NF4 base (QLoRA)"
+            continue
+        assert r["loss_ok"] and len(r["losses"]) == len(r["reference_losses"]) >= 3, name  # (a)
+        assert r["measured_peak_bytes"] > 0 and r["predicted_peak_bytes"] > 0, name  # (b)
+        assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0, name  # (c)
+    offload = report["offload_comparison"]  # (d)
+    assert set(offload["plans"]) == {"snugfit", "full offload"} and offload["speedup"]["measured"] > 0
+    assert report["hardware"]["measured"]["tflops"]["float32"] > 0  # (e)
+    assert "| replicated | ok" in (tmp_path / "acceptance.md").read_text()
