@@ -58,23 +58,26 @@ PLANS = [
     (4, 2, "selective", "eager"),
 ]
 
-# (name, dp, pp, block plan, root zero, microbatches); micro-batch 2, keep, sdpa
+# (name, dp, pp, block plan, root zero, microbatches, tp); micro-batch 2, keep, sdpa
 MULTI = [
-    ("dp2 zero0", 2, 1, BlockPlan(zero=0), 0, 2),
-    ("dp2 zero2", 2, 1, BlockPlan(zero=2), 2, 2),
-    ("dp2 zero3", 2, 1, BlockPlan(zero=3), 3, 1),
-    ("dp2 zero3+offload_opt", 2, 1, BlockPlan(zero=3, offload_optimizer=True), 1, 2),
-    ("dp2 offload_params", 2, 1, BlockPlan(zero=3, offload_params=True), 3, 2),
-    ("pp2 1f1b", 1, 2, BlockPlan(), 0, 4),
-    ("dp4 zero3", 4, 1, BlockPlan(zero=3), 3, 2),
-    ("dp4 zero2+recompute", 4, 1, BlockPlan(zero=2, activations="recompute"), 2, 2),
-    ("dp2 pp2 zero2", 2, 2, BlockPlan(zero=2), 2, 4),
+    ("dp2 zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1),
+    ("dp2 zero2", 2, 1, BlockPlan(zero=2), 2, 2, 1),
+    ("dp2 zero3", 2, 1, BlockPlan(zero=3), 3, 1, 1),
+    ("dp2 zero3+offload_opt", 2, 1, BlockPlan(zero=3, offload_optimizer=True), 1, 2, 1),
+    ("dp2 offload_params", 2, 1, BlockPlan(zero=3, offload_params=True), 3, 2, 1),
+    ("pp2 1f1b", 1, 2, BlockPlan(), 0, 4, 1),
+    ("tp2", 1, 1, BlockPlan(), 0, 4, 2),
+    ("dp4 zero3", 4, 1, BlockPlan(zero=3), 3, 2, 1),
+    ("dp4 zero2+recompute", 4, 1, BlockPlan(zero=2, activations="recompute"), 2, 2, 1),
+    ("dp2 pp2 zero2", 2, 2, BlockPlan(zero=2), 2, 4, 1),
+    ("dp2 tp2 zero3", 2, 1, BlockPlan(zero=3), 3, 2, 2),
+    ("tp2 pp2", 1, 2, BlockPlan(), 0, 4, 2),
 ]
 MULTI_MBS = 2
 
 
-def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int) -> Plan:
-    return Plan.uniform(layers, dp=dp, pp=pp, block=block, root=BlockPlan(zero=root_zero), micro_batch_size=MULTI_MBS,
+def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int, tp: int) -> Plan:
+    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, block=block, root=BlockPlan(zero=root_zero), micro_batch_size=MULTI_MBS,
                         num_microbatches=m, seq_len=seq)
 
 
@@ -110,9 +113,9 @@ def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int
     prof = profile_model(cfg, micro_batch_size=MULTI_MBS, seq_len=args.seq, measure_on="cpu", repeats=args.steps,
                          use_cache=False, clock=time.process_time)
     rows = []
-    for world in sorted({dp * pp for _, dp, pp, *_ in MULTI}):
-        plans = {name: multi_plan(args.layers, args.seq, dp, pp, b, rz, m)
-                 for name, dp, pp, b, rz, m in MULTI if dp * pp == world}
+    for world in sorted({dp * pp * tp for _, dp, pp, *_, tp in MULTI}):
+        plans = {name: multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp)
+                 for name, dp, pp, b, rz, m, tp in MULTI if dp * pp * tp == world}
         per_rank = run_ranks(run_multi, world, cfg, plans, args.steps)
         for name, plan in plans.items():
             if any(name not in r for r in per_rank):
