@@ -105,7 +105,7 @@ def _cpu_cluster(ranks: int, contention: float = 1.0):
     h.cores, h.thread_slowdown = 2, 1.0
     h.fsdp = {"2": {"replicate": [3e-4, 1e-10], "gather": [1e-3, 1e-9], "regather": [5e-4, 1e-9],
                     "allreduce": [1e-3, 3e-9], "reduce": [2e-3, 2e-9], "update": [4e-4, 1e-10],
-                    "stage": [3e-3, 0.0], "contention": [contention]}}
+                    "stage": [3e-3, 0.0], "tp": [0.0, 0.0], "contention": [contention]}}
     return cluster
 
 
@@ -205,3 +205,18 @@ def test_crowded_cpu_ranks_slow_each_other_only_while_they_work():
     pp = Plan.uniform(8, pp=4, schedule="1f1b", seq_len=1024, num_microbatches=4)
     busy = 4 / (4 + 3)  # 1F1B over 4 alike stages: each rank works 4 of 7 microbatch slots
     assert compute(pp, 2.0) == pytest.approx(2.0 * busy * compute(pp, 1.0), rel=0.1)
+
+
+def test_tensor_parallel_pays_its_measured_dtensor_cost_per_piece_on_cpu_ranks():
+    """On CPU ranks DTensor's per-operator work, measured by profile_hardware ("tp"), is charged per piece and
+    microbatch beside the collectives: a tp2 step costs m x pieces x that more once it is known."""
+    from snugfit.model.decoder import ModelConfig
+    from snugfit.profile import profile_model
+
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, vocab_size=128, max_seq_len=32)
+    prof = profile_model(cfg, micro_batch_size=2, seq_len=32, use_cache=False)
+    plan = Plan.uniform(3, tp=2, micro_batch_size=2, num_microbatches=4, seq_len=32)
+    free, known = _cpu_cluster(2), _cpu_cluster(2)
+    known.nodes[0].host.fsdp["2"]["tp"] = [2e-3, 0.0]
+    extra = estimate(plan, prof, known).time_by_phase["tp_comm"] - estimate(plan, prof, free).time_by_phase["tp_comm"]
+    assert extra == pytest.approx(4 * (3 + 2) * 2e-3)

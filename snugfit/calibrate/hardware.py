@@ -174,6 +174,31 @@ def _fsdp_costs(world: int) -> dict[str, list[float]]:
     return out
 
 
+def _tensor_parallel_cost(world: int) -> float:
+    """Seconds per block and microbatch that tensor parallelism over `world` ranks adds on CPU ranks beyond the
+    split compute: DTensor's per-operator dispatch and redistribution, and its collectives' latency. Measured on
+    a decoder so narrow that its compute is negligible, through runtime.tensor_parallel itself."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from snugfit.model.decoder import Decoder, ModelConfig
+    from snugfit.runtime.tensor_parallel import apply_tp
+
+    cfg = ModelConfig(dim=8 * world, n_layers=FSDP_UNITS, n_heads=world, vocab_size=16 * world, max_seq_len=4 * world)
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len + 1))
+
+    def step_time(model: Decoder) -> float:
+        step = lambda: model(tokens[:, :-1], tokens[:, 1:]).backward()  # noqa: E731
+        step()
+        torch.distributed.barrier()
+        return _typical_time(step, 9)
+
+    torch.manual_seed(0)
+    plain = step_time(Decoder(cfg))
+    split = Decoder(cfg)
+    apply_tp(split, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    return max(0.0, step_time(split) - plain) / (FSDP_UNITS + 2)  # per piece: the blocks, embedding and head
+
+
 PIPE_EXTRA_MICROBATCHES = 6  # two 1F1B steps, with as many microbatches as stages and this many more
 
 
@@ -237,6 +262,7 @@ def _collective_worker(rank: int, world: int, port: int, out: str, nbytes: int) 
         t = _best_time(lambda: dist.all_reduce(x), 3)
         fsdp = _fsdp_costs(world)
         fsdp["stage"] = [_pipeline_stage_cost(world, fsdp["replicate"]), 0.0]
+        fsdp["tp"] = [_tensor_parallel_cost(world), 0.0]
         dist.barrier()
         together = _compute_probe()
         if rank == 0:

@@ -57,8 +57,9 @@ class Link:
 
 # per unit and microbatch: "replicate" (zero 0), "gather" (zero 1-2), "regather" (zero 3's extra);
 # per unit and step: "allreduce" (zero 0), "reduce" (zero 1-3), "update" (the optimizer step's DTensor work);
-# per pipeline stage and microbatch: "stage" (the pipeline runtime's own work)
-FSDP_COSTS = ("replicate", "gather", "regather", "allreduce", "reduce", "update", "stage")
+# per pipeline stage and microbatch: "stage" (the pipeline runtime's own work);
+# per tensor-parallel block and microbatch: "tp" (DTensor's dispatch and its collectives' latency)
+FSDP_COSTS = ("replicate", "gather", "regather", "allreduce", "reduce", "update", "stage", "tp")
 
 
 @dataclass

@@ -7,7 +7,7 @@ from snugfit.plan.memory import StagePiece, device_bytes, host_bytes, rank_memor
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
-    StageTime, TensorParallel, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
+    StageTime, TensorParallel, cpu_tp_time, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
 )
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, nf4_bytes
 
@@ -64,7 +64,8 @@ def _tensor_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int
         return None
     vocab = prof.config.get("vocab_size") or 0
     logits = prof.micro_batch_size * prof.seq_len * vocab * DTYPE_BYTES[plan.compute_dtype]
-    return TensorParallel(plan.tp, cluster.link_for(_tp_group(plan, rank)), logits)
+    node = cluster.nodes[cluster.node_of(rank)]
+    return TensorParallel(plan.tp, cluster.link_for(_tp_group(plan, rank)), logits, cpu_tp_time(node))
 
 
 def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:

@@ -29,7 +29,7 @@ from snugfit.plan.memory import device_bytes
 from snugfit.plan.options import Constraints, block_options
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
-from snugfit.plan.timing import TensorParallel, cpu_stage_time
+from snugfit.plan.timing import TensorParallel, cpu_stage_time, cpu_tp_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
@@ -149,7 +149,8 @@ class Searcher:
             if cand.tp > 1:
                 logits = prof.micro_batch_size * prof.seq_len * (prof.config.get("vocab_size") or 0) * \
                     DTYPE_BYTES[prof.dtype]
-                tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))), logits)
+                tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))), logits,
+                                        cpu_tp_time(node))
             self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor)
         return self._costs[key]
 

@@ -90,9 +90,15 @@ class TensorParallel:
     size: int
     link: Link
     logits_bytes: float  # one microbatch's whole logits in the compute dtype
+    fixed_s: float = 0.0  # per piece and microbatch: what DTensor adds on CPU ranks (measured, `cpu_tp_time`)
 
     def times(self, p: PieceProfile, policy: str) -> tuple[float, float]:
-        """(forward, backward) seconds of p's collectives per microbatch; p as one tp rank holds it."""
+        """(forward, backward) seconds of p's collectives (and DTensor's own work) per microbatch; p as one tp
+        rank holds it."""
+        f, b = self._collectives(p, policy)
+        return f + self.fixed_s / 2, b + self.fixed_s / 2
+
+    def _collectives(self, p: PieceProfile, policy: str) -> tuple[float, float]:
         n, link = self.size, self.link
         if p.name.startswith("block"):
             whole = p.input_bytes * n
@@ -200,6 +206,15 @@ def stage_time(
     if pipelined and on_cpu:
         st.pipe = cpu_stage_time(node)
     return st
+
+
+def cpu_tp_time(node: Node) -> float:
+    """What tensor parallelism adds per piece and microbatch on CPU ranks beyond split compute and its
+    collectives' bytes (DTensor's dispatch; profile_hardware measured it), 0 elsewhere."""
+    if node.gpu.name != "cpu":
+        return 0.0
+    costs, share = local_ranks(node)
+    return costs["tp"][0] * share / costs["contention"][0] if costs else 0.0
 
 
 def cpu_stage_time(node: Node) -> float:
