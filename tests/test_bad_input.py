@@ -63,7 +63,7 @@ CASES = [
     ("micro-batch", ["--micro-batch-size", "3"], "multiple of train.micro_batch_size"),
     ("missing-data", ["--path", "{t}/nothing.txt"], "does not exist"),
     ("empty-corpus", ["--path", "{t}/empty.txt"], "too few for one training sequence"),
-    ("bad-jsonl", ["--path", "{t}/bad.jsonl"], "bad.jsonl:1: not a JSON object with a 'text'"),
+    ("bad-jsonl", ["--path", "{t}/bad.jsonl"], "bad.jsonl:1: not a record with a 'text' string"),
     ("ids-beyond-vocab", ["--path", "{t}/big_ids.bin"], "token id 999 in the data is beyond"),
     ("odd-bin-size", ["--path", "{t}/odd.bin"], "not a whole number of uint16 tokens"),
     ("bad-tokenizer", ["--tokenizer", "{t}/tok.json"], "cannot read tokenizer"),
