@@ -29,7 +29,7 @@ def test_policies_match_keep(arch, attention):
     tracker = MemoryTracker(ref)
     loss0, grads0, held0 = _loss_and_grads(ref, tokens, tracker)
     held = {}
-    for policy in ("recompute", "selective", "offload"):
+    for policy in ("recompute", "selective", "offload", "recompute_offload"):
         model = copy.deepcopy(ref)
         model.zero_grad(set_to_none=True)
         for block in model.blocks.values():
@@ -45,11 +45,28 @@ def test_policies_match_keep(arch, attention):
     # (selective keeps matmul outputs inside the checkpoint, where saved-tensor hooks cannot see them.)
     assert held["recompute"] < held0 / 2
     assert held["offload"] < held["recompute"]
+    assert held["recompute_offload"] == held["offload"]  # nothing of the blocks: their checkpoints wait on host
+
+
+def test_checkpoint_offload_empties_the_block_input_until_its_backward():
+    """recompute_offload: after the forward the block input's device storage is empty (the checkpoint still
+    references the tensor); the backward refills it before recomputing."""
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64))
+    for block in model.blocks.values():
+        apply_activation_policy(block, "recompute_offload")
+    inputs = []
+    model.blocks["1"].register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    tokens = torch.randint(0, 64, (2, 17))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    assert inputs[0].untyped_storage().nbytes() == 0  # on host only
+    loss.backward()
+    assert inputs[0].untyped_storage().nbytes() == inputs[0].numel() * inputs[0].element_size()
 
 
 def test_unknown_policy_names_choices():
     block = Decoder(ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64)).blocks["0"]
-    with pytest.raises(ValueError, match="keep, recompute"):
+    with pytest.raises(ValueError, match="keep, recompute, selective, offload or recompute_offload"):
         apply_activation_policy(block, "evict")
 
 

@@ -41,6 +41,8 @@ def _plan(dp: int, block: BlockPlan | None = None, root: BlockPlan | None = None
 ONE = {
     "keep": (_plan(1), ""),
     "recompute": (_plan(1, BlockPlan(activations="recompute"), BlockPlan()), ""),
+    # the checkpoints (block inputs) on host: nothing of the blocks held on the device
+    "recompute_offload": (_plan(1, BlockPlan(activations="recompute_offload"), BlockPlan()), ""),
     "accumulate": (_plan(1, m=2), ""),
     "offload_optimizer": (_plan(1, BlockPlan(offload_optimizer=True), BlockPlan()), ""),
     "lora": (_plan(1, m=2), "lora"),

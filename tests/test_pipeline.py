@@ -28,8 +28,9 @@ KEEP = ["keep"]
 # name -> (blocks, Plan.uniform arguments, per-block policies, vocabulary, extras)
 CONFIGS = {
     # 1F1B; every stage has a "keep" block (p - s resident microbatches) next to recompute/selective/offload ones
-    "1f1b": (8, dict(pp=4, schedule="1f1b"), ["recompute", "keep", "selective", "keep", "offload", "keep"] + 2 * KEEP,
-             64, {}),
+    # (block 6 begins the last stage: its checkpoint, offloaded, is the buffer the stage received)
+    "1f1b": (8, dict(pp=4, schedule="1f1b"), ["recompute", "keep", "selective", "keep", "offload", "keep",
+                                              "recompute_offload", "keep"], 64, {}),
     "interleaved": (8, dict(pp=4, schedule="interleaved", virtual_stages=2), KEEP, 64, {}),
     # BPipe, uneven on purpose: the last stage also holds logits, so give it 1 block and a wide vocabulary
     "bpipe": (8, dict(pp=4, schedule="bpipe"), KEEP, 1536, dict(stage_blocks=[2, 2, 3, 1])),

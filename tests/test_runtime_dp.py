@@ -189,7 +189,7 @@ def one_rank():
 
 def test_one_rank_plans_match_reference(one_rank):
     plans = [make_plan(1), make_plan(1, BlockPlan(zero=3, offload_optimizer=True)),
-             make_plan(1, BlockPlan(zero=3, offload_params=True))]
+             make_plan(1, BlockPlan(zero=3, offload_params=True)), make_plan(1, BlockPlan(activations="recompute_offload"))]
     for plan, (out, params, _) in zip(plans, run_plans(one_rank, plans)):
         assert_matches(plan, out, params)
 
@@ -206,6 +206,7 @@ TWO = [make_plan(2, BlockPlan(zero=z)) for z in (0, 1, 2, 3)] + [
     mixed(2),
     make_plan(1, BlockPlan(zero=3), tp=2),
     make_plan(1, BlockPlan(zero=0, activations="recompute"), tp=2),
+    make_plan(2, BlockPlan(zero=3, activations="recompute_offload")),
 ]
 BF16 = [make_plan(2, BlockPlan(zero=3), compute_dtype="bfloat16"),
         make_plan(2, BlockPlan(zero=1, offload_optimizer=True), compute_dtype="bfloat16")]
@@ -218,7 +219,7 @@ def two_ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("i", range(len(TWO)), ids=["zero0", "zero1", "zero2", "zero3", "offload_params",
                                                      "offload_optim_zero0", "offload_optim_zero3", "mixed",
-                                                     "tp2_zero3", "tp2_recompute"])
+                                                     "tp2_zero3", "tp2_recompute", "recompute_offload_zero3"])
 def test_two_ranks_match_reference(two_ranks, i):
     out, params, _ = two_ranks[0][i]
     assert two_ranks[1][i][0] == out  # every rank reports the same global loss and norm

@@ -21,7 +21,7 @@ import numpy as np
 from snugfit.hardware.catalogue import GPU
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.memory import (
-    FRAGMENTATION, StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, param_state,
+    FRAGMENTATION, StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, param_state,
 )
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.timing import TensorParallel, grad_reduce_exposed, optimizer_time, reduce_time, stage_time
@@ -126,7 +126,7 @@ class StageCosts:
             grads += accumulating_grad_bytes(self.stub, sp)
             host_bytes += sum(host.values())
             act += device_saved(sp)
-            host_act += sp.piece.saved_bytes["keep"] if o.activations == "offload" and block else 0
+            host_act += host_saved(sp)
         unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor)
@@ -205,20 +205,25 @@ class _Layer:
         return cand[arg, self.cols], arg
 
 
+def buffer_bytes(buffers: tuple[float, ...], mask: int) -> float:
+    """The once-per-stage buffers a set of option kinds (bit j: buffers[j]) needs."""
+    return sum(b for j, b in enumerate(buffers) if mask >> j & 1)
+
+
 def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root_kinds: list[int], *,
-             resident: float, m: int, cap: float, n_max: int, buffers: tuple[float, float]) -> Table:
+             resident: float, m: int, cap: float, n_max: int, buffers: tuple[float, ...]) -> Table:
     """Fastest (root +) n identical blocks within cap, for n = 1..n_max.
 
-    kinds[i]: bit 1 if option i needs the ZeRO-3 prefetch copies, bit 2 the activation-offload
-    window; these buffers (sizes in `buffers`) are paid once per stage, so the knapsack is
-    solved once per set of them (reserved up front, options needing others left out).
+    kinds[i]: bit j set if option i needs once-per-stage buffer j (`buffers[j]`: the ZeRO-3 prefetch copies,
+    the activation-offload window, the checkpoint-offload window); these are paid once per stage, so the
+    knapsack is solved once per set of them (reserved up front, options needing others left out).
     """
     best, sols = [INF] * (n_max + 1), [None] * (n_max + 1)
     every = 0
     for k in [*kinds, *root_kinds]:
         every |= k
-    for mask in [x for x in range(4) if x & ~every == 0]:
-        c = cap - sum(b for bit, b in zip((1, 2), buffers) if mask & bit)
+    for mask in [x for x in range(1 << len(buffers)) if x & ~every == 0]:
+        c = cap - buffer_bytes(buffers, mask)
         if c <= 0:
             continue
         unit = c / BUCKETS

@@ -20,8 +20,9 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
   offload_params (zero 3): fp32 shard, gradient shard and states on host.
 
 Activations: each (stage, microbatch) a rank holds costs the bytes its pieces save
-under their policy (profile.saved_bytes; "offload" keeps none on device but a
-two-block window). Which ones are held comes from the schedule simulation. On top
+under their policy (profile.saved_bytes; "offload" and "recompute_offload" keep
+none on device but a two-block window, and hold on host what the block saves, or
+its input). Which ones are held comes from the schedule simulation. On top
 comes a walk through the running stage's pieces: saved bytes of earlier pieces of
 the same microbatch, the piece's input, and its measured working peak (for the last
 piece this is logits and the fp32 loss).
@@ -153,9 +154,17 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
 def device_saved(sp: StagePiece) -> int:
     """Bytes of one microbatch's activations this piece keeps on device until its backward."""
     policy = sp.decision.activations if sp.is_block else "keep"
-    if policy == "offload":
+    if sp.is_block and sp.decision.offloads_activations:
         return 0
     return sp.piece.saved_bytes.get(policy, sp.piece.saved_bytes["keep"])
+
+
+def host_saved(sp: StagePiece) -> int:
+    """Bytes of one microbatch's activations this piece keeps on host until its backward: all it saves
+    ("offload") or its recomputation checkpoint, the block input ("recompute_offload")."""
+    if not (sp.is_block and sp.decision.offloads_activations):
+        return 0
+    return sp.piece.saved_bytes["keep" if sp.decision.activations == "offload" else "recompute"]
 
 
 @dataclass
@@ -242,12 +251,12 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
     accum = sum(fresh.values()) if plan.num_microbatches > 1 else reduced
     if plan.num_microbatches == 1:  # the only microbatch syncs: each piece's gradient is reduced as it is made
         fresh = shard_grads
-    offloaded = [sp.piece.saved_bytes["keep"] for sp in all_pieces if device_saved(sp) == 0 and sp.piece.name != "embed"]
+    offloaded = [host_saved(sp) for sp in all_pieces if host_saved(sp)]
     window = 2 * max(offloaded) if offloaded else 0
     per_mb = {k: sum(device_saved(sp) for sp in sps) for k, sps in stages.items()}
     if offloaded:
         m_held = max(sim.max_resident(pp_rank), 1)
-        host["activations"] = m_held * sum(sp.piece.saved_bytes["keep"] for sp in all_pieces if device_saved(sp) == 0)
+        host["activations"] = m_held * sum(offloaded)
     # stage bytes held per microbatch on the partner (BPipe) come from other ranks' stages
     if plan.schedule == "bpipe":
         partner = rank_stages(plan, prof, plan.pp - 1 - pp_rank)
@@ -297,6 +306,8 @@ def _tracked(static: dict[str, int], host: dict[str, int], reduced: int, at: tup
     if reduced >= saved + copy + g:
         moving = {"gradients": reduced}
     out: dict[str, int] = {}
+    # offloaded activations live under their policy's own saved-tensor hooks, out of the tracker's sight
+    host = {k: v for k, v in host.items() if k != "activations"}
     for place, cats in (("device", {**static, **moving}), ("host", host)):
         for k, v in cats.items():
             key = f"{place}.{TRACKER_KEYS.get(k, k)}"

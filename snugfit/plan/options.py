@@ -68,7 +68,7 @@ def fixed_parts(world_size: int, *, dp: int | None = None, tp: int | None = None
     if (dp or 1) * (tp or 1) * (pp or 1) > world_size or world_size % ((dp or 1) * (tp or 1) * (pp or 1)):
         raise SnugfitError(f"--dp x --tp x --pp must divide into the launch's {world_size} ranks (GPUs)")
     if tp and tp > 1 and (schedule == "bpipe" or offload_params or offload_optimizer not in (None, "none", "0")
-                          or recompute == "offload"):
+                          or recompute in ("offload", "recompute_offload")):
         raise SnugfitError(f"--tp {tp} does not combine with BPipe or host offload yet; drop one of them")
     if pp and pp > 1 and num_microbatches and num_microbatches < pp:
         raise SnugfitError(f"--num-microbatches {num_microbatches} must be >= --pp {pp}")
@@ -109,5 +109,6 @@ def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan
 def describe(o: BlockPlan, root: bool = False) -> str:
     parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
     parts += ["optimizer offload"] * o.offload_optimizer + ["parameter offload"] * o.offload_params
-    acts = {"keep": "activations kept", "offload": "activations offloaded"}.get(o.activations, o.activations)
+    acts = {"keep": "activations kept", "offload": "activations offloaded",
+            "recompute_offload": "recompute, checkpoints offloaded"}.get(o.activations, o.activations)
     return " + ".join(parts + ([] if root else [acts]))

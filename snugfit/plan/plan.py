@@ -11,7 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicate, 1 shard optimizer states, 2 + gradients, 3 + parameters
-ACTIVATION_POLICIES = ("keep", "recompute", "selective", "offload")
+# recompute_offload: full recomputation whose kept block input (the checkpoint) waits on host for the backward
+ACTIVATION_POLICIES = ("keep", "recompute", "selective", "offload", "recompute_offload")
 SCHEDULES = ("none", "1f1b", "interleaved", "bpipe")  # "none": pp == 1, plain gradient accumulation
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -28,6 +29,11 @@ class BlockPlan:
     offload_optimizer: bool = False  # fp32 master weights + optimizer states on host, compute params on device
     offload_params: bool = False  # parameters on host between uses (FSDP2 CPUOffloadPolicy); needs zero 3
     activations: str = "keep"  # what happens to the block's saved activations
+
+    @property
+    def offloads_activations(self) -> bool:
+        """Whether what the block keeps for backward waits on host (all of it, or its recompute checkpoint)."""
+        return self.activations in ("offload", "recompute_offload")
 
     def check(self, where: str) -> None:
         if self.zero not in ZERO_STAGES:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.estimate import HOST_USABLE, estimate, tensor_parallel_problem
 from snugfit.plan.knapsack import (
-    BUCKETS, INF, StageCosts, knapsack, resident_microbatches, split, usable, with_reserve, working,
+    BUCKETS, INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve, working,
 )
 from snugfit.plan.memory import device_bytes
 from snugfit.plan.options import Constraints, block_options
@@ -102,7 +102,7 @@ class Searcher:
             return [1]
         per_node = math.gcd(*(n.count for n in self.cluster.nodes))
         fixed_out = self.c.schedule == "bpipe" or self.c.offload_optimizer or self.c.offload_params or (
-            self.c.activations == "offload")
+            self.c.activations in ("offload", "recompute_offload"))
         return [1] + [t for t in (2, 4, 8) if per_node % t == 0 and not fixed_out
                       and tensor_parallel_problem(self.prof, t) is None]
 
@@ -168,7 +168,7 @@ class Searcher:
         if (dp, tp, root) not in self._opts:
             opts = block_options(self.c, dp, root)
             if self.cpu_only or tp > 1:
-                lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.activations == "offload")]
+                lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
                 opts = lean if lean or tp > 1 else opts
             self._opts[(dp, tp, root)] = opts
         return self._opts[(dp, tp, root)]
@@ -203,7 +203,7 @@ class Searcher:
         for s in range(cand.pp):
             st, blk, roots, opts, ropts, r = self._stage(cand, s)
             if not offload:
-                opts = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.activations == "offload")]
+                opts = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
                 ropts = [o for o in ropts if not (o.offload_optimizer or o.offload_params)] or ropts
             if not opts:
                 return worst
@@ -232,16 +232,18 @@ class Searcher:
         them once), so they come off, at the piece's leanest option to stay an upper bound."""
         return max(working(p) - min(st.cost(p, o).act for o in (opts if p is blk else ropts)) for p in [blk, *roots])
 
-    def _buffers(self, cand: Candidate) -> tuple[float, float]:
-        """(ZeRO-3 gather buffers, activation-offload window): two blocks of each, as memory.py counts them."""
+    def _buffers(self, cand: Candidate) -> tuple[float, float, float]:
+        """(ZeRO-3 gather buffers, activation-offload window, checkpoint-offload window): two blocks of each, as
+        memory.py counts them."""
         blk = self.profile(cand).blocks[self.rep]
-        return 2 * blk.num_params * DTYPE_BYTES[self.prof.dtype], 2 * blk.saved_bytes["keep"]
+        return (2 * blk.num_params * DTYPE_BYTES[self.prof.dtype], 2 * blk.saved_bytes["keep"],
+                2 * blk.saved_bytes["recompute"])
 
     def _extra(self, cand: Candidate, o: BlockPlan) -> float:
         kind = _kind(o)
         if not kind:
             return 0.0
-        return sum(b for bit, b in zip((1, 2), self._buffers(cand)) if kind & bit)
+        return buffer_bytes(self._buffers(cand), kind)
 
     def solve(self, cand: Candidate, slack: float = 0.0) -> None:
         """Fill cand.plan (None if nothing fits the knapsack) and cand.score."""
@@ -386,8 +388,9 @@ def _preference(x) -> tuple:
 
 
 def _kind(o: BlockPlan) -> int:
-    """Once-per-stage buffers the option needs: bit 1 ZeRO-3 prefetch copies, bit 2 the offload window."""
-    return (o.zero == 3) | 2 * (o.activations == "offload")
+    """Once-per-stage buffers the option needs (`Searcher._buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
+    activation-offload window, bit 4 the checkpoint-offload window."""
+    return (o.zero == 3) | 2 * (o.activations == "offload") | 4 * (o.activations == "recompute_offload")
 
 
 def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None = None,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU, Host, Link
 from snugfit.hardware.cluster import Node
-from snugfit.plan.memory import StagePiece, wrapped_params
+from snugfit.plan.memory import StagePiece, host_saved, wrapped_params
 from snugfit.profile.types import DTYPE_BYTES, PieceProfile
 
 ADAM_BYTES_PER_PARAM = 32  # fused AdamW on device: read p, g, m, v (+ master), write p, m, v
@@ -182,7 +182,7 @@ def stage_time(
         p, d = sp.piece, sp.decision
         f, b = piece_compute(p, gpu, dtype, measured_on)
         policy = d.activations if p.name.startswith("block") else "keep"
-        rc = recompute_time(p, policy, f, gpu, dtype, measured_on)
+        rc = recompute_time(p, "recompute" if policy == "recompute_offload" else policy, f, gpu, dtype, measured_on)
         st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share
         if tensor is not None:
             tf, tb = tensor.times(p, policy)
@@ -196,8 +196,8 @@ def stage_time(
                 st.comm_exposed += gather
                 first_gather = False
             st.comm_exposed += max(0.0, gather - f) + max(0.0, comm_b - (b + rc))
-        if policy == "offload":
-            move = transfer_time(p.saved_bytes["keep"], pcie)
+        if host_saved(sp):
+            move = transfer_time(host_saved(sp), pcie)
             st.offload_exposed += 2 * move if on_cpu else max(0.0, move - f) + max(0.0, move - b)
         st.reduce_bytes.append(sp.n_trainable * g if dp > 1 else 0.0)
     if wrapped and on_cpu:

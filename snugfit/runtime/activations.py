@@ -15,6 +15,11 @@ same under every policy, and FSDP2's module hooks still run around it.
   backward: when the gradient reaches a block's output, the copies of the block
   before it start, newest first, so they arrive while this block computes.
   Tensors already off the device (flash attention's CPU seed and offset) stay.
+- recompute_offload: recompute, with the one tensor it keeps, the block input,
+  on host as offload moves its tensors. The checkpoint itself holds that input
+  too (torch.utils.checkpoint keeps its arguments), so its device storage is
+  emptied in place after the forward and refilled before the backward, as
+  FSDP2 frees unsharded parameters.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ class _HostCopy:
         return back
 
 
-_last_offloaded: list = [[]]  # the saved copies of the offloaded block whose forward ran last
+_last_offloaded: list = [[]]  # the host copies of the offloaded block whose forward ran last (either policy)
 
 
 def _offload(forward: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -98,7 +103,93 @@ def _offload(forward: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
     return out
 
 
-def _fetch_all(packed: list[_HostCopy], ahead: list[_HostCopy]) -> None:
+class _StorageOnHost:
+    """A tensor's whole storage copied to host and emptied on the device (`empty`), refilled in place (`fetch`),
+    so every alias of it -- the checkpoint's argument, autograd's saved tensor -- holds it again at once."""
+
+    def __init__(self, t: torch.Tensor, stream: torch.Stream | None):
+        self.tensor, self.stream, self.used, self.event = t, stream, False, None
+        self.storage = t.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        pin = stream is not None
+        self.host = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+        if stream is None:
+            self.host.copy_(_bytes_of(self.storage))
+            return
+        stream.wait_stream(torch.accelerator.current_stream(t.device))
+        with stream:
+            self.host.copy_(_bytes_of(self.storage), non_blocking=True)
+        t.record_stream(stream)  # the allocator keeps the bytes until the copy has read them
+        self.event = stream.record_event()
+
+    def empty(self) -> None:
+        self.storage.resize_(0)
+
+    def fetch(self) -> None:
+        if self.used or self.storage.nbytes() == self.nbytes:
+            return
+        self.storage.resize_(self.nbytes)
+        if self.stream is None:
+            _bytes_of(self.storage).copy_(self.host)
+            return
+        self.stream.wait_event(self.event)
+        with self.stream:
+            _bytes_of(self.storage).copy_(self.host, non_blocking=True)
+        self.event = self.stream.record_event()
+
+    def get(self) -> torch.Tensor:
+        self.fetch()
+        self.used = True
+        if self.event is not None:
+            current = torch.accelerator.current_stream(self.tensor.device)
+            current.wait_event(self.event)
+            self.tensor.record_stream(current)
+        return self.tensor
+
+
+def _whole_storage(t: torch.Tensor) -> bool:
+    """Whether t is all of its storage: emptying the storage then touches no other tensor's bytes."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _offload_checkpoint(forward: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """`forward` recomputes the block; the input it keeps waits on host (see the module docstring)."""
+    if not (torch.is_grad_enabled() and x.requires_grad and _whole_storage(x)):
+        return forward(x, *args)
+    stream = torch.Stream(device=x.device) if x.device.type != "cpu" and torch.accelerator.is_available() else None
+    held: list[_StorageOnHost] = []
+    before, _last_offloaded[0] = _last_offloaded[0], held
+    mine = x.untyped_storage()._cdata
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage()._cdata == mine and not held:  # the checkpoint's input, saved by _KeepInput
+            held.append(_StorageOnHost(t, stream))
+            return held[0]
+        return t
+
+    def unpack(p):
+        return p.get() if isinstance(p, _StorageOnHost) else p
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = forward(x, *args)
+    for h in held:
+        h.empty()  # nothing reads the input again before this block's backward
+    if out.requires_grad:
+        out.register_hook(lambda grad: _restore(held, before))
+    return out
+
+
+def _restore(held: list[_StorageOnHost], ahead: list) -> None:
+    """As the block's backward starts: its input back on the device before the recomputation reads it (autograd
+    never unpacks it: the checkpoint reads its own reference), then the next block's copies started."""
+    for h in held:
+        h.get()
+    for p in reversed(ahead):
+        p.fetch()
+
+
+def _fetch_all(packed: list, ahead: list) -> None:
     """As a block's backward starts: its own copies (if not yet started), then those of the block whose backward
     comes next, each newest first, as backward uses them."""
     for p in [*reversed(packed), *reversed(ahead)]:
@@ -106,15 +197,19 @@ def _fetch_all(packed: list[_HostCopy], ahead: list[_HostCopy]) -> None:
 
 
 def apply_activation_policy(block: nn.Module, policy: str) -> nn.Module:
-    """Make `block` keep, recompute, selectively recompute or offload its saved activations (in place)."""
+    """Make `block` keep, recompute (selectively), offload its saved activations, or recompute with its
+    checkpoint offloaded (in place)."""
     if policy == "keep":
         return block
-    if policy in ("recompute", "selective"):
+    if policy in ("recompute", "selective", "recompute_offload"):
         recompute(block, selective=policy == "selective")
+    if policy == "recompute_offload":
+        block.forward = functools.partial(_offload_checkpoint, block.forward)
     elif policy == "offload":
         block.forward = functools.partial(_offload, block.forward)
-    else:
-        raise ValueError(f"unknown activation policy {policy!r}; use keep, recompute, selective or offload")
+    elif policy not in ("recompute", "selective"):
+        raise ValueError(f"unknown activation policy {policy!r}; use keep, recompute, selective, offload or "
+                         "recompute_offload")
     return block
 
 

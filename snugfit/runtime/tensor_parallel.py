@@ -130,7 +130,7 @@ def check_tp(model: nn.Module, plan: Plan) -> None:
                         "1f1b or interleaved with tp > 1")
     units = [plan.root, *plan.blocks]
     if any(u.offload_optimizer or u.offload_params for u in units) or any(
-            b.activations == "offload" for b in plan.blocks):
+            b.offloads_activations for b in plan.blocks):
         raise PlanError("tensor parallelism does not combine with host offload (optimizer, parameters or "
                         "activations) yet; plan those with tp 1")
 
