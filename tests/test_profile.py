@@ -127,3 +127,32 @@ def test_measured_times_are_positive():
     for block in prof.blocks:  # each recomputation policy measured with its own intercept, within its total
         assert set(block.recompute_fixed_s) == set(block.recompute_time_s) == {"recompute", "selective"}
         assert all(0 <= block.recompute_fixed_s[k] <= block.recompute_time_s[k] for k in block.recompute_time_s)
+
+
+def test_gpu_profiles_count_what_the_fused_norm_saves():
+    """Profiles for GPU clusters keep what CUDA's fused RMSNorm keeps (its bf16 input and a row statistic), not
+    the CPU path's fp32 copies: Llama-2-7B's block at seq 4096 saves about 39.5 x s*b*h bytes (the published
+    CUDA count is about 37.5; the o_proj input copy the CPU path makes is still counted), 12 less than on CPU."""
+
+    cfg = resolve_model("llama-2-7b")
+    cfg.n_layers = 1
+    sbh = 4096 * cfg.dim
+    saved = {k: profile_model(cfg, micro_batch_size=1, seq_len=4096, dtype="bfloat16", use_cache=False,
+                              kernels=k).blocks[0].saved_bytes["keep"] / sbh for k in ("cpu", "gpu")}
+    assert 37.5 <= saved["gpu"] <= 40.0
+    assert saved["cpu"] - saved["gpu"] == pytest.approx(12.0, abs=0.1)  # 6 x s*b*h per norm, two norms
+
+
+def test_the_fused_norm_stand_in_computes_what_rms_norm_computes():
+    import torch.nn.functional as F
+
+    from snugfit.profile.kernels import _FusedRMSNorm
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 5, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    y = _FusedRMSNorm.apply(x, w, 1e-5)
+    ref = F.rms_norm(x, (16,), w, 1e-5)
+    g = torch.randn_like(ref)
+    torch.testing.assert_close(y, ref)
+    for got, want in zip(torch.autograd.grad(y, (x, w), g), torch.autograd.grad(ref, (x, w), g)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

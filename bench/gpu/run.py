@@ -241,7 +241,8 @@ def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dty
         plan = Plan.uniform(cfg.n_layers, block=t.block, root=t.root, micro_batch_size=mbs,
                             num_microbatches=args.batch // mbs, seq_len=args.seq, compute_dtype=t.dtype or dtype)
         prof = profile_model(cfg, micro_batch_size=mbs, seq_len=args.seq, dtype=plan.compute_dtype,
-                             lora_rank=LORA_RANK if t.tune else None, quantize_base="nf4" if t.tune == "qlora" else "none")
+                             lora_rank=LORA_RANK if t.tune else None, kernels="gpu" if on_gpu else "cpu",
+                             quantize_base="nf4" if t.tune == "qlora" else "none")
         estimate(plan, prof, cluster)
         row.update(run_plan(t.name, build(cfg, weights, t.tune), plan, env, batch, args.steps))
         if "error" not in row:
@@ -269,7 +270,7 @@ def offload_comparison(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, d
     """(d): under an allocator capped below the replicated plan's need, snugfit's plan against FSDP2 full offload."""
     on_gpu = env.device.type == "cuda"
     device_mem = torch.cuda.get_device_properties(env.device).total_memory if on_gpu else cluster.gpu_of(0).memory_bytes
-    profile = profile_model(cfg, micro_batch_size=1, seq_len=args.seq, dtype=dtype)
+    profile = profile_model(cfg, micro_batch_size=1, seq_len=args.seq, dtype=dtype, kernels="gpu" if on_gpu else "cpu")
     replicated = Plan.uniform(cfg.n_layers, micro_batch_size=1, num_microbatches=args.batch, seq_len=args.seq,
                               compute_dtype=dtype)
     need = estimate(replicated, profile, cluster).peak_memory_bytes

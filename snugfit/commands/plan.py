@@ -126,6 +126,7 @@ class Target:
     frozen: str = ""
     quantize_base: str = "none"
     cache_dir: str | None = None
+    kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
 
     def profile(self, micro_batch: int, seq: int, dtype: str) -> ModelProfile:
         """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches)."""
@@ -135,7 +136,7 @@ class Target:
             self.model.max_seq_len = seq
         return profile_model(self.model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name,
                              cache_dir=self.cache_dir, lora_rank=self.lora_rank or None, frozen=self.frozen or None,
-                             quantize_base=self.quantize_base)
+                             quantize_base=self.quantize_base, kernels=self.kernels)
 
 
 def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
@@ -212,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
                     cfg.finetune.quantize_base, args.profile_cache)
     cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
+    target.kernels = "cpu" if all(n.gpu.name == "cpu" for n in cluster.nodes) else "gpu"
     if args.host_ram:
         cluster = with_host_ram(cluster, parse_bytes(args.host_ram))
     dtype, why = dtype_for_cluster(t.dtype, cluster)

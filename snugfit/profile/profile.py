@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.recompute import recompute
+from snugfit.profile.kernels import fused_norms
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
 from snugfit.profile.types import DTYPE_BYTES, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
 
@@ -128,7 +129,7 @@ def profile_model(
     model: ModelConfig | dict, *, micro_batch_size: int, seq_len: int, dtype: str = "float32",
     name: str | None = None, cache_dir: str | Path | None = None, use_cache: bool = True,
     measure_on: str | None = None, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
-    lora_rank: int | None = None, frozen: str | None = None, quantize_base: str = "none",
+    lora_rank: int | None = None, frozen: str | None = None, quantize_base: str = "none", kernels: str = "cpu",
 ) -> ModelProfile:
     """Profile a built-in ModelConfig or a Hugging Face config dict (cached by its inputs).
 
@@ -136,6 +137,9 @@ def profile_model(
     frozen parameters have no gradients or optimizer states, and their weight-gradient
     matmuls are absent from the recorded backward. quantize_base="nf4": the frozen block
     linears are stored in 4 bits (`PieceProfile.quantized`) and dequantized for each use.
+
+    kernels="gpu": saved tensors as GPU kernels keep them where they differ from the CPU path
+    (profile.kernels: fused RMSNorm); plan GPU clusters with it, CPU ranks with "cpu".
 
     measure_on="cpu" also times each piece's forward and backward on this machine
     with real (random) weights: only for models that fit in host memory. `clock` is
@@ -145,7 +149,7 @@ def profile_model(
     config = dict(model) if is_hf else model.to_dict()
     key = {"config": config, "mbs": micro_batch_size, "seq": seq_len, "dtype": dtype,
            "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__, "lora": lora_rank,
-           "frozen": frozen, "quantize": quantize_base}
+           "frozen": frozen, "quantize": quantize_base, "kernels": kernels}
     path = _cache_path(cache_dir, key)
     if use_cache and path.exists():
         return ModelProfile.load(path)
@@ -160,6 +164,8 @@ def profile_model(
         with torch.device("meta"):
             net = Decoder(cfg)
     fine_tune(net, lora_rank, frozen)
+    if kernels == "gpu":
+        fused_norms(net)
     prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
                           seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
     if quantize_base == "nf4":

@@ -67,20 +67,20 @@ def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
     return Plan.from_json(plan_json[0])
 
 
-def _profile(cfg: RunConfig, micro_batch_size: int):
+def _profile(cfg: RunConfig, micro_batch_size: int, env: DistEnv):
     from snugfit.profile.profile import profile_model
 
     model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
                          lora_rank=cfg.finetune.lora_rank or None, frozen=cfg.finetune.freeze or None,
-                         quantize_base=cfg.finetune.quantize_base)
+                         quantize_base=cfg.finetune.quantize_base, kernels="cpu" if env.device.type == "cpu" else "gpu")
 
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
     """The time model's simulation of `plan` on the launched ranks, to draw beside a measured step."""
     from snugfit.report.timeline import timeline_for
 
-    return timeline_for(plan, _profile(cfg, plan.micro_batch_size), local_cluster(env))
+    return timeline_for(plan, _profile(cfg, plan.micro_batch_size, env), local_cluster(env))
 
 
 def measure_once(ranks: int, on_cpu: bool = True) -> None:
@@ -123,7 +123,7 @@ def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
 
     t = cfg.train
     measure_once(env.world_size, env.device.type == "cpu")
-    profile = _profile(cfg, 1)
+    profile = _profile(cfg, 1, env)
     cluster = local_cluster(env)
     try:
         res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0)
