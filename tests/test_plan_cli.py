@@ -223,3 +223,14 @@ def test_plan_reads_a_train_config_for_the_built_in_model(tmp_path, capsys):
     assert rc == 0 and d["pp"] == 2 and d["model"]["parameters"] - d["model"]["trainable"] == count  # base frozen
     with pytest.raises(SnugfitError, match="--zero fixes a part of a searched plan"):
         _run(["plan", "--config", str(tmp_path / "run.toml"), "--plan", "dp"], capsys)
+
+
+def test_long_context_qlora_fits_one_24gb_card_with_offloaded_checkpoints(tmp_path, capsys):
+    """Llama-3.1-8B, NF4 base, LoRA r32, 64k tokens on one RTX 4090: the plan fits by keeping each block's
+    recomputation checkpoint on host (the chunked loss holds no whole logits); without that, 39 GiB."""
+    rc, out = _run(["plan", "--model", "llama-3.1-8b", "--cluster", "1xRTX4090", "--seq", "65536", "--global-batch",
+                    "1", "--lora-rank", "32", "--quantize-base", "nf4", "--json", "--profile-cache", str(tmp_path)],
+                   capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["predicted"]["fits"] and d["predicted"]["peak_memory_bytes"] <= 24 * 2**30
+    assert {b["activations"] for b in d["blocks"]} == {"recompute_offload"}

@@ -269,12 +269,36 @@ class Searcher:
         sizes = split([t.best for t in tables], self.n, cand.v)
         if sizes is None:
             cand.plan, cand.score = None, INF
+            if pp == 1:
+                self._solve_uniform(cand, slack, opts_of[0], ropts_of[0])
             return
         # the pipeline runtime's own work per stage and microbatch (CPU ranks), whatever the blocks do
         pipe = max(cpu_stage_time(self.costs(cand, s).node) for s in range(pp)) * cand.v if pp > 1 else 0.0
         bubble = (pp - 1) / cand.v * (max(t.t_mb(k) for t, k in zip(tables, sizes)) + pipe)
         cand.score = max(t.best[k] for t, k in zip(tables, sizes)) + cand.m * pipe + bubble
         cand.plan = self._build(cand, [t.choices(k) for t, k in zip(tables, sizes)], sizes, opts_of, ropts_of)
+
+    def _solve_uniform(self, cand: Candidate, slack: float, opts: list[BlockPlan], ropts: list[BlockPlan]) -> None:
+        """Without a pipeline, the fastest plan of one option for every block that fits, counted exactly. The
+        knapsack rounds each block's memory up to its resolution, which can lose every plan where the blocks hold
+        little beside a large root and working set (long contexts with offloaded checkpoints)."""
+        st, blk, roots, _, _, r = self._stage(cand, 0)
+        cap = usable(st.gpu, self.budget) - self._working(st, blk, roots, opts, ropts) - slack
+        best = None
+        for o in opts:
+            for ro in ropts:
+                block, root = st.cost(blk, o), st.root(roots, ro)
+                mem = (self.n * block.mem(r, cand.m) + root.mem(r, cand.m)
+                       + buffer_bytes(self._buffers(cand), _kind(o) | int(ro.zero == 3)))
+                t = self.n * block.time(cand.m) + root.time(cand.m)
+                if mem <= cap and (best is None or t < best[0]):
+                    best = (t, o, ro)
+        if best is not None:
+            cand.score = best[0]
+            cand.plan = Plan(world_size=cand.dp * cand.tp, dp=cand.dp, tp=cand.tp, micro_batch_size=cand.mbs,
+                             num_microbatches=cand.m, seq_len=self.prof.seq_len, stage_blocks=[self.n],
+                             compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, root=replace(best[2]),
+                             blocks=[replace(best[1]) for _ in range(self.n)])
 
     def _host_fits(self, cand: Candidate, st: StageCosts, blk, roots, opts: list[BlockPlan],
                    r: float) -> list[BlockPlan]:

@@ -1,17 +1,25 @@
 """What a GPU's kernels save for backward where the CPU path saves more: the profile records these.
 
 The profiler runs the model's CPU operators under FakeTensorMode. For most operators the CPU and CUDA save the
-same tensors, but not for RMSNorm: CUDA runs `F.rms_norm` as one fused kernel that keeps its (bf16) input and a
-small fp32 statistic per row, while on CPU the op decomposes and autograd keeps fp32 copies of the input and of
-the normalised input (about 4 bytes more per element and norm). `fused_norms` makes the built-in decoder's norms
-save what the fused kernel saves, so a profile taken for a GPU cluster counts what the GPU holds. (Hugging Face
-Llama norms are written out in Python, unfused on CUDA too: they are left as they are.)
+same tensors, but not for two (`gpu_kernels` makes the profile record the GPU's):
+- RMSNorm: CUDA runs `F.rms_norm` as one fused kernel that keeps its (bf16) input and a small fp32 statistic per
+  row, while on CPU the op decomposes and autograd keeps fp32 copies of the input and of the normalised input
+  (about 4 bytes more per element and norm). The built-in decoder's norms are made to save what the kernel saves.
+  (Hugging Face Llama norms are written out in Python, unfused on CUDA too: they are left as they are.)
+- Attention: flash attention on CUDA writes its output sequence-major, so the `transpose(1, 2).reshape(...)`
+  before the output projection is a view of the tensor the kernel keeps; the CPU kernel writes it head-major and
+  the reshape copies it, a second copy the projection keeps.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from snugfit.model.decoder import RMSNorm
 
@@ -37,9 +45,44 @@ class _FusedRMSNorm(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
 
-def fused_norms(model: nn.Module) -> int:
-    """Make the built-in decoder's RMSNorms save what the fused GPU kernel saves; returns how many."""
+class _FlashAttention(torch.autograd.Function):
+    """Causal attention that keeps q, k, v, its output laid out sequence-major and the fp32 log-sum-exp per row,
+    as flash attention on CUDA does; its backward recomputes through the CPU kernel."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().transpose(1, 2)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*inputs, is_causal=True)
+            return torch.autograd.grad(out, inputs, grad)
+
+
+class _GpuAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("is_causal") and len(args) == 3 and not (
+                set(kwargs) - {"is_causal"}):
+            return _FlashAttention.apply(*args)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def gpu_kernels(model: nn.Module) -> Iterator[None]:
+    """While profiling `model`: its RMSNorms and causal attention save what the GPU's kernels save."""
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     for norm in norms:
         norm.forward = lambda x, n=norm: _FusedRMSNorm.apply(x, n.weight, n.eps)
-    return len(norms)
+    try:
+        with _GpuAttention():
+            yield
+    finally:
+        for norm in norms:
+            del norm.forward

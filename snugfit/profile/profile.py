@@ -23,6 +23,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.recompute import recompute
-from snugfit.profile.kernels import fused_norms
+from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
 from snugfit.profile.types import DTYPE_BYTES, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
 
@@ -164,10 +165,9 @@ def profile_model(
         with torch.device("meta"):
             net = Decoder(cfg)
     fine_tune(net, lora_rank, frozen)
-    if kernels == "gpu":
-        fused_norms(net)
-    prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
-                          seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
+    with gpu_kernels(net) if kernels == "gpu" else nullcontext():
+        prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
+                              seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
     if quantize_base == "nf4":
         count_quantized(prof, net)
     if measure_on and not is_hf:

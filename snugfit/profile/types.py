@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing; 5: recompute intercepts
-PROFILE_VERSION = 7  # 7: 1-D parameter counts (tensor parallelism); 6: the loss is chunked
+PROFILE_VERSION = 8  # 8: GPU kernels' saved tensors (profile.kernels); 7: 1-D parameter counts (tensor parallelism)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
