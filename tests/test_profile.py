@@ -172,3 +172,13 @@ def test_the_flash_attention_stand_in_computes_what_sdpa_computes():
     assert out.transpose(1, 2).is_contiguous()  # sequence-major, as flash attention writes it
     for got, want in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_measured_profile_of_frozen_leading_pieces_has_no_backward_time():
+    """The embedding and the first blocks frozen: nothing before them needs gradients, so they run no backward,
+    and the measured profile says 0 for it (it failed on the missing timings before)."""
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, vocab_size=128, max_seq_len=32)
+    prof = profile_model(cfg, micro_batch_size=2, seq_len=32, measure_on="cpu", repeats=2, use_cache=False,
+                         frozen="embed,blocks:0-1")
+    assert [p.bwd_time_s for p in prof.pieces[:3]] == [0.0, 0.0, 0.0]
+    assert prof.blocks[2].bwd_time_s > 0 and all(p.fwd_time_s > 0 for p in prof.pieces)

@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 import warnings
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -227,7 +228,9 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
         for timer in timers.values():
             timer.close()
     # the fastest of the repeats: on a shared machine, interference only ever adds time
-    keep, wide = ({k: min(s[k] for s in samples[name]) for k in samples[name][0]} for name in ("keep", "wide"))
+    # a piece with no backward (frozen, nothing before it needing gradients) has no "bwd" sample: it takes 0
+    keep, wide = (defaultdict(float, {k: min(s[k] for s in samples[name]) for k in samples[name][0]})
+                  for name in ("keep", "wide"))
     for piece in prof.pieces:
         piece.fwd_time_s, piece.bwd_time_s = keep[(piece.name, "fwd")], keep[(piece.name, "bwd")]
         piece.fwd_fixed_s, piece.bwd_fixed_s = (
@@ -236,7 +239,8 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
     for policy in RECOMPUTED:
         for piece in prof.blocks:
             narrow, broad = (
-                max(0.0, statistics.median(sum(s[(piece.name, ph)] - k[(piece.name, ph)] for ph in ("fwd", "bwd"))
+                max(0.0, statistics.median(sum(s.get((piece.name, ph), 0.0) - k.get((piece.name, ph), 0.0)
+                                               for ph in ("fwd", "bwd"))
                                            for s, k in zip(samples[name], samples[base])))
                 for name, base in ((policy, "keep"), (f"{policy} wide", "wide")))
             piece.recompute_time_s[policy] = narrow
