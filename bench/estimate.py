@@ -32,14 +32,15 @@ os.environ.setdefault("SNUGFIT_HARDWARE_PROFILE", str(Path.home() / ".cache" / "
 import torch  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
-from snugfit.hardware import parse_cluster  # noqa: E402
-from snugfit.model.decoder import Decoder  # noqa: E402
 from snugfit.calibrate.hardware import profile_hardware  # noqa: E402
-from snugfit.model.decoder import ModelConfig  # noqa: E402
+from snugfit.calibrate.step import measure_single_process  # noqa: E402
+from snugfit.hardware import parse_cluster  # noqa: E402
+from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
+from snugfit.model.lora import apply_lora, freeze  # noqa: E402
+from snugfit.model.quantize import quantize_base  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.profile import profile_model  # noqa: E402
-from snugfit.calibrate.step import measure_single_process  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.engine import OptimConfig  # noqa: E402
 from snugfit.runtime.spawn import run_ranks  # noqa: E402
@@ -58,7 +59,9 @@ PLANS = [
     (4, 2, "selective", "eager"),
 ]
 
-# (name, dp, pp, block plan, root zero, microbatches, tp); micro-batch 2, keep, sdpa
+# (name, dp, pp, block plan, root zero, microbatches, tp[, fine-tuning]); micro-batch 2, keep, sdpa
+# fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears), "freeze" (the
+# embedding and the first two blocks frozen)
 MULTI = [
     ("dp2 zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1),
     ("dp2 zero2", 2, 1, BlockPlan(zero=2), 2, 2, 1),
@@ -72,7 +75,24 @@ MULTI = [
     ("dp2 pp2 zero2", 2, 2, BlockPlan(zero=2), 2, 4, 1),
     ("dp2 tp2 zero3", 2, 1, BlockPlan(zero=3), 3, 2, 2),
     ("tp2 pp2", 1, 2, BlockPlan(), 0, 4, 2),
+    ("dp2 lora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, "lora"),
+    ("dp2 qlora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, "qlora"),
+    ("dp2 frozen zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1, "freeze"),
 ]
+LORA_RANK, FROZEN = 4, "embed,blocks:0-1"
+
+
+def tuned(cfg: ModelConfig, tune: str) -> Decoder:
+    """The model as the plan's fine-tuning runs it (same seed for every rank)."""
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    if tune == "freeze":
+        freeze(model, FROZEN)
+    elif tune:
+        apply_lora(model, LORA_RANK)
+    if tune == "qlora":
+        quantize_base(model)
+    return model
 MULTI_MBS = 2
 
 
@@ -81,14 +101,14 @@ def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_z
                         num_microbatches=m, seq_len=seq)
 
 
-def run_multi(env, cfg: ModelConfig, plans: dict[str, Plan], steps: int) -> dict[str, tuple[int, int, list[float]]]:
+def run_multi(env, cfg: ModelConfig, plans: dict[str, tuple[Plan, str]],
+              steps: int) -> dict[str, tuple[int, int, list[float]]]:
     """name -> (tracked device peak, host peak, step wall times) on this rank; a plan that fails is left out."""
     torch.set_num_threads(1)
     out = {}
-    for name, plan in plans.items():
-        torch.manual_seed(0)
+    for name, (plan, tune) in plans.items():
         try:
-            engine = build_engine(Decoder(cfg), plan, OptimConfig(), env)
+            engine = build_engine(tuned(cfg, tune), plan, OptimConfig(), env)
         except Exception as err:  # noqa: BLE001 - reported, the other plans still run
             print(f"rank {env.rank}: {name} not run: {err}")
             continue
@@ -110,17 +130,26 @@ def run_multi(env, cfg: ModelConfig, plans: dict[str, Plan], steps: int) -> dict
 
 def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int]]:
     """(name, predicted s, measured s, predicted tracked bytes, measured bytes) per plan; the worst rank's memory."""
-    prof = profile_model(cfg, micro_batch_size=MULTI_MBS, seq_len=args.seq, measure_on="cpu", repeats=args.steps,
-                         use_cache=False, clock=time.process_time)
+    profiles: dict[str, object] = {}
+
+    def profile(tune: str):
+        if tune not in profiles:
+            profiles[tune] = profile_model(
+                cfg, micro_batch_size=MULTI_MBS, seq_len=args.seq, measure_on="cpu", repeats=args.steps,
+                use_cache=False, clock=time.process_time, lora_rank=LORA_RANK if tune in ("lora", "qlora") else None,
+                frozen=FROZEN if tune == "freeze" else None, quantize_base="nf4" if tune == "qlora" else "none")
+        return profiles[tune]
+
     rows = []
-    for world in sorted({dp * pp * tp for _, dp, pp, *_, tp in MULTI}):
-        plans = {name: multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp)
-                 for name, dp, pp, b, rz, m, tp in MULTI if dp * pp * tp == world}
+    specs = [(name, dp, pp, b, rz, m, tp, tune[0] if tune else "") for name, dp, pp, b, rz, m, tp, *tune in MULTI]
+    for world in sorted({dp * pp * tp for _, dp, pp, _, _, _, tp, _ in specs}):
+        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp), tune)
+                 for name, dp, pp, b, rz, m, tp, tune in specs if dp * pp * tp == world}
         per_rank = run_ranks(run_multi, world, cfg, plans, args.steps)
-        for name, plan in plans.items():
+        for name, (plan, tune) in plans.items():
             if any(name not in r for r in per_rank):
                 continue
-            pred = estimate(plan, prof, parse_cluster(f"{world}xcpu"))
+            pred = estimate(plan, profile(tune), parse_cluster(f"{world}xcpu"))
             step = min(max(r[name][2][i] for r in per_rank) for i in range(args.steps))
             errs = [(t["device.total"], r[name][0]) for t, r in zip(pred.tracked_by_rank, per_rank)]
             errs += [(t["host.total"], r[name][1]) for t, r in zip(pred.tracked_by_rank, per_rank) if r[name][1]]
