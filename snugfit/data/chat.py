@@ -12,17 +12,15 @@ tokens, which is checked.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 import numpy as np
 
-from snugfit.data.instruct import IGNORE, pack_example
+from snugfit.data.instruct import IGNORE, pack_example, stack_examples
 from snugfit.data.records import read_records
 from snugfit.errors import SnugfitError
 
-log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -85,17 +83,6 @@ def load_chat(path: str | Path, folder: Path, seq_len: int, field: str = "messag
         raise SnugfitError(f"chat data {path} does not exist; pass a .jsonl, .parquet or .arrow file")
     tok = chat_tokenizer(folder)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    examples, dropped = [], 0
-    for where, record in read_records(p):
-        ids, labels = encode_chat(tok, _messages(record, field, where), where)
-        ex = pack_example(ids, labels, seq_len, pad)
-        if ex is None:
-            dropped += 1
-        else:
-            examples.append(ex)
-    if dropped:
-        log.warning("%s: %d conversations dropped, no assistant token within %d tokens", path, dropped, seq_len)
-    if not examples:
-        raise SnugfitError(f"{path} holds no conversation with an assistant turn within {seq_len} tokens; "
-                           "raise train.seq_len")
-    return np.stack(examples)
+    packed = (pack_example(*encode_chat(tok, _messages(record, field, where), where), seq_len, pad)
+              for where, record in read_records(p))
+    return stack_examples(packed, path, seq_len, "conversations")

@@ -10,6 +10,7 @@ learns token j+1 only where that token is part of a response (or its EOS).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -53,23 +54,30 @@ def load_instruct(path: str | Path, tokenizer: Tokenizer, seq_len: int, prompt_f
     p = Path(path)
     if not p.is_file():
         raise SnugfitError(f"instruction data {path} does not exist; pass a .jsonl, .parquet or .arrow file")
-    examples, dropped = [], 0
-    for where, rec in read_records(p):
+
+    def encode(where: str, rec) -> np.ndarray | None:
         try:
             prompt, response = rec[prompt_field], rec[response_field]
-            ex = encode_example(tokenizer.encode(prompt), tokenizer.encode(response), seq_len, eos, pad)
+            return encode_example(tokenizer.encode(prompt), tokenizer.encode(response), seq_len, eos, pad)
         except (KeyError, TypeError) as e:
             raise SnugfitError(f"{where}: not a record with {prompt_field!r} and {response_field!r} strings ({e}); "
                                "fix it or set the field names") from e
-        if ex is None:
-            dropped += 1
-        else:
-            examples.append(ex)
-    if dropped:
-        log.warning("%s: %d examples dropped, their prompt fills all %d tokens", path, dropped, seq_len)
-    if not examples:
-        raise SnugfitError(f"{path} holds no example with a response within {seq_len} tokens; raise train.seq_len")
-    return np.stack(examples)
+
+    return stack_examples((encode(where, rec) for where, rec in read_records(p)), path, seq_len, "examples")
+
+
+def stack_examples(packed: Iterable[np.ndarray | None], path: str | Path, seq_len: int, noun: str) -> np.ndarray:
+    """(N, 2, seq_len + 1) from `pack_example` results; those with nothing to learn (None) are dropped and counted
+    in the log, and a file left with none is a one-line error."""
+    examples = list(packed)
+    kept = [ex for ex in examples if ex is not None]
+    if len(kept) < len(examples):
+        log.warning("%s: %d %s dropped, nothing to learn within %d tokens", path, len(examples) - len(kept), noun,
+                    seq_len)
+    if not kept:
+        raise SnugfitError(f"{path} holds no {noun} with anything to learn within {seq_len} tokens; "
+                           "raise train.seq_len")
+    return np.stack(kept)
 
 
 class InstructSampler:
