@@ -15,7 +15,8 @@ from snugfit.plan.options import describe
 from snugfit.plan.plan import BlockPlan, Plan, PlanError
 
 if TYPE_CHECKING:
-    from snugfit.plan.search import Candidate, Searcher
+    from snugfit.plan.candidates import Candidate
+    from snugfit.plan.search import Searcher
 
 
 @dataclass

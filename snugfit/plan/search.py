@@ -1,7 +1,7 @@
 """Plan search: the fastest plan that fits (why the others lost: result.py).
 
-Outer candidates: (dp, pp, micro-batch, schedule), with global batch = micro-batch x
-microbatches x dp and data-parallel groups only of like GPUs. Each candidate's inner
+Outer candidates (candidates.py): (dp, tp, pp, micro-batch, schedule), with global batch =
+micro-batch x microbatches x dp and data-parallel groups only of like GPUs. Each candidate's inner
 problem (per-block ZeRO stage, offload, activation policy, and stage sizes) is a
 knapsack per pipeline stage (knapsack.py). Candidates are taken best-first: a cheap
 lower bound (every block at its fastest option, perfectly balanced) orders them, and
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from snugfit.hardware.cluster import Cluster
+from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.estimate import HOST_USABLE, estimate, tensor_parallel_problem
 from snugfit.plan.knapsack import (
     BUCKETS, INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve, working,
@@ -33,40 +34,10 @@ from snugfit.plan.timing import TensorParallel, cpu_stage_time, cpu_tp_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
-MAX_MICRO_BATCH = 8
 SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time are verified before giving up
 MAX_EXTRA = 2  # such verifications beyond what was asked for (each is a full estimate())
 POLISH_WITHIN = 1.1  # verified candidates this close to the fastest get the knapsack's unseen room back
 POLISH_ROOM = (1, 2)  # multiples of that room tried
-
-
-@dataclass
-class Candidate:
-    dp: int
-    pp: int
-    mbs: int
-    m: int
-    schedule: str
-    v: int = 1
-    lower: float = 0.0  # seconds no plan of this candidate can beat
-    score: float = INF  # the knapsack's step time of its solution
-    plan: Plan | None = None
-    solved: bool = False
-    fits: bool | None = None  # estimate()'s verdict once verified
-    polished: bool = False  # given back the room the knapsack could not see (Searcher.polish)
-    tp: int = 1
-
-    @property
-    def family(self) -> str:
-        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}"
-
-    def first_rank(self, s: int) -> int:
-        """The first rank of pipeline rank s (its dp x tp ranks follow it: plan.RankLayout)."""
-        return s * self.dp * self.tp
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def budget_for(cluster: Cluster, memory_budget: int | None) -> int:
@@ -91,43 +62,8 @@ class Searcher:
         self.verified, self.verify_s = 0, 0.0
         self.cpu_only = all(n.gpu.name == "cpu" for n in cluster.nodes)
 
-    def tp_degrees(self) -> list[int]:
-        """Tensor-parallel degrees worth searching: within one node (every node's GPU count divides by it), up to
-        8, that the model splits (heads, key/value heads, MLP, vocabulary, sequence) and the fixed parts allow.
-        Not on CPU ranks unless fixed: DTensor's per-operator dispatch, which the time model does not charge,
-        costs more there than the split saves (a tp2 step of the default model measured about twice a dp2 step)."""
-        if self.c.tp:
-            return [self.c.tp]
-        if self.cpu_only:
-            return [1]
-        per_node = math.gcd(*(n.count for n in self.cluster.nodes))
-        fixed_out = self.c.schedule == "bpipe" or self.c.offload_optimizer or self.c.offload_params or (
-            self.c.activations in ("offload", "recompute_offload"))
-        return [1] + [t for t in (2, 4, 8) if per_node % t == 0 and not fixed_out
-                      and tensor_parallel_problem(self.prof, t) is None]
-
     def candidates(self) -> list[Candidate]:
-        c, w, out = self.c, self.cluster.world_size, []
-        for tp, pp in [(tp, pp) for tp in self.tp_degrees() for pp in ([c.pp] if c.pp else divisors(w))]:
-            dp = w // (pp * tp)
-            if w % (pp * tp) or (c.dp and c.dp != dp) or pp > self.n or self.gb % dp:
-                continue
-            if any(len({self.cluster.gpu_of(r).name for r in range(s * dp * tp, (s + 1) * dp * tp)}) > 1
-                   for s in range(pp)):
-                continue  # data- and tensor-parallel groups only of like GPUs
-            mbss = [c.micro_batch] if c.micro_batch else [d for d in divisors(self.gb // dp) if d <= MAX_MICRO_BATCH]
-            for mbs in mbss:
-                m = self.gb // (dp * mbs)
-                if self.gb % (dp * mbs) or (c.num_microbatches and m != c.num_microbatches):
-                    continue
-                for sched in ["none"] if pp == 1 else ["1f1b", "interleaved"] + (["bpipe"] if tp == 1 else []):
-                    v = (c.virtual_stages or 2) if sched == "interleaved" else 1
-                    if (c.schedule and sched != c.schedule) or (pp > 1 and m < pp):
-                        continue
-                    if sched == "interleaved" and (m % pp or self.n < pp * v):
-                        continue
-                    out.append(Candidate(dp, pp, mbs, m, sched, v, tp=tp))
-        return out
+        return outer_candidates(self.prof, self.cluster, self.gb, self.c)
 
     def profile(self, cand: Candidate) -> ModelProfile:
         """The profile at the candidate's micro-batch size, as one of its tensor-parallel ranks holds it."""

@@ -1,0 +1,89 @@
+"""The search's outer candidates: data, tensor and pipeline degrees, micro-batch size and schedule.
+
+Every (dp, tp, pp, micro-batch, schedule) the launch and the fixed parts allow, with global batch = micro-batch x
+microbatches x dp, data- and tensor-parallel groups only of like GPUs, and tensor parallelism within a node.
+search.py solves each candidate's per-block decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from snugfit.hardware.cluster import Cluster
+from snugfit.plan.estimate import tensor_parallel_problem
+from snugfit.plan.knapsack import INF
+from snugfit.plan.options import Constraints
+from snugfit.plan.plan import Plan
+from snugfit.profile.types import ModelProfile
+
+MAX_MICRO_BATCH = 8
+
+
+@dataclass
+class Candidate:
+    dp: int
+    pp: int
+    mbs: int
+    m: int
+    schedule: str
+    v: int = 1
+    lower: float = 0.0  # seconds no plan of this candidate can beat
+    score: float = INF  # the knapsack's step time of its solution
+    plan: Plan | None = None
+    solved: bool = False
+    fits: bool | None = None  # estimate()'s verdict once verified
+    polished: bool = False  # given back the room the knapsack could not see (Searcher.polish)
+    tp: int = 1
+
+    @property
+    def family(self) -> str:
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}"
+
+    def first_rank(self, s: int) -> int:
+        """The first rank of pipeline rank s (its dp x tp ranks follow it: plan.RankLayout)."""
+        return s * self.dp * self.tp
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int]:
+    """Tensor-parallel degrees worth searching: within one node (every node's GPU count divides by it), up to 8,
+    that the model splits (heads, key/value heads, MLP, vocabulary, sequence) and the fixed parts allow. Not on
+    CPU ranks unless fixed: DTensor's per-operator work costs more there than the split saves (profile-hardware's
+    "tp" cost, 20 ms per piece and microbatch at 2 ranks here)."""
+    if c.tp:
+        return [c.tp]
+    if all(n.gpu.name == "cpu" for n in cluster.nodes):
+        return [1]
+    per_node = math.gcd(*(n.count for n in cluster.nodes))
+    fixed_out = c.schedule == "bpipe" or c.offload_optimizer or c.offload_params or (
+        c.activations in ("offload", "recompute_offload"))
+    return [1] + [t for t in (2, 4, 8) if per_node % t == 0 and not fixed_out
+                  and tensor_parallel_problem(prof, t) is None]
+
+
+def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints) -> list[Candidate]:
+    """Every outer candidate the launch and the fixed parts allow (unsolved)."""
+    w, n, gb, out = cluster.world_size, len(prof.blocks), global_batch, []
+    for tp, pp in [(tp, pp) for tp in tp_degrees(prof, cluster, c) for pp in ([c.pp] if c.pp else divisors(w))]:
+        dp = w // (pp * tp)
+        if w % (pp * tp) or (c.dp and c.dp != dp) or pp > n or gb % dp:
+            continue
+        if any(len({cluster.gpu_of(r).name for r in range(s * dp * tp, (s + 1) * dp * tp)}) > 1 for s in range(pp)):
+            continue  # data- and tensor-parallel groups only of like GPUs
+        mbss = [c.micro_batch] if c.micro_batch else [d for d in divisors(gb // dp) if d <= MAX_MICRO_BATCH]
+        for mbs in mbss:
+            m = gb // (dp * mbs)
+            if gb % (dp * mbs) or (c.num_microbatches and m != c.num_microbatches):
+                continue
+            for sched in ["none"] if pp == 1 else ["1f1b", "interleaved"] + (["bpipe"] if tp == 1 else []):
+                v = (c.virtual_stages or 2) if sched == "interleaved" else 1
+                if (c.schedule and sched != c.schedule) or (pp > 1 and m < pp):
+                    continue
+                if sched == "interleaved" and (m % pp or n < pp * v):
+                    continue
+                out.append(Candidate(dp, pp, mbs, m, sched, v, tp=tp))
+    return out
