@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from snugfit.train.export import load_checkpoint_model
+from tests.distributed import rank_pid
 
 ARGS = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "--max-seq-len", "16",
         "--batch-size", "4", "--steps", "48", "--warmup-steps", "2", "--eval-every", "0", "--log-every", "4",
@@ -22,21 +23,6 @@ def launch(out: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "snugfit", "train", *ARGS, "--out-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def rank_pid(out: Path, rank: int) -> int | None:
-    """The worker process of this run with RANK=rank (torchrun sets it in the worker's environment)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(out).encode() in cmd and f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID=" in b"\0".join(env):
-            return int(proc.name)
-    return None
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:

@@ -1,51 +1,121 @@
 """Two nodes on one machine: two `snugfit train --nnodes 2` launchers (1 rank each) meet at a c10d rendezvous
 on 127.0.0.1. They share one out dir, as nodes share a filesystem: DCP writes every rank's shard there and
-rank 0 (node 0) writes metrics.jsonl. Their losses equal a one-node, 2-rank run's."""
+rank 0 writes metrics.jsonl. Node 0 starts first, so its launcher holds the rendezvous (and job) store.
+
+- their losses equal a one-node, 2-rank run's, bit for bit;
+- a node that dies (its launcher's process group killed) makes the other exit within timeout_s with one line
+  naming what went, and leaves no process of the run behind, whichever of the two it was.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from snugfit.train.metrics import read_metrics
+from tests.distributed import free_port, rank_pid, run_pids
 
+STEPS = 48
 ARGS = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "--max-seq-len", "16",
-        "--batch-size", "4", "--steps", "12", "--warmup-steps", "2", "--eval-every", "0", "--log-every", "1",
-        "--checkpoint-every", "1000", "--progress", "false", "--plot", "false", "--timeout-s", "30", "--plan", "dp"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        "--batch-size", "4", "--steps", str(STEPS), "--warmup-steps", "2", "--eval-every", "0", "--log-every", "1",
+        "--checkpoint-every", "8", "--keep-checkpoints", "8", "--progress", "false", "--plot", "false",
+        "--timeout-s", "30", "--plan", "dp"]
+TIMEOUT_S = 8  # the dying-node test's parallel.timeout_s
 
 
 def _train(out: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "snugfit", "train", *ARGS, "--out-dir", str(out), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # its own process group: a test can kill a whole node
+                            start_new_session=True)  # its own process group, as if on its own machine
 
 
-def _node(out: Path, node_rank: int, endpoint: str, *args: str) -> subprocess.Popen:
-    return _train(out, "--nproc", "1", "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint,
-                  *args)
+def _pair(out: Path, *args: str) -> list[subprocess.Popen]:
+    """Node 0's and node 1's launchers; node 1 starts once node 0 listens, so node 0 holds the store."""
+    port = free_port()
+    nodes = [_train(out, "--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+                    f"127.0.0.1:{port}", *args)]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and nodes[0].poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    nodes.append(_train(out, "--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                        f"127.0.0.1:{port}", *args))
+    return nodes
+
+
+def _finish(*procs: subprocess.Popen) -> list[str]:
+    """Each run's stdout + stderr once it exited 0."""
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        outs.append(out + err)
+    return outs
 
 
 def _losses(out: Path) -> dict[int, float]:
+    """Each step's loss; a step run again after a restart counts with its last value."""
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
 
 
-def test_two_launchers_match_one_node_with_two_ranks(tmp_path):
-    endpoint = f"127.0.0.1:{_free_port()}"
-    nodes = [_node(tmp_path / "pair", rank, endpoint) for rank in (0, 1)]
-    reference = _train(tmp_path / "one", "--nproc", "2")
-    for proc in (*nodes, reference):
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-2000:]
-    want = _losses(tmp_path / "one")
-    assert sorted(want) == list(range(1, 13))
-    assert _losses(tmp_path / "pair") == want  # bit-identical: same ranks, same data, same reductions
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> Path:
+    """An uninterrupted one-node, 2-rank run: the reference."""
+    out = tmp_path_factory.mktemp("one_node")
+    _finish(_train(out, "--nproc", "2"))
+    assert sorted(_losses(out)) == list(range(1, STEPS + 1))
+    return out
+
+
+def test_two_launchers_match_one_node_with_two_ranks(tmp_path, one_node):
+    _finish(*_pair(tmp_path))
+    assert _losses(tmp_path) == _losses(one_node)  # bit-identical: same ranks, same data, same reductions
+
+
+@pytest.mark.parametrize("dead", [0, 1], ids=["store-holder-dies", "other-node-dies"])
+def test_a_dead_node_stops_the_other_with_one_line(tmp_path, dead):
+    nodes = _pair(tmp_path, "--steps", "2000", "--timeout-s", str(TIMEOUT_S), "--checkpoint-every", "5")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                (tmp_path / "metrics.jsonl").exists() and len(_losses(tmp_path)) >= 6):
+            time.sleep(0.2)
+        assert len(_losses(tmp_path)) >= 6, "the pair never trained"
+        dead_rank = next(r for r in (0, 1) if _parent(rank_pid(tmp_path, r)) == nodes[dead].pid)
+        os.killpg(nodes[dead].pid, signal.SIGKILL)  # the launcher; its rank follows it (PR_SET_PDEATHSIG)
+        killed_at = time.monotonic()
+        nodes[dead].wait()
+        _, err = nodes[1 - dead].communicate(timeout=TIMEOUT_S + 60)
+        took = time.monotonic() - killed_at
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert nodes[1 - dead].returncode not in (0, None)
+    assert took < TIMEOUT_S + 20, took
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    if dead == 0:  # the survivor's rank and/or its launcher: each says the store's node went
+        assert lines and all("lost the" in line and "is gone" in line for line in lines), err[-3000:]
+    else:
+        assert len(lines) == 1 and f"rank {dead_rank} stopped answering after step" in lines[0], err[-3000:]
+        assert "the last checkpoint is step_000000" in lines[0]
+    deadline = time.monotonic() + 10
+    while run_pids(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run_pids(tmp_path) == []  # both launchers and both ranks are gone
+

@@ -9,11 +9,15 @@ restarts of failed workers, and per-rank error reports.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
+import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.run import parse_args, run
 
 from snugfit.errors import SnugfitError
@@ -24,6 +28,18 @@ log = logging.getLogger(__name__)
 def inside_launch() -> bool:
     """True in a rank started by torchrun (or by `launch`): do not launch again."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+
+
+def die_with_launcher() -> None:
+    """In a launched rank: be killed when the launcher that started it dies. torchrun starts each rank in
+    its own session, so a launcher killed outright (kill -9, the OOM killer) would leave its ranks training
+    unsupervised, and the other nodes' ranks waiting on them for as long as they live."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def torchrun_args(
@@ -67,6 +83,10 @@ def launch(
         run(parse_args(args))
     except SignalException as e:  # torchrun passed the signal on to the ranks, which saved a checkpoint and said so
         return 128 + int(e.sigval)
+    except RendezvousConnectionError:  # torchrun's traceback names a socket; say which node went
+        raise SnugfitError(f"lost the rendezvous at {rdzv_endpoint}: the node whose launcher holds it is gone; "
+                           "restart every node's launcher, with --resume to continue from the last checkpoint"
+                           ) from None
     except ChildFailedError as e:
         log.error("launch failed: %s", "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in sorted(e.failures.items())))
         return next(f.exitcode for _, f in sorted(e.failures.items())) or 1

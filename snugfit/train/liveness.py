@@ -40,9 +40,17 @@ class Heartbeat:
         """Raise one line naming the rank that stopped answering when `err` is a lost peer; else return."""
         if self.store is None or not any(s in str(err).lower() for s in LOST_PEER):
             return
-        steps = self.last_steps()
+        try:
+            steps = self.last_steps()
+        except RuntimeError:  # the store went down with the launcher that holds it: that node is gone
+            raise SnugfitError(
+                f"lost the job's store while this rank ran step {step + 1}: the node whose launcher holds it "
+                f"(--rdzv-endpoint) is gone; the last checkpoint is {checkpoint}: restart every node with --resume"
+            ) from None
         behind = min((r for r in steps if r != self.rank), key=lambda r: (steps[r], r))
+        timed_out = any(s in str(err).lower() for s in ("timed out", "timeout"))
+        silence = f"nothing for {timeout_s:.0f} s" if timed_out else "its connection closed"
         raise SnugfitError(
-            f"rank {behind} stopped answering after step {steps[behind]} (nothing for {timeout_s:.0f} s while "
-            f"this rank ran step {step + 1}); the last checkpoint is {checkpoint}: restart with --resume, or "
-            "--max-restarts N to do so by itself") from None
+            f"rank {behind} stopped answering after step {steps[behind]} ({silence} while this rank ran step "
+            f"{step + 1}); the last checkpoint is {checkpoint}: restart with --resume, or --max-restarts N to do "
+            "so by itself") from None

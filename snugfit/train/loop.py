@@ -22,6 +22,7 @@ from snugfit.report.trace import StepTrace
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv, init_distributed
 from snugfit.runtime.engine import Engine, OptimConfig
+from snugfit.runtime.launch import die_with_launcher
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields
@@ -101,6 +102,7 @@ def run_dtype(requested: str, env: DistEnv) -> tuple[str, str]:
 
 
 def train(cfg: RunConfig) -> TrainResult:
+    die_with_launcher()
     stops = StopRequests(cfg.train.save_on_signal, cfg.parallel.timeout_s)  # from the start: a signal during set-up stops after step 1
     env = init_distributed(cfg.parallel.timeout_s)
     try:
