@@ -7,7 +7,8 @@ Install it where `snugfit.model.hf` looks safe_open up:
 
 `spy.names`: every tensor name passed to get_slice, in order (every load_hf read
 starts there: shape check, then rows or the whole tensor). `spy.nbytes`: bytes
-returned by reads, row slices and whole tensors (get_tensor) alike. Only the
+returned by reads, row slices and whole tensors (get_tensor) alike; `spy.largest`:
+the most one read returned. Only the
 calls the loader makes are provided, so a new way of reading fails loudly
 instead of going uncounted.
 """
@@ -19,11 +20,15 @@ class SafetensorsSpy:
     def __init__(self, real_open):
         self.real_open = real_open
         self.names: list[str] = []
-        self.nbytes = 0
+        self.nbytes = self.largest = 0
 
     def clear(self) -> None:
         self.names.clear()  # in place: callers may hold the list
-        self.nbytes = 0
+        self.nbytes = self.largest = 0
+
+    def count(self, t) -> None:
+        self.nbytes += t.nbytes
+        self.largest = max(self.largest, t.nbytes)
 
     def __call__(self, *args, **kwargs) -> _File:
         return _File(self, self.real_open(*args, **kwargs))
@@ -49,7 +54,7 @@ class _File:
 
     def get_tensor(self, name):
         t = self.inner.get_tensor(name)
-        self.spy.nbytes += t.nbytes
+        self.spy.count(t)
         return t
 
 
@@ -62,5 +67,5 @@ class _Slice:
 
     def __getitem__(self, index):
         t = self.sl[index]
-        self.spy.nbytes += t.nbytes
+        self.spy.count(t)
         return t

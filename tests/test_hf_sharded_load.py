@@ -32,7 +32,9 @@ CASES = {
     "zero3-lora": (ZERO3, 4, False),
     "zero3-tied": (ZERO3, 0, True),
     "pp2-lora": (dict(pp=2, schedule="1f1b"), 4, False),
-    "zero2-offload-optimizer": (dict(dp=2, block=BlockPlan(zero=2, offload_optimizer=True)), 0, False),  # read whole
+    "zero2-offload-optimizer": (dict(dp=2, block=BlockPlan(zero=2, offload_optimizer=True)), 0, False),
+    "zero3-offload-params": (dict(dp=2, block=BlockPlan(zero=3, offload_params=True), root=BlockPlan(zero=3)), 0,
+                             False),
 }
 
 
@@ -73,7 +75,7 @@ def _train(env, folder: str, plan: Plan, lora: int, on_meta: bool) -> dict:
     weights = model_weights(cfg) if on_meta else None
     SPY.clear()
     engine = build_engine(build_model(cfg, on_meta=on_meta), plan, OPT, env, weights)
-    read = SPY.nbytes
+    read = (SPY.nbytes, SPY.largest)
     grads: dict[str, torch.Tensor] = {}
     update = engine._update
 
@@ -133,20 +135,27 @@ def test_sharded_load_trains_as_the_whole_model_load(two_ranks, name):
         assert all(r[name]["trained"] == blocks_per_rank * 4 * 2 for r in results)
 
 
-@pytest.mark.parametrize("name", ["zero3", "zero3-lora", "zero3-tied", "pp2-lora"])
+@pytest.mark.parametrize("name", ["zero3", "zero3-lora", "zero3-tied", "pp2-lora", "zero3-offload-params"])
 def test_no_process_reads_the_whole_model(two_ranks, name):
     full, results = two_ranks
     full = full[CASES[name][2]]
-    whole = [r[name]["read"][0] for r in results]
-    sharded = [r[name]["read"][1] for r in results]
+    whole = [r[name]["read"][0][0] for r in results]
+    sharded = [r[name]["read"][1][0] for r in results]
     assert whole == [full, full]  # the CPU-load path: every process reads everything
     assert all(0 < b < 0.6 * full for b in sharded), (sharded, full)
     assert sum(sharded) == full  # each row read by exactly one rank
 
 
-def test_plans_needing_whole_tensors_read_whole(two_ranks):
+def test_optimizer_offload_reads_its_rows_again_for_the_fp32_masters(two_ranks):
+    """Host offload's fp32 masters come from the files (exact, whatever the device copy's dtype): each rank
+    reads its own rows twice, for the device copy and for the masters (every unit offloads here), and never
+    a whole tensor (the largest, the embedding, is 128 x 32 fp32)."""
     full, results = two_ranks
-    assert [r["zero2-offload-optimizer"]["read"] for r in results] == [(full[False], full[False])] * 2
+    for r in results:
+        (whole, whole_largest), (sharded, sharded_largest) = r["zero2-offload-optimizer"]["read"]
+        assert whole == full[False] and whole_largest == 128 * 32 * 4
+        assert sharded == full[False]  # half of every tensor, twice
+        assert sharded_largest == whole_largest // 2
 
 
 def test_random_init_and_unwrapped_runs_keep_the_cpu_path(tmp_path):

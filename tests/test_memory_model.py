@@ -152,15 +152,24 @@ def test_predicted_peak_within_5_percent_of_memtracker_on_cpu(mbs, m, policy, at
     assert pred.peak_memory_bytes == pytest.approx(measured, rel=0.05)
 
 
-def test_a_plan_whose_start_up_overflows_host_ram_does_not_fit():
-    """Offload plans read the whole model (fp32) in every rank before sharding: 8 x 80M x 4 B per node here."""
+def test_start_up_counts_one_whole_tensor_per_rank_beyond_the_shards():
+    """Before the first step each rank fills its shards one whole fp32 tensor at a time (runtime.apply.read_weights):
+    a node needs its ranks' host memory plus that tensor per rank, and a card its shards plus that tensor."""
     from dataclasses import replace
 
-    prof, cl = synthetic_profile(), parse_cluster("8xA100-80GB")
+    from snugfit.plan.estimate import largest_tensor_bytes, node_host_need
+
+    prof = replace(synthetic_profile(), config={"dim": 4096, "vocab_size": 32000, "ffn_dim": 11008})
+    assert largest_tensor_bytes(prof) == 4 * 4096 * 32000  # the embedding
+    cl = parse_cluster("8xA100-80GB")
     plan = _plan(dp=8, block=BlockPlan(zero=3, offload_optimizer=True))
-    assert estimate(plan, prof, cl).fits
-    small = replace(cl, nodes=[replace(cl.nodes[0], host=replace(cl.nodes[0].host, ram_bytes=2 * 2**30))])
-    pred = estimate(plan, prof, small)
-    assert not pred.fits and any("start-up needs" in n and "8 ranks" in n for n in pred.notes)
-    sharded = _plan(dp=8, block=BlockPlan(zero=3))  # read after sharding: nothing whole at start-up
-    assert not any("start-up" in n for n in estimate(sharded, prof, small).notes)
+    pred = estimate(plan, prof, cl)
+    need, start = node_host_need(plan, prof, cl, pred.memory_by_rank, 0)
+    assert start == need + 8 * 4 * 4096 * 32000
+    assert pred.fits and pred.startup_bytes["host"] == start
+    assert pred.startup_bytes["device"] == max(
+        m.get("parameters", 0) + m.get("frozen_parameters", 0) for m in pred.memory_by_rank) + 4 * 4096 * 32000
+    between = replace(cl, nodes=[replace(cl.nodes[0], host=replace(cl.nodes[0].host, ram_bytes=int(
+        (need + start) / 2 / 0.9)))])  # training fits the RAM, start-up does not
+    pred = estimate(plan, prof, between)
+    assert not pred.fits and any("at start-up" in n and "one whole tensor at a time" in n for n in pred.notes)

@@ -166,9 +166,10 @@ def assert_matches(plan: Plan, out, params) -> None:
     for (loss, norm), (ref_loss, ref_norm) in zip(out, ref_out, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-5)
-    # Tensor parallelism sums row-wise partial products in another order; AdamW's normalised update turns the
-    # ~1e-7 difference of a near-zero gradient into up to ~1e-5 of a weight (0.1% of one step at lr 1e-2).
-    atol = 1e-5 if plan.tp == 1 else 5e-5
+    # Ranks sum gradients in another order (tensor parallelism its row-wise partial products too); AdamW's
+    # normalised update turns the ~1e-7 difference of a near-zero gradient into up to ~2e-5 of a weight (0.2% of
+    # one step at lr 1e-2): seen on one of 2048 weights at 4 ranks, ZeRO-3.
+    atol = 2e-5 if plan.tp == 1 else 5e-5
     for name, ref in ref_params.items():
         if name in params:
             torch.testing.assert_close(torch.as_tensor(params[name]), ref, rtol=1e-4, atol=atol, msg=name)

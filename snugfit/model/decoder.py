@@ -15,12 +15,15 @@ skipped by forward.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from snugfit.model.shards import write_whole
 
 ARCHS = ("llama", "gpt2")
 ATTENTIONS = ("sdpa", "eager")
@@ -106,6 +109,21 @@ class ModelConfig:
         per_block += 2 * (3 if self.arch == "llama" else 2) * d * self.ffn_dim
         forward = self.n_layers * per_block + 2 * d * self.vocab_size
         return 3 * forward
+
+
+def initial_value(name: str, shape: tuple[int, ...], n_layers: int,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """A parameter's GPT-2 style init from its name: 1-D weights 1 and biases 0, matrices N(0, 0.02), output
+    projections scaled by depth."""
+    if len(shape) == 1:
+        return torch.full(shape, 1.0 if name.endswith("weight") else 0.0)
+    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+    return torch.randn(shape, generator=generator) * std
+
+
+def tensor_generator(seed: int, name: str) -> torch.Generator:
+    """One generator per (seed, tensor name): a tensor's init is drawn alone, whatever else a rank holds."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
 class RMSNorm(nn.Module):
@@ -232,18 +250,18 @@ class Decoder(nn.Module):
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """GPT-2 style init; output projections scaled by depth. Also fills buffers (meta init)."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        std = 0.02
-        for name, p in self.named_parameters():
+    def init_weights(self, seed: int | None = None, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """GPT-2 style init (`initial_value`) of `tensors` (default: the parameters by name), and the buffers.
+
+        seed: each tensor from its own generator (`tensor_generator`), drawn whole and this rank's part kept
+        (`write_whole`), so a model built on the meta device and sharded gets the values a whole model would,
+        one tensor at a time; None: the global generator, in order (a model built whole, on CPU).
+        """
+        for name, p in (tensors if tensors is not None else dict(self.named_parameters())).items():
             if p.is_meta:
                 continue
-            if p.dim() == 1:
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-            else:
-                scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else std
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+            gen = tensor_generator(seed, name) if seed is not None else None
+            write_whole(p, initial_value(name, tuple(p.shape), self.cfg.n_layers, gen))
         if self.cfg.arch == "llama" and self.rope is not None and not self.rope.is_meta:
             self.rope.copy_(rope_table(self.cfg, self.rope.device))
 

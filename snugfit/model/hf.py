@@ -22,6 +22,7 @@ by tensor from the safetensors files. Nothing is ever downloaded.
 from __future__ import annotations
 
 import json
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +33,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # what DCP uses to slice
 
 from snugfit.errors import SnugfitError
 from snugfit.model.decoder import Decoder
-from snugfit.model.lora import init_adapters, merged_state_dict, plain_named_tensors
-from snugfit.model.quantize import copy_nf4, is_quantized, quantize
-from snugfit.model.shards import local_shard
+from snugfit.model.lora import init_adapters, merged_state_dict, plain_name, plain_named_tensors
+from snugfit.model.quantize import is_quantized
+from snugfit.model.shards import local_region, write_whole
 
 log = logging.getLogger(__name__)
 
@@ -290,23 +290,53 @@ def load_hf(path: str | Path, blocks: set[int] | None = None, device: str | torc
 
 def materialize(model: HFCausalLM, device: str | torch.device, folder: str | Path,
                 index: dict[str, Path] | None = None, seed: int = 0) -> list[str]:
-    """Allocate a meta-device model (possibly FSDP2-sharded) on `device` and fill it from `folder`.
+    """Allocate a meta-device model (possibly FSDP2-sharded) on `device` and fill it from `folder`; returns the
+    names of the tensors read."""
+    model.to_empty(device=device)
+    return FolderWeights(Path(folder), seed).fill(model, torch.device(device), index)
+
+
+@dataclass
+class FolderWeights:
+    """A Hugging Face folder as what fills a model built on the meta device, once the runtime has allocated
+    each rank's shards (runtime.apply.Weights): every rank reads only its own rows.
 
     The rotary embedding's inverse frequencies are derived from the config, not
     stored, so they are recomputed; a tied head shares the embedding again; LoRA
-    adapters, which no checkpoint holds, are drawn from `seed` as `apply_lora`
-    draws them. Returns the names of the tensors read.
+    adapters, which no checkpoint holds, are drawn from `seed` as `apply_lora` draws them.
     """
-    model.to_empty(device=device)
-    init_adapters(model, seed)
-    if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
-        out = model.head[-1] if isinstance(model.head, nn.Sequential) else model.head
-        if out.weight is not model.embed.tokens.weight:  # to_empty gives each module its own tensor
-            out.weight = model.embed.tokens.weight
-    if model.rope is not None:
-        with torch.device(device):
-            model.rope = type(model.rope)(config=model.hf_config)
-    return load_weights(model, folder, index)
+
+    folder: Path
+    seed: int = 0
+
+    def fill(self, model: HFCausalLM, device: torch.device, index: dict[str, Path] | None = None) -> list[str]:
+        init_adapters(model, self.seed)
+        if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
+            out = model.head[-1] if isinstance(model.head, nn.Sequential) else model.head
+            if out.weight is not model.embed.tokens.weight:  # to_empty gives each module its own tensor
+                out.weight = model.embed.tokens.weight
+        if model.rope is not None:
+            with torch.device(device):
+                model.rope = type(model.rope)(config=model.hf_config)
+        return load_weights(model, self.folder, index if index is not None else self.index)
+
+    def master(self, model: HFCausalLM, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """The rows of parameter `name` that `like` holds, in fp32 on CPU, read from the files (host offload's
+        master weights, exact whatever the device copy's dtype); None for a tensor no file holds (adapters)."""
+        stored, file = self._locate(model, name)
+        if stored is None:
+            return None
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_slice(stored)[local_region(like)].to(torch.float32)
+
+    def _locate(self, model: HFCausalLM, name: str) -> tuple[str | None, Path | None]:
+        hf = model.hf_names.get(plain_name(model, name))
+        stored = _stored_name(hf, self.index, model.base_prefix) if hf is not None else None
+        return stored, self.index.get(stored)
+
+    @functools.cached_property
+    def index(self) -> dict[str, Path]:
+        return _weight_index(self.folder)
 
 
 def _stored_name(hf_name: str, index: dict[str, Path], prefix: str) -> str | None:
@@ -362,11 +392,9 @@ def _read_into(f, name: str, target: torch.Tensor, file: str) -> None:
         raise SnugfitError(f"{file}: {name} has shape {tuple(sl.get_shape())}, the config says "
                            f"{tuple(target.shape)}; is config.json from the same model?")
     if is_quantized(target):  # NF4 quantizes whole tensors (its scales' mean is per tensor), then shards
-        held = getattr(target, "_local_tensor", target)  # the NF4 object itself: to_local() returns a fresh alias
-        copy_nf4(held, local_shard(quantize(f.get_tensor(name), like=held), target))
+        write_whole(target, f.get_tensor(name))
     elif isinstance(target, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-        target.to_local().copy_(sl[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        target.to_local().copy_(sl[local_region(target)])
     else:
         target.copy_(f.get_tensor(name))
 

@@ -117,7 +117,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
 
 def init_adapters(model: nn.Module, seed: int) -> None:
     """Adapters from one generator per block (seed, block index), in module order: the same values on every
-    rank and pipeline split, and again after a meta-device model is allocated (`model.hf.materialize`)."""
+    rank and pipeline split, and again after a meta-device model is allocated (`runtime.apply.read_weights`)."""
     for bname, block in model.blocks.items():
         gen = torch.Generator().manual_seed(seed * 100_003 + int(bname))
         for mod in block.modules():
@@ -180,15 +180,25 @@ def trainable_summary(model: nn.Module) -> dict[str, dict[str, int]]:
 
 def plain_named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers under their names without adapters (a LoRA base's weight as the layer's own)."""
-    wrappers = [name + "." for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    wrappers = _wrappers(model)
     out = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        prefix = next((w for w in wrappers if name.startswith(w)), None)
-        if prefix is None:
-            out[name] = t
-        elif name.startswith(prefix + "base."):
-            out[prefix + name.removeprefix(prefix + "base.")] = t
+        plain = plain_name(model, name, wrappers)
+        if plain is not None:
+            out[plain] = t
     return out
+
+
+def plain_name(model: nn.Module, name: str, wrappers: list[str] | None = None) -> str | None:
+    """`name` without a LoRA wrapper's `base.` (the layer's own name for its base weight); None for an adapter."""
+    prefix = next((w for w in (wrappers if wrappers is not None else _wrappers(model)) if name.startswith(w)), None)
+    if prefix is None:
+        return name
+    return prefix + name.removeprefix(prefix + "base.") if name.startswith(prefix + "base.") else None
+
+
+def _wrappers(model: nn.Module) -> list[str]:
+    return [name + "." for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
 @torch.no_grad()

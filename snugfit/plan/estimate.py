@@ -9,7 +9,7 @@ from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
     StageTime, TensorParallel, cpu_tp_time, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
 )
-from snugfit.profile.types import DTYPE_BYTES, ModelProfile, nf4_bytes
+from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
 HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
 
@@ -190,23 +190,29 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
     return pred
 
 
-def startup_host_bytes(plan: Plan, prof: ModelProfile) -> int:
-    """Host memory one rank holds before its first step: the whole model as built (fp32, NF4 weights as stored)
-    when the plan reads it whole (Plan.reads_whole_model), else nothing beyond its shards."""
-    if not plan.reads_whole_model:
-        return 0
-    quantized = sum(p.quantized for p in prof.pieces)
-    return (prof.num_params() - quantized) * 4 + nf4_bytes(quantized)
+def largest_tensor_bytes(prof: ModelProfile) -> int:
+    """fp32 bytes of the model's largest weight (the embedding, the head or an MLP matrix): what a rank holds
+    beyond its shards while they are filled, one whole tensor at a time (runtime.apply.read_weights)."""
+    c = prof.config
+    hidden = prof.summary()["hidden"] or 0
+    ffn = c.get("ffn_dim") or c.get("intermediate_size") or c.get("n_inner") or 4 * hidden
+    return 4 * hidden * max(c.get("vocab_size") or 0, ffn)
 
 
 def node_host_need(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]],
                    node: int) -> tuple[int, int]:
     """Host bytes a node needs while training (its ranks' host memory; on CPU ranks all of their memory) and
-    at start-up (its ranks reading the whole model before sharding)."""
+    at start-up (that, and each rank's one whole tensor while its shards are filled)."""
     ranks = [r for r in range(plan.world_size) if cluster.node_of(r) == node]
     on_cpu = cluster.nodes[node].gpu.name == "cpu"
     need = sum(host_bytes(mem[r]) + (device_bytes(mem[r]) if on_cpu else 0) for r in ranks)
-    return need, 0 if on_cpu else len(ranks) * startup_host_bytes(plan, prof)
+    return need, need + len(ranks) * largest_tensor_bytes(prof)
+
+
+def startup_device_bytes(prof: ModelProfile, cats: dict[str, int]) -> int:
+    """A rank's device bytes before its first step: its parameter shards and one whole tensor in fp32 (the
+    copy into a shard of another dtype stages it on the device)."""
+    return cats.get("parameters", 0) + cats.get("frozen_parameters", 0) + largest_tensor_bytes(prof)
 
 
 def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]], step: float,
@@ -214,18 +220,17 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str
     peak = max(device_bytes(c) for c in mem)
     gpu_mem = min(cluster.gpu_of(r).memory_bytes for r in range(plan.world_size))
     budget = min(budget, gpu_mem) if budget else gpu_mem
-    fits = all(device_bytes(c) <= budget for c in mem)
+    start_device = max(startup_device_bytes(prof, c) for c in mem)
+    fits = all(device_bytes(c) <= budget for c in mem) and start_device <= budget
+    start_host = 0
     for i, node in enumerate(cluster.nodes):
         need, start = node_host_need(plan, prof, cluster, mem, i)
-        if need > HOST_USABLE * node.host.ram_bytes:
-            fits = False
-            notes.append(f"node {i}: host memory {need / 2**30:.1f} GiB exceeds {HOST_USABLE:.0%} of its RAM")
+        start_host = max(start_host, start)
         if start > HOST_USABLE * node.host.ram_bytes:
             fits = False
-            notes.append(f"node {i}: start-up needs {start / 2**30:.1f} GiB of host memory, over {HOST_USABLE:.0%} "
-                         f"of its RAM: each of its {sum(cluster.node_of(r) == i for r in range(plan.world_size))} "
-                         "ranks reads the whole model before sharding, as "
-                         "plans with optimizer or parameter offload do")
+            notes.append(f"node {i}: host memory {need / 2**30:.1f} GiB while training, {start / 2**30:.1f} GiB at "
+                         f"start-up (each rank fills its shards one whole tensor at a time), over {HOST_USABLE:.0%} "
+                         "of its RAM")
     if any("reserve" in c for c in mem):
         notes.append("reserve = CUDA context + 5% allocator fragmentation")
     flops = prof.train_flops() * plan.num_microbatches * plan.dp * plan.tp  # prof: one tensor-parallel rank's
@@ -235,6 +240,7 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str
         tokens_per_s=plan.tokens_per_step / step if step else 0.0,
         mfu=flops / (step * peak_rate) if step and peak_rate else 0.0,
         fits=fits, memory_budget_bytes=budget, notes=notes,
+        startup_bytes={"device": start_device, "host": start_host},
     )
     plan.predicted = pred
     return pred

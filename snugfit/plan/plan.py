@@ -84,6 +84,8 @@ class Prediction:
     fits: bool = True
     memory_budget_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    # before the first step: "device" (max over ranks), "host" (max over nodes); plan.estimate
+    startup_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,16 +136,6 @@ class Plan:
         units = [self.root, *self.blocks]
         plain = all(u.zero == 0 and not (u.offload_optimizer or u.offload_params) for u in units)
         return self.world_size == 1 and self.compute_dtype == "float32" and plain
-
-    @property
-    def reads_whole_model(self) -> bool:
-        """Whether a model built on the meta device is read whole (this rank's stages, fp32, on CPU) before the
-        plan applies, in every rank (runtime/apply.py `place`). Sharded plans read it after FSDP2 has sharded
-        it, each rank its own rows. Not these: an unwrapped model has nothing sharded; HostOffload copies whole
-        fp32 masters of its units before sharding; FSDP2's parameter offload wants its shards allocated on
-        host, where a load before sharding puts them."""
-        units = [self.root, *self.blocks]
-        return self.runs_unwrapped or any(u.offload_optimizer or u.offload_params for u in units)
 
     def bpipe_bound(self) -> int:
         return self.evict_bound if self.evict_bound is not None else math.ceil((self.pp + 2) / 2)

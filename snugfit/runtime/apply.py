@@ -13,7 +13,7 @@ holds (`place`, `read_weights`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -28,8 +28,15 @@ from snugfit.runtime.tensor_parallel import apply_tp, check_tp
 
 log = logging.getLogger(__name__)
 
-# Fills a model built on the meta device: `weights(model, device)` (model.hf.materialize bound to a folder).
-Weights = Callable[[nn.Module, torch.device], object]
+class Weights(Protocol):
+    """What fills a model built on the meta device once `read_weights` has allocated this rank's shards:
+    model.hf.FolderWeights (a Hugging Face folder), train.build.InitWeights (the built-in model's init)."""
+
+    def fill(self, model: nn.Module, device: torch.device) -> object:
+        """Fill the model's allocated tensors (this rank's rows); draw adapters; tie what the model ties."""
+
+    def master(self, model: nn.Module, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """Parameter `name`'s rows that `like` holds, fp32 on CPU (host offload's masters); None if it has none."""
 
 
 def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
@@ -75,27 +82,29 @@ def apply_activations(blocks: dict[str, nn.Module], plan: Plan, indices: list[in
 
 def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> HostOffload | None:
     """Frozen parameters and partial offload's units cast to the compute dtype (before FSDP2), then the model on
-    `device`.
-
-    A model still on the meta device stays there for `read_weights` after
-    sharding, unless the plan `reads_whole_model`: then it is read here, on CPU, as a
-    model loaded before the run would have been.
-    """
-    if weights is not None and plan.reads_whole_model:
-        weights(model, torch.device("cpu"))
+    `device`. A model still on the meta device stays there for `read_weights` after sharding."""
     if not plan.runs_unwrapped:
         store_frozen_in_compute_dtype(model, plan)
     units = offload_units(model, plan)
-    host = HostOffload(model, units, DTYPES[plan.compute_dtype]) if units else None
+    host = HostOffload(model, units, DTYPES[plan.compute_dtype], weights) if units else None
     if not _on_meta(model):
         model.to(device)
     return host
 
 
-def read_weights(model: nn.Module, device: torch.device, weights: Weights | None) -> None:
-    """Fill a sharded model still on the meta device: each rank reads only what it holds."""
-    if weights is not None and _on_meta(model):
-        weights(model, device)
+def read_weights(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> None:
+    """Allocate a sharded model still on the meta device where the plan puts each unit (on host the units
+    whose parameters FSDP2 offloads, so a card never holds them, even at start-up), then fill it: each rank
+    holds its own rows and at most one whole tensor more, never the whole model."""
+    if weights is None or not _on_meta(model):
+        return
+    on_host = {id(m) for i, b in model.blocks.items() if plan.blocks[int(i)].offload_params for m in b.modules()}
+    if plan.root.offload_params:
+        in_blocks = {id(m) for b in model.blocks.values() for m in b.modules()}
+        on_host |= {id(m) for m in model.modules() if id(m) not in in_blocks}
+    for m in model.modules():
+        m.to_empty(device=torch.device("cpu") if id(m) in on_host else device, recurse=False)
+    weights.fill(model, device)
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -112,5 +121,5 @@ def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, dims: ParallelDims,
     host = place(model, plan, env.device, weights)
     if not plan.runs_unwrapped:
         apply_fsdp(model, dict(model.blocks.items()), plan, dims)
-    read_weights(model, env.device, weights)
+    read_weights(model, plan, env.device, weights)
     return model, host

@@ -20,8 +20,8 @@ def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
                  weights: Weights | None = None) -> Engine:
     """The engine that runs `plan` on `model` in this process.
 
-    weights: where a model built on the meta device (`train.build.build_model(cfg, on_meta=True)`)
-    gets its values; no process then holds the whole model unless the plan `reads_whole_model`.
+    weights: what fills a model built on the meta device (`train.build.build_model(cfg, on_meta=True)`)
+    after sharding; no process then holds the whole model.
     """
     check_launch(model, plan, env)
     ensure_process_group(env)

@@ -64,11 +64,16 @@ class HostOffload:
     to the compute dtype), then `attach(model, make_optimizer)` after sharding.
     """
 
-    def __init__(self, model: nn.Module, units: list[tuple[nn.Module, list[str]]], compute_dtype: torch.dtype):
+    def __init__(self, model: nn.Module, units: list[tuple[nn.Module, list[str]]], compute_dtype: torch.dtype,
+                 weights=None):
+        """weights: what fills a model built on the meta device (runtime.apply.Weights); its masters are then
+        read from it after sharding, this rank's rows only, instead of copied whole here."""
         self.units = [_Unit(module, names) for module, names in units]
+        self._weights = weights
         params = dict(model.named_parameters())
-        # Whole fp32 copies until attach() knows which shard this rank keeps.
-        self._full = {n: params[n].detach().to("cpu", torch.float32, copy=True) for u in self.units for n in u.names}
+        # Whole fp32 copies until attach() knows which shard this rank keeps (a model built whole).
+        self._full = {n: params[n].detach().to("cpu", torch.float32, copy=True)
+                      for u in self.units for n in u.names if not params[n].is_meta}
         with torch.no_grad():
             for u in self.units:
                 for n in u.names:
@@ -88,7 +93,7 @@ class HostOffload:
             for n in u.names:
                 p = params[n]
                 master = _host_empty_like(local(p))
-                master.copy_(local_shard(self._full.pop(n), p))
+                master.copy_(self._master_rows(model, n, p))
                 master.requires_grad_(True)
                 master.grad = _host_empty_like(master)
                 self._by_param[id(p)] = (u, len(u.params))
@@ -103,6 +108,14 @@ class HostOffload:
             u.module.register_forward_pre_hook(lambda *_, u=u: self._wait(u), prepend=True)
         log.info("offload: %d units, master weights + AdamW on host (%.1f MB)", len(self.units),
                  self.memory()["host.optimizer"] / 2**20)
+
+    def _master_rows(self, model: nn.Module, name: str, p: torch.Tensor) -> torch.Tensor:
+        """This rank's fp32 rows of parameter `name`: from the whole copy, else from the weights' source, else
+        (a tensor no source holds, such as a LoRA adapter) the device copy, already in the compute dtype."""
+        if name in self._full:
+            return local_shard(self._full.pop(name), p)
+        rows = self._weights.master(model, name, p) if self._weights is not None else None
+        return rows if rows is not None else local(p)
 
     def owns(self, p: nn.Parameter) -> bool:
         return id(p) in self._by_param

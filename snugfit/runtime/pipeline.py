@@ -160,7 +160,7 @@ class PipelineEngine(Engine):
             chunk = StageModule(model, ranges[k], k == 0, k == n - 1, k, self.acts, tp_mesh)
             apply_fsdp(chunk, {str(i): model.blocks[str(i)] for i in ranges[k]}, plan, dims, output_fp32=k == n - 1)
             self.chunks.append(chunk)
-        read_weights(model, env.device, weights)
+        read_weights(model, plan, env.device, weights)
         super().__init__(model, plan, optim, env.device, dp_group=dims.dp_group,
                          host=host, stage_group=self.pp_group, units=tuple(self.chunks))
         self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len // plan.tp, model.cfg.dim, device=env.device,

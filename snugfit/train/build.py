@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,10 @@ from snugfit.data.instruct import InstructSampler, instruct_eval_batches, load_i
 from snugfit.data.tokenizer import Tokenizer
 from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
-from snugfit.model.hf import load_hf, materialize
-from snugfit.model.lora import apply_lora, freeze, trainable_summary
+from snugfit.model.decoder import initial_value, tensor_generator
+from snugfit.model.hf import FolderWeights, load_hf
+from snugfit.model.lora import apply_lora, freeze, init_adapters, plain_name, plain_named_tensors, trainable_summary
+from snugfit.model.shards import local_shard
 from snugfit.model.quantize import quantize_base
 from snugfit.plan import Plan
 from snugfit.runtime.apply import Weights
@@ -36,27 +37,58 @@ def model_identity(cfg: RunConfig) -> dict:
 
 
 def model_weights(cfg: RunConfig) -> Weights | None:
-    """What fills the model `build_model(cfg, on_meta=True)` builds: the Hugging Face folder's tensors, LoRA
-    adapters drawn from the run's seed as on CPU. None for a random init (built-in model, config.json)."""
-    folder = Path(cfg.model.name) if cfg.model.name else None
-    if folder is None or not folder.is_dir():
-        return None
-    return functools.partial(materialize, folder=folder, seed=cfg.train.seed)
+    """What fills the model `build_model(cfg, on_meta=True)` builds once the runtime has placed it: the Hugging
+    Face folder's tensors, or the built-in model's seeded init. None for a Hugging Face config.json alone (its
+    random init is transformers', on CPU)."""
+    if not cfg.model.name:
+        return InitWeights(cfg.train.seed)
+    folder = Path(cfg.model.name)
+    return FolderWeights(folder, cfg.train.seed) if folder.is_dir() else None
+
+
+@dataclass
+class InitWeights:
+    """The built-in Decoder's init as what fills it after the runtime has allocated each rank's shards
+    (runtime.apply.Weights): each tensor drawn whole from its own generator, this rank's part kept, so every
+    plan starts from the same values and no rank holds more than one whole tensor beyond its shards."""
+
+    seed: int
+
+    def fill(self, model: Decoder, device: torch.device) -> None:
+        if model.cfg.tie_embeddings and model.head is not None and model.embed is not None:
+            model.head.weight = model.embed.tokens.weight  # to_empty gives each module its own tensor
+        model.init_weights(self.seed, self._plain_parameters(model))
+        init_adapters(model, self.seed)
+
+    def master(self, model: Decoder, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 rows of parameter `name` that `like` holds, drawn again; None for LoRA adapters."""
+        plain = plain_name(model, name)
+        if plain is None:
+            return None
+        return local_shard(initial_value(plain, tuple(like.shape), model.cfg.n_layers,
+                                         tensor_generator(self.seed, plain)), like)
+
+    @staticmethod
+    def _plain_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+        params = {id(p) for p in model.parameters()}
+        return {n: t for n, t in plain_named_tensors(model).items() if id(t) in params}
 
 
 def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
-    """The model on CPU, identical on every rank (same seed); adapters and frozen pieces applied.
+    """The model, identical on every rank (same seed); adapters, frozen pieces and NF4 base weights applied.
 
-    on_meta: a model whose weights are in a folder (`model_weights`) is built on
-    the meta device instead, holding nothing: the runtime reads the weights
-    after it has placed the model (`runtime.apply.build_engine`).
+    on_meta: built on the meta device, holding nothing: the runtime fills it (`model_weights`) after it has
+    sharded and placed it (`runtime.build.build_engine`). Otherwise on CPU, with the same values. A Hugging Face
+    config.json alone is always built on CPU (transformers' random init).
     """
     torch.manual_seed(cfg.train.seed)
+    weights = model_weights(cfg)
+    meta = weights is not None
     if cfg.model.name:
-        device = "meta" if on_meta and model_weights(cfg) is not None else "cpu"
-        model = load_hf(cfg.model.name, device=device, seed=cfg.train.seed)
+        model = load_hf(cfg.model.name, device="meta" if meta else "cpu", seed=cfg.train.seed)
     else:
-        model = Decoder(cfg.model)
+        with torch.device("meta"):
+            model = Decoder(cfg.model)
     f = cfg.finetune
     if f.freeze:
         freeze(model, f.freeze)
@@ -67,6 +99,9 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
         log.info("quantized %.2fM frozen weights to NF4", quantize_base(model) / 1e6)
     counts = trainable_summary(model)["total"]
     log.info("model %.2fM parameters, %.2fM trainable", (counts["trainable"] + counts["frozen"]) / 1e6, counts["trainable"] / 1e6)
+    if meta and not on_meta:
+        model.to_empty(device="cpu")
+        weights.fill(model, torch.device("cpu"))
     return model
 
 
