@@ -66,7 +66,7 @@ def test_frozen_parameters_cost_their_compute_dtype_bytes_only():
     dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
     assert dev["frozen_parameters"] == frozen * 2 // 2  # bf16
     assert dev["parameters"] == 100_000 * 2 // 2  # the adapters' shards: bf16 too, their masters on host
-    assert host == {"master_weights": 200_000, "gradients": 200_000, "optimizer_states": 400_000}
+    assert host == {"master_weights": 200_000, "gradients": 200_000, "optimizer_states": 400_000, "staging": 100_000}
     plan = _plan(dp=2, block=BlockPlan(zero=0))
     dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
     assert dev["frozen_parameters"] == frozen * 2 and dev["parameters"] == 100_000 * 4  # bf16; fp32 masters
@@ -121,6 +121,7 @@ def test_offload_moves_bytes_to_host():
     off = estimate(_plan(dp=2, block=BlockPlan(zero=1, offload_optimizer=True)), prof, cl).memory_by_rank[0]
     assert off["host:optimizer_states"] == 8 * 8 * 10_000_000 // 2
     assert off["host:master_weights"] == off["host:gradients"] == 8 * 4 * 10_000_000 // 2
+    assert off["host:staging"] == 8 * 2 * 10_000_000 // 2  # the bf16 copy of the masters for the copy back
     assert off["optimizer_states"] < base["optimizer_states"] and off["parameters"] < base["parameters"]
     acts = estimate(_plan(dp=2, block=BlockPlan(activations="offload")), prof, cl).memory_by_rank[0]
     assert acts["host:activations"] >= 8 * 64 * MB

@@ -16,7 +16,8 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
               g per trainable element, whatever the ZeRO stage; after the reduction: the
               fp32 shard (/dp for zero >= 1), on host for offloaded units.
   optimizer_states  AdamW: 8 per trainable element, /dp for zero >= 1.
-  offload_optimizer: fp32 master shard, its gradient and the states on host.
+  offload_optimizer: fp32 master shard, its gradient and the states on host (and the
+              master cast to the compute dtype, staged for the copy back).
   offload_params (zero 3): fp32 shard, gradient shard and states on host.
 
 Activations: each (stage, microbatch) a rank holds costs the bytes its pieces save
@@ -47,7 +48,7 @@ from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile, nf4_b
 FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator rounding, fragmentation)
 TRACKER_KEYS = {"parameters": "parameters", "frozen_parameters": "parameters", "comm_buffers": "buffers",
                 "gradients": "gradients", "optimizer_states": "optimizer", "master_weights": "optimizer",
-                "activations": "activations"}
+                "activations": "activations", "staging": "buffers"}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -143,9 +144,13 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
         return {}, host
     dev = {"comm_buffers": gathered_bytes(plan, sp) if d.zero < 3 else 0}
     if d.offload_optimizer:  # trainable shards are stored in the compute dtype; masters, gradients, states on host
-        dev.update(_sharded(stored_params(plan, sp, DTYPE_BYTES[plan.compute_dtype]), div))
-        return dev, {"master_weights": _ceil_div(t * 4, div), "gradients": _ceil_div(t * 4, div),
-                     "optimizer_states": _ceil_div(t * 8, div)}
+        cbytes = DTYPE_BYTES[plan.compute_dtype]
+        dev.update(_sharded(stored_params(plan, sp, cbytes), div))
+        host = {"master_weights": _ceil_div(t * 4, div), "gradients": _ceil_div(t * 4, div),
+                "optimizer_states": _ceil_div(t * 8, div)}
+        if cbytes != 4:  # the masters cast for the copy back (runtime.offload's staged copies)
+            host["staging"] = _ceil_div(t * cbytes, div)
+        return dev, host
     dev.update(_sharded(stored_params(plan, sp), div), gradients=_ceil_div(t * 4, div),
                optimizer_states=_ceil_div(t * 8, div))
     return dev, {}

@@ -18,7 +18,8 @@ One optimizer step of an offloaded unit (a block, or the root pieces):
              after backward and hands `step()` the clip factor.
   step       a worker thread runs each unit's fused CPU AdamW step, scaled by
              the clip factor, then copies the master back into the device
-             parameters. Units are queued in forward order, and the next
+             parameters (through a pinned copy in their dtype, so the copy
+             overlaps). Units are queued in forward order, and the next
              forward waits for a unit only right before running it, so host
              steps of late blocks overlap the device optimizer step and the
              forward of early blocks.
@@ -40,9 +41,9 @@ from snugfit.runtime.memory import local, tensor_bytes
 log = logging.getLogger(__name__)
 
 
-def _host_empty_like(t: torch.Tensor) -> torch.Tensor:
+def _host_empty_like(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     pin = torch.accelerator.is_available()
-    return torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+    return torch.empty(t.shape, dtype=dtype, device="cpu", pin_memory=pin)
 
 
 @dataclass
@@ -51,6 +52,9 @@ class _Unit:
     names: list[str]
     params: list[nn.Parameter] = field(default_factory=list)  # device parameters (DTensors)
     masters: list[torch.Tensor] = field(default_factory=list)  # fp32 host shards; .grad = host gradient
+    # the masters cast to the device parameters' dtype, where it is not fp32: a non-blocking copy overlaps only
+    # from pinned memory of the target's dtype (from fp32, torch first converts into a pageable temporary)
+    staged: list[torch.Tensor | None] = field(default_factory=list)
     filled: list[bool] = field(default_factory=list)  # host gradient holds this step's gradient
     optimizer: torch.optim.Optimizer | None = None
     pending: Future | None = None
@@ -99,6 +103,7 @@ class HostOffload:
                 self._by_param[id(p)] = (u, len(u.params))
                 u.params.append(p)
                 u.masters.append(master)
+                u.staged.append(_host_empty_like(master, p.dtype) if p.dtype != torch.float32 else None)
                 u.filled.append(False)
                 p.register_post_accumulate_grad_hook(self._grad_ready)
             u.optimizer = make_optimizer(u.masters)
@@ -161,8 +166,9 @@ class HostOffload:
             u.optimizer.step()
             for m, g in idle:
                 m.grad = g
-            for p, m in zip(u.params, u.masters):
-                local(p).copy_(m, non_blocking=m.is_pinned())
+            for p, m, staged in zip(u.params, u.masters, u.staged):
+                src = m if staged is None else staged.copy_(m)
+                local(p).copy_(src, non_blocking=src.is_pinned())
         u.filled = [False] * len(u.filled)
 
     def _wait(self, u: _Unit) -> None:
@@ -177,12 +183,14 @@ class HostOffload:
 
     # -- accounting and checkpoints --
     def memory(self) -> dict[str, int]:
-        """MemoryTracker source: masters + states are host optimizer bytes, gradient buffers host gradients."""
+        """MemoryTracker source: masters + states are host optimizer bytes, gradient buffers host gradients, the
+        staged copies host buffers."""
         masters = [m for u in self.units for m in u.masters]
         states = [v for u in self.units for s in u.optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor)]
         return {"host.optimizer": tensor_bytes(masters) + tensor_bytes(states),
-                "host.gradients": tensor_bytes(m.grad for m in masters)}
+                "host.gradients": tensor_bytes(m.grad for m in masters),
+                "host.buffers": tensor_bytes(t for u in self.units for t in u.staged if t is not None)}
 
     def named_masters(self) -> list[tuple[str, nn.Parameter, torch.Tensor, torch.optim.Optimizer]]:
         """(name, device parameter, master, its optimizer) for checkpoints."""
