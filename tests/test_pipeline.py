@@ -277,7 +277,7 @@ def test_a_stage_posts_its_sends_in_one_batch_with_its_next_receive(monkeypatch)
 
 
 def test_bpipe_partner_receives_evicted_activations_into_device_memory(monkeypatch):
-    """The heavy stage sends a device buffer; the partner must receive on its device (one backend for both)."""
+    """The heavy stage sends device buffers; the partner must receive on its device (one backend for both)."""
     from types import SimpleNamespace
 
     import snugfit.runtime.schedules as schedules
@@ -294,9 +294,33 @@ def test_bpipe_partner_receives_evicted_activations_into_device_memory(monkeypat
     store = schedules.PartnerStore(comms, None, heavy=0, moves=[("EVICT", 0)], acts=acts,
                                    device=torch.device("meta"))
     store.accept(0)
-    header, payload = received
-    assert header.device.type == "cpu" and payload.device.type == "meta" and payload.numel() == 7
-    assert accepted[(0, 0)] is payload
+    count, sizes, *parts = received  # 7 storages of 7 bytes, one message each
+    assert count.device.type == sizes.device.type == "cpu" and sizes.tolist() == [7] * 7
+    assert len(parts) == 7 and all(p.device.type == "meta" and p.numel() == 7 for p in parts)
+    assert accepted[(0, 0)].device.type == "meta" and accepted[(0, 0)].numel() == 49
+
+
+def test_eviction_sends_the_saved_storages_themselves_and_frees_them_once_sent():
+    """No concatenated copy (it would briefly double the microbatch on the heavy stage): the tensors to send are
+    the saved storages; freeing empties every alias; load re-allocates them for the bytes to come back."""
+    from snugfit.runtime.activations import StageActivations
+
+    lin = torch.nn.Linear(8, 8)
+    acts = StageActivations([lin])
+    x = torch.randn(4, 8, requires_grad=True)
+    with acts.microbatch("mb"):
+        y = torch.tanh(lin(x * 2))
+    saved = acts._storages("mb")
+    views = acts.evict("mb")
+    assert sorted(v.data_ptr() for v in views) == sorted(s.data_ptr() for s in saved)
+    kept = [v.clone() for v in views]  # what the partner would hold
+    StageActivations.free(views)
+    assert all(s.nbytes() == 0 for s in saved)
+    for view, data in zip(acts.load("mb"), kept):
+        view.copy_(data)  # as the receive does
+    y.sum().backward()
+    reference = torch.autograd.grad(torch.tanh(lin(x.detach().requires_grad_() * 2)).sum(), lin.weight)[0]
+    torch.testing.assert_close(lin.weight.grad, reference)
 
 
 def _bf16_stages(env) -> dict:

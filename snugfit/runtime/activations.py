@@ -222,11 +222,10 @@ class StageActivations:
     Tensors saved under an inner policy (recompute, offload) are that policy's
     business and not seen here, except the block inputs recompute keeps.
 
-    `evict(key)` copies a microbatch's storages into one flat byte buffer and
-    frees them in place (`storage.resize_(0)`, as FSDP does), so every alias --
-    autograd's saved tensors, the stage input kept for its gradient -- is
-    emptied at once without unpacking anything; `load(key, flat)` refills them
-    before backward. A partner stage holds evicted buffers via `accept`/`release`.
+    `evict(key)` hands out a microbatch's storages as they are, to be sent and
+    then freed in place (`free`), without unpacking anything; `load(key)`
+    re-allocates them for the bytes to come back before backward. A partner
+    stage holds evicted buffers via `accept`/`release`.
     """
 
     def __init__(self, modules: list[nn.Module]):
@@ -317,30 +316,35 @@ class StageActivations:
             found = [e[3]() for e in self._entries.values() if e[0] == key]
         return [s for s in found if s is not None]
 
-    def evict(self, key) -> torch.Tensor:
-        """Free this microbatch's saved storages here; return their bytes as one buffer to send away."""
-        storages = self._storages(key)
-        flat = torch.cat([_bytes_of(s) for s in storages]) if storages else torch.empty(0, dtype=torch.uint8)
-        for s in storages:
-            s.resize_(0)
-        self._evicted[key] = flat.numel()
+    def evict(self, key) -> list[torch.Tensor]:
+        """This microbatch's saved storages as byte tensors to send away, no copy made (a concatenated buffer
+        would briefly double the microbatch). Counted as gone from here; `free` them once sent."""
+        views = [_bytes_of(s) for s in self._storages(key)]
+        self._evicted[key] = sum(v.numel() for v in views)
         self.evictions += 1
-        return flat
+        return views
 
-    def load(self, key, flat: torch.Tensor) -> None:
-        """Refill the storages `evict(key)` emptied, in the same order."""
-        offset = 0
+    @staticmethod
+    def free(views: list[torch.Tensor]) -> None:
+        """Empty the sent storages in place (`storage.resize_(0)`, as FSDP does): every alias -- autograd's saved
+        tensors, the stage input kept for its gradient -- at once."""
+        for v in views:
+            v.untyped_storage().resize_(0)
+
+    def load(self, key) -> list[torch.Tensor]:
+        """Re-allocate the storages `evict(key)` emptied, in the same order; returns them as byte tensors for
+        the caller to receive into."""
         self._evicted.pop(key)
         with self._lock:
             entries = [e for e in self._entries.values() if e[0] == key]
+        views = []
         for e in entries:
             storage = e[3]()
-            if storage is None:
-                continue
-            storage.resize_(e[1])
-            _bytes_of(storage).copy_(flat[offset : offset + e[1]])
-            offset += e[1]
+            if storage is not None:
+                storage.resize_(e[1])
+                views.append(_bytes_of(storage))
         self._fold()
+        return views
 
     def accept(self, key, flat: torch.Tensor) -> None:
         with self._lock:

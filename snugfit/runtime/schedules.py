@@ -181,6 +181,7 @@ class PartnerStore(threading.Thread):
         self.comms, self.group, self.heavy, self.moves, self.acts = comms, group, heavy, moves, acts
         self.device = device  # accepted activations live in this stage's device memory, as the plan counts them
         self.backward_done = {mb: threading.Event() for op, mb in moves}
+        self.sizes: dict[int, list[int]] = {}  # bytes of each storage of an accepted microbatch, in order
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -191,20 +192,27 @@ class PartnerStore(threading.Thread):
             self.error = err
 
     def accept(self, mb: int) -> None:
-        header = self.comms.recv(torch.empty(1, dtype=torch.int64), self.heavy, _HEADER + mb,
-                                 f"accept mb {mb} header from stage {self.heavy}", self.group)
-        # on the device: the heavy stage sends a device buffer, and under cuda:nccl,cpu:gloo a host buffer here
-        # would be served by the other backend, never meeting it
-        flat = torch.empty(int(header.item()), dtype=torch.uint8, device=self.device)
-        self.comms.recv(flat, self.heavy, _PAYLOAD + mb, f"accept mb {mb} from stage {self.heavy}", self.group)
+        """Receive the heavy stage's storages, one message each, into slices of one buffer (they leave there as
+        they are, without a concatenated copy)."""
+        count = self.comms.recv(torch.empty(1, dtype=torch.int64), self.heavy, _HEADER + mb,
+                                f"accept mb {mb} header from stage {self.heavy}", self.group)
+        sizes = self.comms.recv(torch.empty(int(count.item()), dtype=torch.int64), self.heavy, _HEADER + mb,
+                                f"accept mb {mb} sizes from stage {self.heavy}", self.group)
+        self.sizes[mb] = sizes.tolist()
+        # on the device: the heavy stage sends device buffers, and under cuda:nccl,cpu:gloo a host buffer here
+        # would be served by the other backend, never meeting them
+        flat = torch.empty(sum(self.sizes[mb]), dtype=torch.uint8, device=self.device)
+        for part in flat.split(self.sizes[mb]):
+            self.comms.recv(part, self.heavy, _PAYLOAD + mb, f"accept mb {mb} from stage {self.heavy}", self.group)
         self.acts.accept((self.heavy, mb), flat)
 
     def give_back(self, mb: int) -> None:
         if not self.backward_done[mb].wait(self.comms.timeout_s):
             raise self.comms.fail(f"holding mb {mb} for stage {self.heavy}: own backward never came")
         flat = self.acts.release((self.heavy, mb))
-        work = dist.isend(flat, dst=self.comms.ranks[self.heavy], group=self.group, tag=_RETURN + mb)
-        self.comms.wait(work, f"return mb {mb} to stage {self.heavy}")
+        for part in flat.split(self.sizes.pop(mb)):
+            work = dist.isend(part, dst=self.comms.ranks[self.heavy], group=self.group, tag=_RETURN + mb)
+            self.comms.wait(work, f"return mb {mb} to stage {self.heavy}")
 
     def finish(self) -> None:
         self.join(self.comms.timeout_s)
@@ -237,7 +245,7 @@ class BPipeSchedule:
 
     def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Forward and backward of every microbatch; returns the per-microbatch losses (last stage)."""
-        self.inputs, self.outputs, self.losses, self.nbytes = {}, {}, [], {}
+        self.inputs, self.outputs, self.losses = {}, {}, []
         self.evict_sends: list[tuple[object, torch.Tensor, int]] = []
         self.store = None
         if self.partner_moves:
@@ -288,25 +296,27 @@ class BPipeSchedule:
 
     # -- heavy stage: evict to the partner and load back --
     def evict(self, mb: int, micro) -> None:
-        """Ship a microbatch's saved activations to the partner; the send overlaps the following steps."""
+        """Ship a microbatch's saved storages to the partner, one message each; the sends overlap the following
+        steps, and the storages are freed when they finish."""
         self.comms.finish_sends()  # a pending send_forward may share storage with what is about to be freed
-        flat = self.acts.evict((self.comms.stage, mb))
-        self.nbytes[mb] = flat.numel()
-        header = torch.tensor([flat.numel()])
-        for t, tag in ((header, _HEADER + mb), (flat, _PAYLOAD + mb)):
+        views = self.acts.evict((self.comms.stage, mb))
+        sizes = torch.tensor([v.numel() for v in views], dtype=torch.int64)
+        for t, tag in ((torch.tensor([len(views)]), _HEADER + mb), (sizes, _HEADER + mb),
+                       *((v, _PAYLOAD + mb) for v in views)):
             work = dist.isend(t, dst=self.comms.ranks[self.partner], group=self.evict_group, tag=tag)
             self.evict_sends.append((work, t, mb))
-        self.acts.add_in_flight(flat.numel())
+        self.acts.add_in_flight(int(sizes.sum()))
 
     def load(self, mb: int, micro) -> None:
         self.finish_evict_sends()  # room made for this microbatch must be gone before it lands
-        flat = torch.empty(self.nbytes[mb], dtype=torch.uint8, device=self.hidden.device)
-        self.comms.recv(flat, self.partner, _RETURN + mb, f"load mb {mb} from stage {self.partner}", self.evict_group)
-        self.acts.load((self.comms.stage, mb), flat)
+        for view in self.acts.load((self.comms.stage, mb)):  # received straight into the re-allocated storages
+            self.comms.recv(view, self.partner, _RETURN + mb, f"load mb {mb} from stage {self.partner}",
+                            self.evict_group)
 
     def finish_evict_sends(self) -> None:
         for work, t, mb in self.evict_sends:
             self.comms.wait(work, f"evict mb {mb} to stage {self.partner}")
             if t.dtype == torch.uint8:
+                self.acts.free([t])
                 self.acts.add_in_flight(-t.numel())
         self.evict_sends.clear()
