@@ -4,7 +4,9 @@ rank 0 writes metrics.jsonl. Node 0 starts first, so its launcher holds the rend
 
 - their losses equal a one-node, 2-rank run's, bit for bit;
 - a node that dies (its launcher's process group killed) makes the other exit within timeout_s with one line
-  naming what went, and leaves no process of the run behind, whichever of the two it was.
+  naming what went, and leaves no process of the run behind, whichever of the two it was;
+- with --max-restarts 1 on both, a killed rank restarts the pair, which resumes from the last checkpoint and
+  ends bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from snugfit.train.export import load_checkpoint_model
 from snugfit.train.metrics import read_metrics
 from tests.distributed import free_port, rank_pid, run_pids
 
@@ -63,9 +67,21 @@ def _finish(*procs: subprocess.Popen) -> list[str]:
     return outs
 
 
+def _kill(nodes: list[subprocess.Popen]) -> None:
+    """What a failed test leaves running: each launcher's ranks die with it."""
+    for node in nodes:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+
+
 def _losses(out: Path) -> dict[int, float]:
     """Each step's loss; a step run again after a restart counts with its last value."""
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint_model(out / "checkpoints" / f"step_{STEPS:08d}").state_dict()
 
 
 def _parent(pid: int) -> int:
@@ -73,17 +89,25 @@ def _parent(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory) -> Path:
-    """An uninterrupted one-node, 2-rank run: the reference."""
+def one_node(tmp_path_factory):
+    """The reference, an uninterrupted one-node 2-rank run: started at once, beside the first test's own
+    launchers; calling the fixture's value waits for it and returns its out dir."""
     out = tmp_path_factory.mktemp("one_node")
-    _finish(_train(out, "--nproc", "2"))
-    assert sorted(_losses(out)) == list(range(1, STEPS + 1))
-    return out
+    proc = _train(out, "--nproc", "2")
+
+    def finished() -> Path:
+        if proc.returncode is None:
+            _finish(proc)
+            assert sorted(_losses(out)) == list(range(1, STEPS + 1))
+        return out
+
+    yield finished
+    _kill([proc])
 
 
 def test_two_launchers_match_one_node_with_two_ranks(tmp_path, one_node):
     _finish(*_pair(tmp_path))
-    assert _losses(tmp_path) == _losses(one_node)  # bit-identical: same ranks, same data, same reductions
+    assert _losses(tmp_path) == _losses(one_node())  # bit-identical: same ranks, same data, same reductions
 
 
 @pytest.mark.parametrize("dead", [0, 1], ids=["store-holder-dies", "other-node-dies"])
@@ -102,9 +126,7 @@ def test_a_dead_node_stops_the_other_with_one_line(tmp_path, dead):
         _, err = nodes[1 - dead].communicate(timeout=TIMEOUT_S + 60)
         took = time.monotonic() - killed_at
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+        _kill(nodes)
     assert nodes[1 - dead].returncode not in (0, None)
     assert took < TIMEOUT_S + 20, took
     assert "Traceback" not in err, err[-3000:]
@@ -119,3 +141,24 @@ def test_a_dead_node_stops_the_other_with_one_line(tmp_path, dead):
         time.sleep(0.2)
     assert run_pids(tmp_path) == []  # both launchers and both ranks are gone
 
+
+def test_a_killed_rank_restarts_both_nodes_and_resumes(tmp_path, one_node):
+    nodes = _pair(tmp_path, "--max-restarts", "1")
+    first = tmp_path / "checkpoints" / "step_00000008"
+    deadline = time.monotonic() + 120
+    while not first.exists() and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
+        time.sleep(0.05)
+    assert first.exists(), "the pair never reached its first checkpoint"
+    pid = rank_pid(tmp_path, 1)
+    assert pid is not None, "rank 1 not found"
+    os.kill(pid, signal.SIGKILL)
+    try:
+        logs = "".join(_finish(*nodes))
+    finally:
+        _kill(nodes)
+    assert "resuming at step" in logs, logs[-3000:]  # the restarted ranks resumed, not started again from 0
+    assert _losses(tmp_path) == _losses(one_node())
+    want, got = _final_weights(one_node()), _final_weights(tmp_path)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 log = logging.getLogger("snugfit")
+ROUND_ENV = "SNUGFIT_RDZV_ROUND"  # a multi-node launch's rendezvous round, counted by runtime/launch.py
 
 
 @dataclass
@@ -73,6 +74,15 @@ def disable_p2p_without_peer_access(devices: int, can_access: Callable[[int, int
     return True
 
 
+def launch_attempt() -> int:
+    """Which start of the launched ranks this is, 0 for the first; the same on every rank, every node.
+    On one node torchrun's restart count; across nodes the rendezvous round (runtime/launch.py), since a
+    node restarting for another's failure does not count a restart."""
+    if ROUND_ENV in os.environ:
+        return int(os.environ[ROUND_ENV]) - 1
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def init_distributed(timeout_s: float = 300.0) -> DistEnv:
     """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU).
 
@@ -93,8 +103,7 @@ def init_distributed(timeout_s: float = 300.0) -> DistEnv:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
         # torchrun's agent store outlives a restart and still holds the dead attempt's addresses,
         # which gloo would try to connect to; keep each attempt's keys apart.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"snugfit/attempt_{attempt}", store)
+        store = dist.PrefixStore(f"snugfit/attempt_{launch_attempt()}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=None if device.type == "cpu" else device)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)

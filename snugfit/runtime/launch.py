@@ -17,10 +17,19 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.run import parse_args, run
 
 from snugfit.errors import SnugfitError
+from snugfit.runtime.dist import ROUND_ENV
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,57 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+BACKEND = "snugfit-c10d"  # torchrun's --rdzv-backend for RoundNamingRendezvous
+
+
+class RoundNamingRendezvous(RendezvousHandler):
+    """torchrun's c10d rendezvous, which also numbers its rounds for the ranks it starts ($SNUGFIT_RDZV_ROUND:
+    1, 2, ... over the rendezvous store's life).
+
+    The ranks use it as the launch attempt (runtime/dist.launch_attempt): to keep each round's process-group
+    keys apart in the job's store, which outlives the round, and to resume after a restart.
+    TORCHELASTIC_RESTART_COUNT cannot do it across nodes: a node restarting because another's rank failed
+    (a membership change) does not count a restart, so its ranks would read the dead round's addresses and
+    start from step 0 while the others resume.
+    """
+
+    def __init__(self, params: RendezvousParameters):
+        backend, self.store = create_backend(params)
+        self.inner = create_handler(self.store, backend, params)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = self.inner.next_rendezvous()
+        if info.rank == 0:  # one node per round counts it; info.store's keys are this round's own
+            info.store.set("snugfit/round", str(self.store.add("snugfit/rounds", 1)))
+        os.environ[ROUND_ENV] = info.store.get("snugfit/round").decode()  # the ranks inherit the launcher's
+        return info
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self.inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()
+
+
+rendezvous_handler_registry.register(BACKEND, RoundNamingRendezvous)
+
+
 def torchrun_args(
     argv: list[str],
     nproc: int,
@@ -57,7 +117,7 @@ def torchrun_args(
         raise SnugfitError("a multi-node launch needs --rdzv-endpoint HOST:PORT (the same on every node)")
     args = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
     if rdzv_endpoint:
-        args += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        args += [f"--node-rank={node_rank}", f"--rdzv-backend={BACKEND}", f"--rdzv-endpoint={rdzv_endpoint}"]
     else:
         args.append("--standalone")  # one node: torchrun picks a free local port
     return [*args, "-m", "snugfit", *argv]

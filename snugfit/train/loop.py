@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
 import statistics
 import time
@@ -20,7 +19,7 @@ from snugfit.errors import SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.build import build_engine
-from snugfit.runtime.dist import DistEnv, init_distributed
+from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.runtime.launch import die_with_launcher
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
@@ -125,7 +124,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
     plan = resolve_plan(cfg, model.cfg, env)
 
     checkpoints = Checkpoints(out / "checkpoints", t.keep_checkpoints, env)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted the ranks
+    restarted = launch_attempt() > 0  # torchrun restarted the ranks
     resume_from = checkpoints.latest() if t.resume or restarted else None
     if t.resume and resume_from is None:
         raise SnugfitError(f"--resume: no checkpoint in {out / 'checkpoints'}; drop --resume to start a new run")
