@@ -42,13 +42,14 @@ from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU
 from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.reduce_memory import reduce_moments
 from snugfit.plan.simulate import SimResult
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile, nf4_bytes
 
 FRAGMENTATION = 0.05  # allocator slack on GPUs (caching allocator rounding, fragmentation)
 TRACKER_KEYS = {"parameters": "parameters", "frozen_parameters": "parameters", "comm_buffers": "buffers",
                 "gradients": "gradients", "optimizer_states": "optimizer", "master_weights": "optimizer",
-                "activations": "activations", "staging": "buffers"}
+                "activations": "activations", "staging": "buffers", "reduce_buffers": "buffers"}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -225,6 +226,18 @@ def _add(total: dict[str, int], part: dict[str, int]) -> None:
 
 
 @dataclass
+class Peak:
+    """What moves at a rank's busiest moment of the step, by category."""
+
+    activations: int
+    gradients: int
+    gathered: int  # FSDP2's unsharded parameter copies
+    reduce_buffers: int  # FSDP2's reduce-scatter inputs (and the head's unsharded gradient, between reduces)
+    working: int
+    piece: str  # the piece running (or being reduced)
+
+
+@dataclass
 class RankMemory:
     """One rank's prediction: categories at its device peak (plus 'host:*'), notes, and the tracker's view."""
 
@@ -274,29 +287,46 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         walks[(k, "B", True)] = stage_walk(sps, True)
         walks[(k, "tracked")] = tracked_walk(plan, sps)
     gathered = copies + 2 * max(zero3, default=0)
+    # FSDP2's gradient buffers in the backward that syncs (plan.reduce_memory): between reduces the last
+    # reduce-scatter input, and with one microbatch the head's unsharded gradient where it exceeds the shard
+    # the walk counts for it
+    moments = reduce_moments(plan, stages, {sp.piece.name: device_saved(sp) for sp in all_pieces})
+    sync_extra = max((m.reduce_input for m in moments if m.unit.startswith("block")), default=0)
+    if moments and plan.num_microbatches == 1:
+        sync_extra += sum(max(0, DTYPE_BYTES[plan.compute_dtype] * sp.n_trainable - shard_grads[sp.piece.name])
+                          for sp in all_pieces if sp.piece.name == "head")
     best_total, best, tracked_best, tracked_at = -1, None, -1, None
     grads_resident = False  # gradients exist from the rank's first backward on
+    last_backward_held = 0
     for snap in sim.snapshots[pp_rank]:
         ev = snap.event
         g = accum if grads_resident else 0
         walk = walks[(ev.stage, ev.kind, grads_resident)]
         held = sum(per_mb[s] for s, _ in snap.resident)
-        total = held + walk.saved + walk.working + g + gathered
+        syncing = sync_extra if ev.kind == "B" and ev.mb == plan.num_microbatches - 1 else 0
+        total = held + walk.saved + walk.working + g + gathered + syncing
         if total > best_total:
-            best_total, best = total, (held + walk.saved + window, walk, g)
+            best_total, best = total, Peak(held + walk.saved + window, g, gathered, syncing, walk.working, walk.piece)
         saved, copy = walks[(ev.stage, "tracked")]
         if held + saved + copies + copy + g > tracked_best:
             tracked_best, tracked_at = held + saved + copies + copy + g, (held + saved, copies + copy, g)
         grads_resident = grads_resident or ev.kind == "B"
-    held, walk, g = best
+        last_backward_held = held if ev.kind == "B" else last_backward_held
+    at_reduce = copies + max(zero3, default=0)  # the running zero-3 block is resharded, the next one prefetched
+    for m in moments:
+        total = last_backward_held + m.saved_before + m.gradients + m.reduce_input + at_reduce
+        if total > best_total:
+            best_total, best = total, Peak(last_backward_held + m.saved_before + window, m.gradients, at_reduce,
+                                           m.reduce_input, 0, m.unit)
     cats = dict(static)
     notes: list[str] = []
     if reduced >= best_total + window:
         cats["gradients"] = reduced
         notes.append(f"rank {rank}: peak at the optimizer step")
     else:
-        cats.update(gradients=g, activations=held, comm_buffers=gathered)
-        cats["logits_loss" if walk.piece == "head" else "working"] = walk.working
+        cats.update(gradients=best.gradients, activations=best.activations, comm_buffers=best.gathered,
+                    reduce_buffers=best.reduce_buffers)
+        cats["logits_loss" if best.piece == "head" else "working"] = best.working
     if gpu.name != "cpu":
         cats["reserve"] = gpu.context_bytes + int(FRAGMENTATION * sum(cats.values()))
     cats = {k: v for k, v in cats.items() if v}

@@ -1,0 +1,75 @@
+"""Gradient bytes FSDP2 holds at each unit's reduce, in the backward that syncs gradients.
+
+Read from torch 2.13's FSDP2 (`FSDPParamGroup.post_backward`, `_fsdp_collectives.foreach_reduce`) and checked
+by a probe of the live tensors at every reduce-scatter copy-in (tests/test_reduce_memory.py). At the copy-in
+of a unit, the device holds:
+- the unit's unsharded gradients (the compute dtype; the reduce dtype when accumulated over microbatches) and
+  its reduce-scatter input (the reduce dtype, unsharded), both at once;
+- units reduced before: their gradient shards (fp32; nothing when the unit's optimizer or parameters are
+  offloaded, whose shards go to host);
+- units not reduced yet: their accumulated gradients (several microbatches), or, with one microbatch, what
+  their backward has already made. That is the root unit's head: its backward runs first but the root is
+  reduced last, after the embedding's, so the head's unsharded gradient lives through the whole backward.
+Between two copy-ins FSDP2 keeps the last reduce-scatter input alive (one buffer: its
+`reduce_scatter_max_input_buffers`), until the next unit's reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snugfit.plan.plan import Plan
+from snugfit.profile.types import DTYPE_BYTES
+
+
+@dataclass
+class ReduceMoment:
+    """The copy-in of one unit's reduce."""
+
+    unit: str  # its first piece's name ("block.3", or the root's "embed"/"head")
+    gradients: int  # gradient bytes on the device, unsharded and sharded
+    reduce_input: int  # the reduce-scatter input
+    saved_before: int  # this microbatch's activations of the pieces before the unit, still held
+
+
+def _units(stages: dict) -> list[list]:
+    """A rank's FSDP2 units in the order their reduces run: each stage from the last, its blocks from the last,
+    then its root pieces (embedding and head together)."""
+    out = []
+    for k in sorted(stages, reverse=True):
+        pieces = stages[k]
+        out += [[sp] for sp in reversed(pieces) if sp.is_block]
+        root = [sp for sp in pieces if not sp.is_block]
+        if root:
+            out.append(root)
+    return out
+
+
+def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[ReduceMoment]:
+    """The moments of a rank's syncing backward, in order (`stages`: memory.rank_stages; `saved`: each piece's
+    device-saved activation bytes by name). None when the model runs unwrapped (no FSDP2)."""
+    if plan.runs_unwrapped:
+        return []
+    compute, reduce = DTYPE_BYTES[plan.compute_dtype], DTYPE_BYTES[plan.reduce_dtype]
+    accumulated = plan.num_microbatches > 1
+    units = _units(stages)
+    trainable = [sum(sp.n_trainable for sp in u) for u in units]
+    made_first = [sum(sp.n_trainable for sp in u if sp.piece.name == "head") for u in units]  # before the blocks
+
+    def shard(i: int) -> int:
+        d = units[i][0].decision
+        if d.offload_optimizer or d.offload_params:
+            return 0
+        return -(-4 * trainable[i] // (plan.dp if d.zero >= 1 else 1))
+
+    order = [sp.piece.name for k in sorted(stages) for sp in stages[k]]
+    out = []
+    for i, unit in enumerate(units):
+        pending = sum(reduce * trainable[j] if accumulated else compute * made_first[j]
+                      for j in range(i + 1, len(units)))
+        own = (reduce if accumulated else compute) * trainable[i]
+        first = order.index(unit[0].piece.name)
+        before = 0 if not unit[0].is_block else sum(saved[n] for n in order[:first])
+        out.append(ReduceMoment(unit[0].piece.name, sum(shard(j) for j in range(i)) + pending + own,
+                                reduce * trainable[i], before))
+    return out
