@@ -31,7 +31,7 @@ def test_links_follow_the_topology():
     cl = parse_cluster("2x8xH100-80GB")
     assert cl.nodes[0].intra.name == "nvlink4" and cl.inter.name == "ib-ndr"
     assert cl.link_for([0, 7]).name == "nvlink4" and cl.link_for([7, 8]).name == "ib-ndr"
-    assert parse_cluster("4xRTX4090").nodes[0].intra.name == "pcie4"
+    assert parse_cluster("4xRTX4090").nodes[0].intra.name == "pcie4-host"  # no peer-to-peer on GeForce Ada
     mixed = parse_cluster("2xRTX4090+2xRTX3090")
     assert mixed.gpu_of(1).name == "RTX4090" and mixed.gpu_of(2).name == "RTX3090"
 
@@ -127,6 +127,22 @@ def test_gpus_without_peer_access_disable_nccl_p2p(monkeypatch):
     assert os.environ["NCCL_P2P_DISABLE"] == "1"
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")  # the user's own setting wins
     assert not disable_p2p_without_peer_access(2, lambda a, b: False)
+
+
+def test_gpus_without_peer_access_talk_through_host_memory_in_the_cluster_model(tmp_path):
+    """So the time model charges what NCCL does with NCCL_P2P_DISABLE=1: each byte crosses PCIe twice."""
+    consumer, workstation = parse_cluster("2xRTX4090").nodes[0], parse_cluster("2xRTX-A6000").nodes[0]
+    assert consumer.intra.name == "pcie4-host" and workstation.intra.name == "pcie4"
+    assert consumer.intra.gbps == workstation.intra.gbps / 2
+    assert consumer.pcie.name == "pcie4"  # offload traffic still goes straight to host
+    path = tmp_path / "gaming.toml"
+    path.write_text(parse_cluster("2xRTX4090").to_toml())
+    assert parse_cluster(str(path)).nodes[0].intra.name == "pcie4-host"
+    custom = tmp_path / "custom.toml"
+    custom.write_text('[[gpu]]\nname = "X"\nmemory_gib = 24\ntflops = { bfloat16 = 100 }\nhbm_gbps = 900\n'
+                      'pcie_gen = 4\np2p = false\n\n[[node]]\ngpu = "X"\ncount = 2\n')
+    cl = parse_cluster(str(custom))
+    assert cl.nodes[0].intra.name == "pcie4-host" and "p2p = false" in cl.to_toml()
 
 
 def test_a_cluster_file_defines_gpus_and_host_the_catalogue_lacks(tmp_path):

@@ -126,7 +126,7 @@ def test_mixed_cluster_gives_faster_gpus_more_blocks_and_like_dp_groups():
     res = search(MODELS["mid"], cluster, global_batch=8, constraints=Constraints(pp=4, schedule="1f1b"))
     blocks = res.best.stage_blocks
     assert blocks[0] + blocks[1] > blocks[2] + blocks[3]  # the 4090s compute faster
-    res = search(MODELS["mid"], cluster, global_batch=8, constraints=Constraints(pp=2))
+    res = search(MODELS["mid"], cluster, global_batch=8, constraints=Constraints(pp=2, tp=1))
     assert res.best.dp == 2  # dp groups {0,1} and {2,3}: like devices
     with pytest.raises(NoPlanError):  # a dp group of 4 would mix 4090s and 3090s
         search(MODELS["mid"], cluster, global_batch=8, constraints=Constraints(dp=4))

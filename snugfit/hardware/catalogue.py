@@ -30,6 +30,9 @@ class GPU:
     pcie_gen: int
     nvlink: str | None = None  # intra-node link when the card is an SXM part
     inter: str = "eth-25g"  # default link between nodes of this kind
+    # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
+    # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
+    p2p: bool = True
     matmul_efficiency: float = 0.6
     mem_efficiency: float = 0.75
     context_bytes: int = GiB // 2  # CUDA context + library workspaces, outside the allocator
@@ -77,9 +80,9 @@ class Host:
     thread_slowdown: float | None = None
 
 
-def _gpu(name, mem_gb, fp32, tf32, bf16, fp16, hbm, pcie, nvlink=None, inter="eth-25g") -> GPU:
+def _gpu(name, mem_gb, fp32, tf32, bf16, fp16, hbm, pcie, nvlink=None, inter="eth-25g", p2p=True) -> GPU:
     tflops = {"float32": fp32, "tf32": tf32, "bfloat16": bf16, "float16": fp16}
-    return GPU(name, int(mem_gb * GiB), {k: v for k, v in tflops.items() if v}, hbm, pcie, nvlink, inter)
+    return GPU(name, int(mem_gb * GiB), {k: v for k, v in tflops.items() if v}, hbm, pcie, nvlink, inter, p2p=p2p)
 
 
 GPUS: dict[str, GPU] = {g.name: g for g in [
@@ -93,8 +96,10 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     _gpu("A100-80GB-PCIe", 80, 19.5, 156, 312, 312, 1935, 4, None, "ib-hdr"),
     _gpu("A100-80GB-SXM", 80, 19.5, 156, 312, 312, 2039, 4, "nvlink3", "ib-hdr"),
     _gpu("RTX3090", 24, 35.6, 35.6, 71, 71, 936, 4),
-    _gpu("RTX4090", 24, 82.6, 82.6, 165, 165, 1008, 4),
-    _gpu("RTX5090", 32, 104.8, 104.8, 209.5, 209.5, 1792, 5),
+    # GeForce Ada and Blackwell cards: the driver offers no PCIe peer-to-peer between them
+    # (torch.cuda.can_device_access_peer is False; NCCL hangs unless NCCL_P2P_DISABLE=1)
+    _gpu("RTX4090", 24, 82.6, 82.6, 165, 165, 1008, 4, p2p=False),
+    _gpu("RTX5090", 32, 104.8, 104.8, 209.5, 209.5, 1792, 5, p2p=False),
     _gpu("H100-PCIe", 80, 51, 378, 756, 756, 2000, 5, None, "ib-ndr"),
     _gpu("H100-SXM", 80, 67, 495, 989, 989, 3350, 5, "nvlink4", "ib-ndr"),
     _gpu("H200", 141, 67, 495, 989, 989, 4800, 5, "nvlink4", "ib-ndr"),
@@ -111,7 +116,7 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     # bridges join pairs only, so GPUs of a node talk over PCIe
     _gpu("H100-NVL", 94, 60, 417, 835, 835, 3900, 5, None, "ib-ndr"),
     # NVIDIA Ada whitepaper (RTX 4080) and Ampere GA102 whitepaper (RTX 3080): fp16/bf16 tensor, fp32 accumulate
-    _gpu("RTX4080", 16, 48.7, 48.7, 97.5, 97.5, 717, 4),
+    _gpu("RTX4080", 16, 48.7, 48.7, 97.5, 97.5, 717, 4, p2p=False),
     _gpu("RTX3080", 10, 29.8, 29.8, 59.5, 59.5, 760, 4),
     # AMD Instinct MI300X datasheet (2023): 192 GB HBM3, 5.3 TB/s, 163.4 fp32, 653.7 tf32, 1307.4 bf16/fp16
     _gpu("MI300X", 192, 163.4, 653.7, 1307.4, 1307.4, 5300, 5, "xgmi-mi300x", "ib-ndr"),
@@ -130,6 +135,10 @@ LINKS: dict[str, Link] = {lk.name: lk for lk in [
     Link("pcie3", 12.0, 5e-6),
     Link("pcie4", 24.0, 5e-6),
     Link("pcie5", 48.0, 5e-6),
+    # GPU to GPU through host memory (no peer-to-peer): each byte crosses PCIe twice, through a host bounce buffer
+    Link("pcie3-host", 6.0, 10e-6),
+    Link("pcie4-host", 12.0, 10e-6),
+    Link("pcie5-host", 24.0, 10e-6),
     Link("nvlink2", 150.0, 3e-6),
     Link("nvlink3", 300.0, 3e-6),
     Link("nvlink4", 450.0, 3e-6),

@@ -62,7 +62,8 @@ class Cluster:
             lines += ["[[gpu]]", f'name = "{gpu.name}"', f"memory_gib = {gpu.memory_bytes / 2**30:g}",
                       f"tflops = {{ {tflops} }}", f"hbm_gbps = {gpu.hbm_gbps:g}", f"pcie_gen = {gpu.pcie_gen}",
                       f"matmul_efficiency = {gpu.matmul_efficiency:g}", f"mem_efficiency = {gpu.mem_efficiency:g}",
-                      *([f'nvlink = "{gpu.nvlink}"'] if gpu.nvlink else []), ""]
+                      *([f'nvlink = "{gpu.nvlink}"'] if gpu.nvlink else []),
+                      *(["p2p = false"] if not gpu.p2p else []), ""]
         for n in self.nodes:
             lines += ["[[node]]", f'gpu = "{n.gpu.name}"', f"count = {n.count}", f'intra = "{n.intra.name}"',
                       f'pcie = "{n.pcie.name}"', f"host_ram_gib = {n.host.ram_bytes / 2**30:g}",
@@ -83,7 +84,7 @@ def make_node(gpu_name: str, count: int, intra: str | None = None, pcie: str | N
         intra = intra or "gloo-loopback"
         pcie_link = Link("host-memory", gpu.hbm_gbps, 0.0)  # offload on a CPU "device" is a memcpy
         return Node(gpu, count, get_link(intra), get_link(pcie) if pcie else pcie_link, host)
-    intra = intra or gpu.nvlink or f"pcie{gpu.pcie_gen}"
+    intra = intra or gpu.nvlink or f"pcie{gpu.pcie_gen}" + ("" if gpu.p2p else "-host")
     return Node(gpu, count, get_link(intra), get_link(pcie or f"pcie{gpu.pcie_gen}"), host or Host())
 
 
@@ -108,8 +109,8 @@ def parse_cluster(spec: str, inter: str | None = None) -> Cluster:
 def load_cluster_toml(path: str | Path) -> Cluster:
     """TOML: top-level `inter`; [host] (ram_gib, cores, adam_params_per_s) for every node; [[gpu]] tables defining
     GPUs the catalogue lacks (name, memory_gib, tflops = {float32 = .., bfloat16 = ..}, hbm_gbps, pcie_gen, and
-    optionally nvlink, matmul_efficiency, mem_efficiency); then [[node]] tables with gpu, count and optional intra,
-    pcie, host_ram_gib, host_adam_params_per_s."""
+    optionally nvlink, p2p = false for cards without PCIe peer access, matmul_efficiency, mem_efficiency); then
+    [[node]] tables with gpu, count and optional intra, pcie, host_ram_gib, host_adam_params_per_s."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -144,7 +145,7 @@ def _gpu_table(t: dict, path) -> GPU:
         raise SnugfitError(f"cluster file {path}: a [[gpu]] table lacks {', '.join(missing)}; give name, memory_gib, "
                            "tflops = { float32 = .., bfloat16 = .. }, hbm_gbps and pcie_gen")
     gpu = GPU(str(t["name"]), int(float(t["memory_gib"]) * 2**30), {k: float(v) for k, v in t["tflops"].items()},
-              float(t["hbm_gbps"]), int(t["pcie_gen"]), t.get("nvlink") or None)
+              float(t["hbm_gbps"]), int(t["pcie_gen"]), t.get("nvlink") or None, p2p=bool(t.get("p2p", True)))
     for key in ("matmul_efficiency", "mem_efficiency"):
         if key in t:
             setattr(gpu, key, float(t[key]))
