@@ -68,6 +68,8 @@ TWO = {
     "tp2_recompute": (_plan(1, BlockPlan(activations="recompute"), m=2, tp=2), ""),
     "tp2_zero3": (_plan(1, BlockPlan(zero=3), m=2, tp=2), ""),
 }
+# a pipeline stage counts a saved DTensor by its local shard (its own untyped_storage() reports the global size)
+FOUR = {"tp2_pp2": (_plan(1, m=4, pp=2, tp=2, schedule="1f1b"), "")}
 
 
 @functools.cache
@@ -110,6 +112,10 @@ def test_tracked_peak_matches_the_model_in_one_process():
 
 def test_tracked_peak_matches_the_model_per_rank_at_2_ranks():
     _check(run_ranks(tracked_peaks, 2, TWO), TWO)
+
+
+def test_tracked_peak_matches_the_model_per_rank_at_4_ranks():
+    _check(run_ranks(tracked_peaks, 4, FOUR), FOUR)
 
 
 def test_lora_profile_counts_trainable_parameters():

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from snugfit.model.recompute import recompute
+from snugfit.runtime.memory import local
 
 class _HostCopy:
     """One saved tensor in host memory; `fetch` starts the copy back, `get` waits for it."""
@@ -287,7 +288,7 @@ class StageActivations:
             with self._lock:
                 entry = self._entries.get(sid)
                 if entry is None:
-                    storage = t.untyped_storage()
+                    storage = local(t).untyped_storage()
                     entry = self._entries[sid] = [key, storage.nbytes(), 0, weakref.ref(storage)]
                 entry[2] += 1
             # Autograd holds the handle exactly as long as it needs the tensor; its death is the release.
@@ -367,8 +368,9 @@ class _Saved:
 
 
 def _storage_id(t: torch.Tensor) -> int:
-    """Identity of the storage behind t; stable while it is resized (unlike its data pointer)."""
-    return t.untyped_storage()._cdata
+    """Identity of the storage behind t (a DTensor's: its local shard's, the bytes this rank holds; its own
+    `untyped_storage()` reports the global size); stable while it is resized (unlike its data pointer)."""
+    return local(t).untyped_storage()._cdata
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
