@@ -68,7 +68,8 @@ def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate
             t = min(x.plan.predicted.step_time_s for x in members if x.fits)
             res.rejected.append(Rejection(fam, f"fits, but slower: {t:.3g} s/step vs {best_time:.3g}"))
             continue
-        least = min(members, key=need)
+        smallest = min(x.mbs for x in members)  # a larger micro-batch never needs less: the report names this one
+        least = min((x for x in members if x.mbs == smallest), key=need)
         least_bytes, _, option = need(least)
         if least_bytes > budget:
             reason = (f"needs {least_bytes / 2**30:.1f} GiB per GPU even with micro-batch {least.mbs} and every block "
