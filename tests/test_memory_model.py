@@ -131,6 +131,18 @@ def test_offload_moves_bytes_to_host():
     assert params["host:gradients"] > 0 and "host:master_weights" not in params
 
 
+def test_zero2_copies_are_freed_after_each_block_backward_and_reduce_buffers_held():
+    """FSDP2 reshards a zero 0-2 block after its backward, and holds the reduce-scatter input of the block just
+    reduced (fp32) and, with one microbatch, the head's unsharded gradient: with recomputation the peak is the
+    second block's backward of the backward that syncs, one block's copy already freed."""
+    prof, cl = synthetic_profile(saved=8 * MB), parse_cluster("8xA100-80GB")
+    m = estimate(_plan(dp=8, block=BlockPlan(zero=2, activations="recompute")), prof, cl).memory_by_rank[0]
+    copy = 10_000_000 * 2  # one block's bf16 gathered copy
+    root_copy = 2 * 1_000_000 * 2  # embed and head, zero 2: gathered too
+    assert m["comm_buffers"] == 7 * copy + root_copy  # 8 blocks, the last one's freed
+    assert m["reduce_buffers"] == 4 * 10_000_000 + (2 * 1_000_000 - 4 * 1_000_000 // 8)
+
+
 def test_recompute_policies_shrink_activations():
     prof, cl = synthetic_profile(saved=512 * MB), parse_cluster("A100-80GB")
     peaks = {pol: estimate(_plan(block=BlockPlan(activations=pol)), prof, cl).peak_memory_bytes

@@ -68,8 +68,8 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
                                                      else ", ".join(f"ranks {r}: {v:.2f}" for r, v in runs)))
     start = best.predicted.startup_bytes
     if start:
-        lines.append(f"  start-up peak: device {start['device'] / GIB:.2f} GiB per rank (its shards and one whole tensor), "
-                     f"host {start['host'] / GIB:.2f} GiB per node; no rank holds the whole model")
+        lines.append(f"  start-up peak: device {start['device'] / GIB:.2f} GiB per rank (its shards and one whole "
+                     f"tensor), host {start['host'] / GIB:.2f} GiB per node; no rank holds the whole model")
     phases = best.predicted.time_by_phase
     lines.append("  step time by phase (s): " + ", ".join(f"{k} {v:.3g}" for k, v in phases.items() if v))
     if res.alternatives:

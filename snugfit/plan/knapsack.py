@@ -97,16 +97,19 @@ class StageCosts:
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
         self._cache: dict[tuple, Cost] = {}
 
-    def sync_buffers(self, blk: PieceProfile, roots: list[PieceProfile], m: int, root: BlockPlan) -> float:
-        """What FSDP2 holds beyond the gradients the costs count, between the reduces of the backward that
-        syncs (as memory.rank_memory adds it): the last reduce-scatter input, and with one microbatch the head's
-        unsharded gradient where it exceeds its shard. None on one fp32 rank, which runs unwrapped (nearly
-        always)."""
+    def sync_buffers(self, blk: PieceProfile, roots: list[PieceProfile], m: int, root: BlockPlan,
+                     block: BlockPlan) -> float:
+        """What FSDP2 holds beyond the gradients the costs count during a block's backward, in the backward that
+        syncs (memory.sync_held): the reduce-scatter input of the block reduced before it, less that block's
+        gathered copy, freed after its backward (zero 0-2), and with one microbatch the head's unsharded gradient
+        where it exceeds its shard. None on one fp32 rank, which runs unwrapped (nearly always)."""
         if self.stub.world_size == 1 and self.dtype == "float32":
             return 0.0
         head = sum(p.num_trainable for p in roots if p.name == "head") if m == 1 else 0
         shard = 0 if root.offload_optimizer or root.offload_params else 4 / (self.dp if root.zero >= 1 else 1)
-        return DTYPE_BYTES[self.rdtype] * blk.num_trainable + head * max(0.0, DTYPE_BYTES[self.dtype] - shard)
+        freed = gathered_bytes(self.stub, StagePiece(blk, block, blk.num_params)) if block.zero < 3 else 0
+        return max(0.0, DTYPE_BYTES[self.rdtype] * blk.num_trainable - freed) + head * max(
+            0.0, DTYPE_BYTES[self.dtype] - shard)
 
     def root_reduce(self, roots: list[PieceProfile], m: int) -> float:
         """FSDP2's bytes at the root unit's reduce, the backward's last, beyond the held static bytes: the root's

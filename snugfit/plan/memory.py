@@ -8,10 +8,12 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
               to keep; their own category, frozen_parameters); /dp for zero >= 1 (FSDP2 shards at rest for zero 1-2 too: zero 1 runs
               as zero 2). offload_optimizer units keep trainable shards in c.
   comm_buffers the unsharded compute copies FSDP2 all-gathers (c per element): the root
-              unit and zero 0-2 blocks from forward through backward (zero 0 too: FSDP2
-              copies even on a one-rank shard group, though not frozen elements, which a
-              zero-0 unit leaves out of FSDP2); a zero-3 block while it runs, plus, in
-              backward, the one FSDP2 prefetches for the next backward.
+              unit from forward through backward, zero 0-2 blocks until their backward (FSDP2
+              reshards after it; zero 0 too: FSDP2 copies even on a one-rank shard group,
+              though not frozen elements, which a zero-0 unit leaves out of FSDP2); a zero-3
+              block while it runs, plus, in backward, the one FSDP2 prefetches for the next.
+  reduce_buffers in the backward that syncs, FSDP2's reduce-scatter inputs (g per element,
+              unsharded) and the head's unsharded gradient (plan.reduce_memory).
   gradients   accumulating (gradient sync off, microbatches after the first): unsharded,
               g per trainable element, whatever the ZeRO stage; after the reduction: the
               fp32 shard (/dp for zero >= 1), on host for offloaded units.
@@ -180,27 +182,51 @@ class Walk:
     saved: int  # this microbatch's activations of the stage's earlier pieces
     working: int  # the running piece's input/output and working memory
     piece: str  # which piece peaks
+    released: int = 0  # gathered copies FSDP2 has already resharded after their backward (zero 0-2 blocks)
+    buffers: int = 0  # FSDP2's gradient buffers held then, in the backward that syncs (plan.reduce_memory)
 
 
-def stage_walk(pieces: list[StagePiece], backward: bool, fresh_grads: list[int] | None = None) -> Walk:
+def stage_walk(pieces: list[StagePiece], backward: bool, fresh_grads: list[int] | None = None,
+               released: list[int] | None = None, held: list[int] | None = None) -> Walk:
     """The peak of a forward (or backward) pass through a stage's pieces.
 
     fresh_grads[i]: device gradient bytes piece i creates, counted for later pieces'
     backward when gradients are not yet resident (first microbatch without pipelining).
+    released[i]: the gathered copy piece i's backward frees (FSDP2 reshards after backward), gone for the
+    pieces before it. held[i]: FSDP2's buffers alive during piece i's backward.
     """
-    best = Walk(0, 0, pieces[0].piece.name)
+    best, best_total = Walk(0, 0, pieces[0].piece.name), 0
     before = 0
     for i, sp in enumerate(pieces):
         p, keep, kept = sp.piece, sp.piece.saved_bytes["keep"], device_saved(sp)
+        gone = extra = 0
         if backward:
             later = sum(fresh_grads[i + 1:]) if fresh_grads else 0
+            gone = sum(released[i + 1:]) if released else 0
+            extra = held[i] if held else 0
             working = keep + p.output_bytes + p.bwd_peak_bytes + later
         else:
             working = p.input_bytes + max(p.fwd_peak_bytes - (keep - kept), p.output_bytes + kept)
-        if before + working > best.saved + best.working:
-            best = Walk(before, working, p.name)
+        if before + working + extra - gone > best_total:
+            best, best_total = Walk(before, working, p.name, gone, extra), before + working + extra - gone
         before += kept
     return best
+
+
+def sync_held(plan: Plan, pieces: list[StagePiece], shard_grads: dict[str, int]) -> list[int]:
+    """FSDP2's buffers during each piece's backward in the backward that syncs (plan.reduce_memory): the
+    reduce-scatter input of the block reduced just before, and with one microbatch the head's unsharded
+    gradient where it exceeds the shard `fresh_grads` counts for it (the root is reduced last)."""
+    if plan.runs_unwrapped:
+        return [0] * len(pieces)
+    out = []
+    for i, sp in enumerate(pieces):
+        after = pieces[i + 1] if i + 1 < len(pieces) else None
+        rs = after.n_trainable * DTYPE_BYTES[plan.reduce_dtype] if after is not None and after.is_block else 0
+        head = sum(max(0, DTYPE_BYTES[plan.compute_dtype] * h.n_trainable - shard_grads[h.piece.name])
+                   for h in pieces[i + 1:] if h.piece.name == "head") if plan.num_microbatches == 1 else 0
+        out.append(rs + head)
+    return out
 
 
 def tracked_walk(plan: Plan, pieces: list[StagePiece]) -> tuple[int, int]:
@@ -280,40 +306,42 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         partner = rank_stages(plan, prof, plan.pp - 1 - pp_rank)
         per_mb.update({k: sum(device_saved(sp) for sp in sps) for k, sps in partner.items()})
 
+    # what each piece's backward frees for the pieces before it: a zero 0-2 block's gathered copy
+    copy_of = {sp.piece.name: gathered_bytes(plan, sp) if sp.is_block and sp.decision.zero < 3 else 0
+               for sp in all_pieces}
     walks = {}
     for k, sps in stages.items():
+        released, held_sync = [copy_of[sp.piece.name] for sp in sps], sync_held(plan, sps, shard_grads)
         walks[(k, "F", False)] = walks[(k, "F", True)] = stage_walk(sps, False)
-        walks[(k, "B", False)] = stage_walk(sps, True, [fresh[sp.piece.name] for sp in sps])
-        walks[(k, "B", True)] = stage_walk(sps, True)
+        walks[(k, "B", False)] = stage_walk(sps, True, [fresh[sp.piece.name] for sp in sps], released)
+        walks[(k, "B", True)] = stage_walk(sps, True, None, released)
+        walks[(k, "sync", False)] = stage_walk(sps, True, [fresh[sp.piece.name] for sp in sps], released, held_sync)
+        walks[(k, "sync", True)] = stage_walk(sps, True, None, released, held_sync)
         walks[(k, "tracked")] = tracked_walk(plan, sps)
     gathered = copies + 2 * max(zero3, default=0)
-    # FSDP2's gradient buffers in the backward that syncs (plan.reduce_memory): between reduces the last
-    # reduce-scatter input, and with one microbatch the head's unsharded gradient where it exceeds the shard
-    # the walk counts for it
-    moments = reduce_moments(plan, stages, {sp.piece.name: device_saved(sp) for sp in all_pieces})
-    sync_extra = max((m.reduce_input for m in moments if m.unit.startswith("block")), default=0)
-    if moments and plan.num_microbatches == 1:
-        sync_extra += sum(max(0, DTYPE_BYTES[plan.compute_dtype] * sp.n_trainable - shard_grads[sp.piece.name])
-                          for sp in all_pieces if sp.piece.name == "head")
     best_total, best, tracked_best, tracked_at = -1, None, -1, None
     grads_resident = False  # gradients exist from the rank's first backward on
     last_backward_held = 0
     for snap in sim.snapshots[pp_rank]:
         ev = snap.event
         g = accum if grads_resident else 0
-        walk = walks[(ev.stage, ev.kind, grads_resident)]
+        kind = "sync" if ev.kind == "B" and ev.mb == plan.num_microbatches - 1 else ev.kind
+        walk = walks[(ev.stage, kind, grads_resident)]
         held = sum(per_mb[s] for s, _ in snap.resident)
-        syncing = sync_extra if ev.kind == "B" and ev.mb == plan.num_microbatches - 1 else 0
-        total = held + walk.saved + walk.working + g + gathered + syncing
+        total = held + walk.saved + walk.working + g + gathered - walk.released + walk.buffers
         if total > best_total:
-            best_total, best = total, Peak(held + walk.saved + window, g, gathered, syncing, walk.working, walk.piece)
+            best_total, best = total, Peak(held + walk.saved + window, g, gathered - walk.released, walk.buffers,
+                                           walk.working, walk.piece)
         saved, copy = walks[(ev.stage, "tracked")]
         if held + saved + copies + copy + g > tracked_best:
             tracked_best, tracked_at = held + saved + copies + copy + g, (held + saved, copies + copy, g)
         grads_resident = grads_resident or ev.kind == "B"
         last_backward_held = held if ev.kind == "B" else last_backward_held
-    at_reduce = copies + max(zero3, default=0)  # the running zero-3 block is resharded, the next one prefetched
-    for m in moments:
+    # the copies of reduce: FSDP2 reshards a unit before reducing it, and has prefetched the next zero-3 block
+    order = [sp.piece.name for sp in all_pieces]
+    for m in reduce_moments(plan, stages, {sp.piece.name: device_saved(sp) for sp in all_pieces}):
+        start = order.index(m.unit) if m.unit.startswith("block") else 0
+        at_reduce = copies - sum(copy_of[n] for n in order[start:]) + max(zero3, default=0)
         total = last_backward_held + m.saved_before + m.gradients + m.reduce_input + at_reduce
         if total > best_total:
             best_total, best = total, Peak(last_backward_held + m.saved_before + window, m.gradients, at_reduce,

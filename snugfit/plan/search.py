@@ -170,12 +170,13 @@ class Searcher:
 
     @staticmethod
     def _working(st: StageCosts, blk, roots, opts: list[BlockPlan], ropts: list[BlockPlan], m: int) -> float:
-        """The largest piece's working peak above the held bytes the knapsack counts, and FSDP2's gradient
-        buffers in the backward that syncs (`sync_buffers`). The held bytes include the piece's own saved
-        activations of the microbatch in flight, which working() counts too (memory.stage_walk counts them
+        """The largest piece's working peak above the held bytes the knapsack counts, a block's with FSDP2's
+        gradient buffers of the backward that syncs (`sync_buffers`). The held bytes include the piece's own
+        saved activations of the microbatch in flight, which working() counts too (memory.stage_walk counts them
         once), so they come off, at the piece's leanest option to stay an upper bound."""
-        walk = max(working(p) - min(st.cost(p, o).act for o in (opts if p is blk else ropts)) for p in [blk, *roots])
-        return walk + min(st.sync_buffers(blk, roots, m, o) for o in ropts)
+        sync = min(st.sync_buffers(blk, roots, m, ro, o) for o in opts for ro in ropts)
+        return max(working(p) - min(st.cost(p, o).act for o in (opts if p is blk else ropts))
+                   + (sync if p is blk else 0) for p in [blk, *roots])
 
     def _buffers(self, cand: Candidate) -> tuple[float, float, float]:
         """(ZeRO-3 gather buffers, activation-offload window, checkpoint-offload window): two blocks of each, as
