@@ -19,7 +19,7 @@ from snugfit.errors import SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.build import build_engine
-from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt
+from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, release_cached_groups
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.runtime.launch import die_with_launcher
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
@@ -109,6 +109,7 @@ def train(cfg: RunConfig) -> TrainResult:
     finally:
         stops.close()
         if dist.is_initialized():
+            release_cached_groups()
             dist.destroy_process_group()
 
 
