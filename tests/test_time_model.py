@@ -220,3 +220,46 @@ def test_tensor_parallel_pays_its_measured_dtensor_cost_per_piece_on_cpu_ranks()
     known.nodes[0].host.fsdp["2"]["tp"] = [2e-3, 0.0]
     extra = estimate(plan, prof, known).time_by_phase["tp_comm"] - estimate(plan, prof, free).time_by_phase["tp_comm"]
     assert extra == pytest.approx(4 * (3 + 2) * 2e-3)
+
+
+def test_gemm_time_counts_tile_and_wave_quantization():
+    """On 4 SMs: 4 tiles are one wave, 5 tiles two (as long as 8); a dimension one past a tile multiple pays a
+    whole tile; the ceiling is the dtype's, or the measured rate itself."""
+    from dataclasses import replace
+
+    from snugfit.hardware.catalogue import GPUS
+    from snugfit.plan.kernels import GEMM_CEILING, TILE_K, TILE_M, gemm_time
+
+    gpu, K = replace(GPUS["A100-80GB-SXM"], sms=4), 65536  # long enough to be above the launch floor
+    one_wave = gemm_time(256, 256, K, gpu, "bfloat16")  # 2 x 2 tiles
+    assert one_wave == pytest.approx(2 * TILE_M * TILE_M * K / (312e12 * GEMM_CEILING["bfloat16"] / 4))
+    assert gemm_time(256, 384, K, gpu, "bfloat16") == pytest.approx(2 * one_wave)  # 6 tiles: 2 waves
+    assert gemm_time(512, 256, K, gpu, "bfloat16") == pytest.approx(2 * one_wave)  # 8 tiles: 2 waves
+    assert gemm_time(257, 256, K, gpu, "bfloat16") == pytest.approx(2 * one_wave)  # 6 tiles, padded
+    assert gemm_time(256, 256, K + 1, gpu, "bfloat16") == pytest.approx(one_wave * (K + TILE_K) / K)
+    measured = replace(gpu, matmul_efficiency=1.0)
+    assert gemm_time(256, 256, K, measured, "bfloat16") == pytest.approx(one_wave * GEMM_CEILING["bfloat16"])
+
+
+def test_linear_layers_are_recorded_and_timed_by_shape_on_gpus():
+    """The profile keeps a block's linear layers as GEMM shapes (M = the microbatch's tokens), scaled with the
+    micro-batch; on a GPU they are timed by plan.kernels, faster than the flat 60% for large ones."""
+    from snugfit.hardware.catalogue import GPUS
+    from snugfit.model import ModelConfig
+    from snugfit.plan.kernels import gemm_seconds
+    from snugfit.profile.profile import profile_model
+
+    cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=512, ffn_dim=768)
+    prof = profile_model(cfg, micro_batch_size=2, seq_len=512, use_cache=False)
+    t = 2 * 512
+    assert sorted(map(tuple, prof.blocks[0].gemms)) == sorted(
+        [(t, 256, 256), (t, 128, 256), (t, 128, 256), (t, 256, 256), (t, 768, 256), (t, 768, 256), (t, 256, 768)])
+    assert prof.scaled(4).blocks[0].gemms[0][0] == 2 * t
+    gpu = GPUS["H100-SXM"]
+    block = prof.scaled(64).blocks[0]
+    fwd, bwd = piece_compute(block, gpu, "bfloat16", None)
+    gf, gb, gf_flops, gb_flops = gemm_seconds(block.gemms, gpu, "bfloat16", 1.0)
+    rate = gpu.flops_per_s("bfloat16")
+    assert gf < gf_flops / rate  # large GEMMs: above the flat 60%
+    assert fwd == pytest.approx(gf + (block.fwd_flops - gf_flops) / rate + block.fwd_mem_bytes / gpu.mem_bytes_per_s())
+    assert bwd == pytest.approx(gb + (block.bwd_flops - gb_flops) / rate + block.bwd_mem_bytes / gpu.mem_bytes_per_s())

@@ -33,6 +33,7 @@ class GPU:
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
     p2p: bool = True
+    sms: int = 0  # streaming multiprocessors (AMD: compute units), which run a GEMM's tiles in waves; 0: unknown
     matmul_efficiency: float = 0.6
     mem_efficiency: float = 0.75
     context_bytes: int = GiB // 2  # CUDA context + library workspaces, outside the allocator
@@ -42,9 +43,13 @@ class GPU:
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matmul rate; dtypes the card lacks (bf16 on V100/T4) fall back to float16, then float32."""
+        return self.peak_flops(dtype)[1] * self.matmul_efficiency
+
+    def peak_flops(self, dtype: str) -> tuple[str, float]:
+        """(the dtype its tensor rate is for, dense peak FLOP/s), with flops_per_s's fallbacks."""
         for d in (dtype, "float16", "float32"):
             if self.tflops.get(d):
-                return self.tflops[d] * 1e12 * self.matmul_efficiency
+                return d, self.tflops[d] * 1e12
         raise SnugfitError(f"GPU {self.name} has no TFLOPS figure for {dtype}")
 
     def mem_bytes_per_s(self) -> float:
@@ -121,6 +126,14 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     # AMD Instinct MI300X datasheet (2023): 192 GB HBM3, 5.3 TB/s, 163.4 fp32, 653.7 tf32, 1307.4 bf16/fp16
     _gpu("MI300X", 192, 163.4, 653.7, 1307.4, 1307.4, 5300, 5, "xgmi-mi300x", "ib-ndr"),
 ]}
+
+# SM (CU) counts from the vendors' architecture whitepapers and datasheets
+SMS = {"V100-16GB": 80, "V100-32GB": 80, "T4": 40, "A10": 72, "L4": 58, "A100-40GB-PCIe": 108, "A100-40GB-SXM": 108,
+       "A100-80GB-PCIe": 108, "A100-80GB-SXM": 108, "RTX3090": 82, "RTX4090": 128, "RTX5090": 170, "H100-PCIe": 114,
+       "H100-SXM": 132, "H200": 132, "RTX-A6000": 84, "RTX-A5000": 64, "L40S": 142, "A800-80GB-SXM": 108,
+       "H800": 132, "H100-NVL": 132, "RTX4080": 76, "RTX3080": 68, "MI300X": 304}
+for _name, _sms in SMS.items():
+    GPUS[_name].sms = _sms
 
 ALIASES = {
     "V100": "V100-32GB", "A100": "A100-80GB-SXM", "A100-40GB": "A100-40GB-SXM", "A100-80GB": "A100-80GB-SXM",

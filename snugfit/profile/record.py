@@ -35,12 +35,17 @@ _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 
 
+# the two matrices of a 2-D matmul, by argument position: what linear layers run (3-D inputs folded to 2-D)
+_GEMM_OPERANDS = {"aten.mm": (0, 1), "aten.addmm": (1, 2)}
+
+
 @dataclass
 class PhaseStats:
     flops: float = 0.0
     mem_bytes: float = 0.0  # traffic of non-matmul ops
     ops: int = 0  # operators dispatched: each costs a fixed launch/dispatch time, whatever the batch
     peak_delta: int = 0  # peak live bytes above the live bytes at the piece's start
+    gemms: list[list[int]] = field(default_factory=list)  # 2-D matmuls (linear layers) as [M, N, K]
 
 
 @dataclass
@@ -137,6 +142,9 @@ class StepRecorder(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if func._overloadpacket in flop_registry:
             stats.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+            if name in _GEMM_OPERANDS:
+                a, b = (args[i] for i in _GEMM_OPERANDS[name])
+                stats.gemms.append([a.shape[0], b.shape[1], a.shape[1]])
         elif name in _SDPA_CPU:
             stats.flops += _sdpa_flops(args, kwargs, _SDPA_CPU[name])
         elif not any(r.alias_info is not None for r in func._schema.returns):

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing; 5: recompute intercepts
-PROFILE_VERSION = 8  # 8: GPU kernels' saved tensors (profile.kernels); 7: 1-D parameter counts (tensor parallelism)
+PROFILE_VERSION = 9  # 9: forward GEMM shapes (plan.kernels); 8: GPU kernels' saved tensors (profile.kernels); 7: 1-D parameter counts (tensor parallelism)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -46,6 +46,9 @@ class PieceProfile:
     trainable: int | None = None  # trainable elements (LoRA, frozen pieces); None: all of them
     quantized: int = 0  # of the frozen ones, those stored in 4-bit NF4 (QLoRA base weights)
     vectors: int = 0  # elements of 1-D parameters (norm weights, biases): what tensor parallelism does not split
+    # the forward's 2-D matmuls (the linear layers) as [M, N, K], M the microbatch's tokens: what plan.kernels
+    # times by tile and wave on a GPU (their backward is two GEMMs of the same sizes, transposed)
+    gemms: list[list[int]] = field(default_factory=list)
 
     @property
     def num_trainable(self) -> int:
@@ -129,7 +132,7 @@ class ModelProfile:
                 saved_bytes={k: int(v * r) for k, v in p.saved_bytes.items()},
                 fwd_peak_bytes=int(p.fwd_peak_bytes * r), bwd_peak_bytes=grads + int((p.bwd_peak_bytes - grads) * r),
                 fwd_flops=p.fwd_flops * r, bwd_flops=p.bwd_flops * r, fwd_mem_bytes=p.fwd_mem_bytes * r,
-                bwd_mem_bytes=p.bwd_mem_bytes * r,
+                bwd_mem_bytes=p.bwd_mem_bytes * r, gemms=[[round(m * r), n, k] for m, n, k in p.gemms],
                 fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s), bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
                 recompute_time_s={k: time(v, p.recompute_fixed_s.get(k, 0.0)) for k, v in p.recompute_time_s.items()},
             )
@@ -165,6 +168,7 @@ class ModelProfile:
                 p, params=params, trainable=trainable, quantized=p.quantized // tp,
                 fwd_flops=p.fwd_flops / tp, bwd_flops=p.bwd_flops / tp, fwd_mem_bytes=p.fwd_mem_bytes / tp,
                 bwd_mem_bytes=p.bwd_mem_bytes / tp, fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s),
+                gemms=[[m, max(1, n // tp), k] for m, n, k in p.gemms],  # a column-wise split; row-wise: the same work
                 bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
                 recompute_time_s={k: time(v, p.recompute_fixed_s.get(k, 0.0)) for k, v in p.recompute_time_s.items()},
             )

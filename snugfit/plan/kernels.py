@@ -1,0 +1,49 @@
+"""GEMM time on a GPU from its shape: tiles, waves and a ceiling per dtype.
+
+cuBLAS splits C = A B (M x K times K x N) into output tiles (128 x 128 here, its
+usual choice for large bf16/fp16 GEMMs) and runs them on the SMs in waves. A
+GEMM whose tiles fill 1.1 waves takes as long as two full ones (wave
+quantization), and a dimension that is not a tile multiple computes the padding
+(tile quantization). Each wave costs one tile's FLOPs at the SM's share of the
+peak, times the best fraction large GEMMs reach (`GEMM_CEILING`); a kernel
+launch costs at least `LAUNCH_S`. A GPU whose rates profile-hardware measured
+(matmul_efficiency 1) is at its ceiling already.
+"""
+
+from __future__ import annotations
+
+import math
+
+from snugfit.hardware.catalogue import GPU
+
+TILE_M = TILE_N = 128
+TILE_K = 32  # the K step of one tile's main loop
+# the fraction of the dense peak cuBLAS reaches on large, well-shaped GEMMs (tensor cores: power and clock
+# limits; fp32 without TF32: the CUDA cores' FMA pipes); what the catalogue's flat matmul_efficiency undercounts
+GEMM_CEILING = {"bfloat16": 0.8, "float16": 0.8, "tf32": 0.75, "float32": 0.9}
+LAUNCH_S = 4e-6
+
+
+def gemm_time(m: int, n: int, k: int, gpu: GPU, dtype: str) -> float:
+    """Seconds of one M x K by K x N GEMM on `gpu` (requires gpu.sms)."""
+    tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
+    waves = math.ceil(tiles / gpu.sms)
+    dtype, peak = gpu.peak_flops(dtype)
+    ceiling = 1.0 if gpu.matmul_efficiency >= 1.0 else GEMM_CEILING.get(dtype, gpu.matmul_efficiency)
+    per_sm = peak * ceiling / gpu.sms
+    k_padded = math.ceil(k / TILE_K) * TILE_K
+    return max(LAUNCH_S, waves * 2 * TILE_M * TILE_N * k_padded / per_sm)
+
+
+def gemm_seconds(gemms: list[list[int]], gpu: GPU, dtype: str,
+                 weight_grads: float) -> tuple[float, float, float, float]:
+    """(forward seconds, backward seconds, forward FLOPs, backward FLOPs) of a piece's linear layers: forward
+    M x K by K x N; backward the input's gradient (M x N by N x K) and, for the `weight_grads` share of
+    trainable weights, the weight's (K x M by M x N)."""
+    fwd = bwd = fwd_flops = bwd_flops = 0.0
+    for m, n, k in gemms:
+        fwd += gemm_time(m, n, k, gpu, dtype)
+        bwd += gemm_time(m, k, n, gpu, dtype) + weight_grads * gemm_time(k, n, m, gpu, dtype)
+        fwd_flops += 2.0 * m * n * k
+        bwd_flops += 2.0 * m * n * k * (1 + weight_grads)
+    return fwd, bwd, fwd_flops, bwd_flops
