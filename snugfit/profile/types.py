@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing; 5: recompute intercepts
-PROFILE_VERSION = 9  # 9: forward GEMM shapes (plan.kernels); 8: GPU kernels' saved tensors (profile.kernels); 7: 1-D parameter counts (tensor parallelism)
+# 9: forward GEMM shapes (plan.kernels); 8: GPU kernels' saved tensors (profile.kernels); 7: 1-D parameter counts
+PROFILE_VERSION = 9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
