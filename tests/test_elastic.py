@@ -1,5 +1,6 @@
-"""Elastic restarts: kill -9 one rank mid-run; torchrun restarts the job, which resumes from its last
-checkpoint and ends with weights bit-identical to an uninterrupted run (CPU, fixed seeds)."""
+"""Elastic restarts: kill -9 one rank mid-run, or while a background save is being written; torchrun restarts
+the job, which resumes from its last committed checkpoint and ends with weights bit-identical to an
+uninterrupted run (CPU, fixed seeds)."""
 
 import os
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from snugfit.train.export import load_checkpoint_model
@@ -19,33 +21,77 @@ ARGS = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "
         "--nproc", "2", "--max-restarts", "1", "--timeout-s", "30", "--plan", "dp"]
 
 
-def launch(out: Path) -> subprocess.Popen:
+# Imported by every process of a run whose PYTHONPATH starts with its folder: in the first attempt, each rank's
+# write of step 16 blocks, so that save is still in flight when the test kills a rank.
+SLOW_WRITE = """
+import os, time
+from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+_write = _FileSystemWriter.write_data
+def write_data(self, plan, planner):
+    if "step_00000016" in str(self.path) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        time.sleep(600)
+    return _write(self, plan, planner)
+_FileSystemWriter.write_data = write_data
+"""
+
+
+def launch(out: Path, pythonpath: Path | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
     return subprocess.Popen([sys.executable, "-m", "snugfit", "train", *ARGS, "--out-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("ref")
+    run = launch(out)
+    log, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, log
+    return final_weights(out)
+
+
+def wait_for(path: Path, run: subprocess.Popen) -> None:
+    deadline = time.time() + 240
+    while not path.exists() and time.time() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    assert path.exists(), f"the run never reached {path.name}"
+
+
+def kill_rank_and_finish(out: Path, run: subprocess.Popen, reference: dict[str, torch.Tensor]) -> str:
+    """SIGKILL rank 1; the restarted run must end with the reference's weights. Returns its output."""
+    pid = rank_pid(out, 1)
+    assert pid is not None, "rank 1 not found"
+    os.kill(pid, signal.SIGKILL)
+    log, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, log
+    assert "resuming at step" in log, log  # the restarted ranks resumed, not restarted from 0
+    got = final_weights(out)
+    assert reference.keys() == got.keys()
+    for name in reference:
+        assert torch.equal(reference[name], got[name]), name
+    return log
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint_model(out / "checkpoints" / "step_00000048").state_dict()
 
 
-def test_kill_one_rank_restarts_and_matches_uninterrupted(tmp_path):
-    reference = launch(tmp_path / "ref")
-    victim = launch(tmp_path / "killed")
-    first = tmp_path / "killed" / "checkpoints" / "step_00000008"
-    deadline = time.time() + 240
-    while not first.exists() and time.time() < deadline and victim.poll() is None:
-        time.sleep(0.05)
-    assert first.exists(), "the run never reached its first checkpoint"
-    pid = rank_pid(tmp_path / "killed", 1)
-    assert pid is not None, "rank 1 not found"
-    os.kill(pid, signal.SIGKILL)
-    out_victim, _ = victim.communicate(timeout=300)
-    out_ref, _ = reference.communicate(timeout=300)
-    assert reference.returncode == 0, out_ref
-    assert victim.returncode == 0, out_victim
-    assert "resuming at step" in out_victim, out_victim  # the restarted ranks resumed, not restarted from 0
-    want, got = final_weights(tmp_path / "ref"), final_weights(tmp_path / "killed")
-    assert want.keys() == got.keys()
-    for name in want:
-        assert torch.equal(want[name], got[name]), name
+def test_kill_one_rank_restarts_and_matches_uninterrupted(tmp_path, reference):
+    run = launch(tmp_path / "killed")
+    wait_for(tmp_path / "killed" / "checkpoints" / "step_00000008", run)
+    kill_rank_and_finish(tmp_path / "killed", run, reference)
+
+
+def test_a_rank_killed_while_a_save_is_in_flight_resumes_from_the_previous_one(tmp_path, reference):
+    """Step 16's background write never finishes: killing a rank then leaves step 8 the newest checkpoint, and the
+    restarted run resumes there (nothing half-written is loaded) and ends as the uninterrupted run does."""
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_WRITE)
+    out = tmp_path / "killed"
+    run = launch(out, pythonpath=tmp_path / "slow")
+    wait_for(out / "checkpoints" / "step_00000016.tmp", run)
+    time.sleep(0.5)  # both ranks are inside the write now
+    log = kill_rank_and_finish(out, run, reference)
+    assert "resuming at step 8" in log, log
