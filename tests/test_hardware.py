@@ -59,6 +59,9 @@ def test_profile_hardware_measures_this_machine(tmp_path):
     local = profile_hardware(out, collectives=False)
     assert local.device.name == "cpu" and local.device.tflops["float32"] > 1e-3
     assert local.host.adam_params_per_s > 1e6 and local.device.hbm_gbps > 0.1
+    # measured rates are achieved rates: nothing scales them down (a positional GPU(...) once made this 0)
+    assert local.device.matmul_efficiency == local.device.mem_efficiency == 1.0
+    assert local.device.flops_per_s("float32") == local.device.tflops["float32"] * 1e12
     assert load_local(out) == local == LocalHardware.from_dict(local.to_dict())
     local.host.fsdp = {"2": {"gather": [1e-3, 0.0], "contention": [1.0]}}  # what an older snugfit measured
     local.save(out)

@@ -360,7 +360,8 @@ def profile_hardware(out: str | Path | None = None, collectives: bool = True) ->
         hbm = _copy_gbps(32 * 2**20, "cpu", "cpu", sync)
         host.thread_slowdown = thread_slowdown()
         device = GPU("cpu", host.ram_bytes, tflops, hbm, 0, None, "gloo-loopback",
-                     base.matmul_efficiency, base.mem_efficiency, 0, op_overhead_s=op_overhead_s("cpu", sync))
+                     matmul_efficiency=base.matmul_efficiency, mem_efficiency=base.mem_efficiency, context_bytes=0,
+                     op_overhead_s=op_overhead_s("cpu", sync))
     if collectives:
         links["gloo-loopback"] = measure_local_ranks(host)
     local = LocalHardware(device, host, links)

@@ -30,16 +30,16 @@ class GPU:
     pcie_gen: int
     nvlink: str | None = None  # intra-node link when the card is an SXM part
     inter: str = "eth-25g"  # default link between nodes of this kind
-    # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
-    # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
-    p2p: bool = True
-    sms: int = 0  # streaming multiprocessors (AMD: compute units), which run a GEMM's tiles in waves; 0: unknown
     matmul_efficiency: float = 0.6
     mem_efficiency: float = 0.75
     context_bytes: int = GiB // 2  # CUDA context + library workspaces, outside the allocator
     # Host time to dispatch one operator under autograd (eager PyTorch): a small microbatch's floor.
     # Measured for this machine's CPU by profile_hardware; a typical figure for catalogue GPUs.
     op_overhead_s: float = 10e-6
+    # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
+    # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
+    p2p: bool = True
+    sms: int = 0  # streaming multiprocessors (AMD: compute units), which run a GEMM's tiles in waves; 0: unknown
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matmul rate; dtypes the card lacks (bf16 on V100/T4) fall back to float16, then float32."""
