@@ -151,7 +151,8 @@ class Searcher:
             b = min(opts, key=lambda o: share * st.cost(blk, o).mem(r, cand.m) + self._extra(cand, o))
             ro = min(ropts, key=lambda o: sum(st.cost(p, o).mem(r, cand.m) for p in roots))
             static = sum(st.cost(p, ro).static for p in roots) + share * st.cost(blk, b).static
-            total = (self._working(st, blk, roots, opts, ropts, cand.m) + sum(st.cost(p, ro).mem(r, cand.m) for p in roots)
+            total = (self._working(st, blk, roots, opts, ropts, cand.m)
+                     + sum(st.cost(p, ro).mem(r, cand.m) for p in roots)
                      + share * st.cost(blk, b).mem(r, cand.m) + self._extra(cand, b))
             at_root_reduce = (static + share * st.cost(blk, b).grads_reduced + st.root_reduce(roots, cand.m)
                               + (self._buffers(cand)[0] / 2 if b.zero == 3 else 0))  # one zero-3 block prefetched
