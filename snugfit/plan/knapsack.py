@@ -97,6 +97,16 @@ class StageCosts:
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
         self._cache: dict[tuple, Cost] = {}
 
+    def working_peak(self, blk: PieceProfile, roots: list[PieceProfile], opts: list[BlockPlan],
+                     ropts: list[BlockPlan], m: int) -> float:
+        """The largest piece's working peak above the held bytes the knapsack counts, a block's with FSDP2's
+        gradient buffers of the backward that syncs (`sync_buffers`). The held bytes include the piece's own
+        saved activations of the microbatch in flight, which working() counts too (memory.stage_walk counts them
+        once), so they come off, at the piece's leanest option to stay an upper bound."""
+        sync = min(self.sync_buffers(blk, roots, m, ro, o) for o in opts for ro in ropts)
+        return max(working(p) - min(self.cost(p, o).act for o in (opts if p is blk else ropts))
+                   + (sync if p is blk else 0) for p in [blk, *roots])
+
     def sync_buffers(self, blk: PieceProfile, roots: list[PieceProfile], m: int, root: BlockPlan,
                      block: BlockPlan) -> float:
         """What FSDP2 holds beyond the gradients the costs count during a block's backward, in the backward that

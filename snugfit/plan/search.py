@@ -24,7 +24,7 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.estimate import HOST_USABLE, estimate, tensor_parallel_problem
 from snugfit.plan.knapsack import (
-    BUCKETS, INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve, working,
+    BUCKETS, INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve,
 )
 from snugfit.plan.memory import device_bytes
 from snugfit.plan.options import Constraints, block_options
@@ -151,7 +151,7 @@ class Searcher:
             b = min(opts, key=lambda o: share * st.cost(blk, o).mem(r, cand.m) + self._extra(cand, o))
             ro = min(ropts, key=lambda o: sum(st.cost(p, o).mem(r, cand.m) for p in roots))
             static = sum(st.cost(p, ro).static for p in roots) + share * st.cost(blk, b).static
-            total = (self._working(st, blk, roots, opts, ropts, cand.m)
+            total = (st.working_peak(blk, roots, opts, ropts, cand.m)
                      + sum(st.cost(p, ro).mem(r, cand.m) for p in roots)
                      + share * st.cost(blk, b).mem(r, cand.m) + self._extra(cand, b))
             at_root_reduce = (static + share * st.cost(blk, b).grads_reduced + st.root_reduce(roots, cand.m)
@@ -164,20 +164,10 @@ class Searcher:
     def _room(self, cand: Candidate, s: int, slack: float) -> int:
         """Most blocks stage s could hold at all (each at its leanest option); 0 if fewer than v."""
         st, blk, roots, opts, ropts, r = self._stage(cand, s)
-        free = usable(st.gpu, self.budget) - self._working(st, blk, roots, opts, ropts, cand.m) - slack
+        free = usable(st.gpu, self.budget) - st.working_peak(blk, roots, opts, ropts, cand.m) - slack
         free -= min((sum(st.cost(p, o).mem(r, cand.m) for p in roots) for o in ropts), default=0)
         most = max(((free - self._extra(cand, o)) // max(st.cost(blk, o).mem(r, cand.m), 1) for o in opts), default=0)
         return int(most) if most >= cand.v else 0
-
-    @staticmethod
-    def _working(st: StageCosts, blk, roots, opts: list[BlockPlan], ropts: list[BlockPlan], m: int) -> float:
-        """The largest piece's working peak above the held bytes the knapsack counts, a block's with FSDP2's
-        gradient buffers of the backward that syncs (`sync_buffers`). The held bytes include the piece's own
-        saved activations of the microbatch in flight, which working() counts too (memory.stage_walk counts them
-        once), so they come off, at the piece's leanest option to stay an upper bound."""
-        sync = min(st.sync_buffers(blk, roots, m, ro, o) for o in opts for ro in ropts)
-        return max(working(p) - min(st.cost(p, o).act for o in (opts if p is blk else ropts))
-                   + (sync if p is blk else 0) for p in [blk, *roots])
 
     def _buffers(self, cand: Candidate) -> tuple[float, float, float]:
         """(ZeRO-3 gather buffers, activation-offload window, checkpoint-offload window): two blocks of each, as
@@ -209,7 +199,7 @@ class Searcher:
             rcost = None
             if roots:
                 rcost = [st.root(roots, o) for o in ropts]
-            cap = usable(st.gpu, self.budget) - self._working(st, blk, roots, opts, ropts, cand.m) - slack
+            cap = usable(st.gpu, self.budget) - st.working_peak(blk, roots, opts, ropts, cand.m) - slack
             tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [_kind(o) for o in opts],
                                    [int(o.zero == 3) for o in ropts], resident=r, m=cand.m, cap=cap, n_max=n_max,
                                    buffers=self._buffers(cand)))
@@ -230,7 +220,8 @@ class Searcher:
         knapsack rounds each block's memory up to its resolution, which can lose every plan where the blocks hold
         little beside a large root and working set (long contexts with offloaded checkpoints)."""
         st, blk, roots, _, _, r = self._stage(cand, 0)
-        cap = usable(st.gpu, self.budget) - self._working(st, blk, roots, opts, ropts, cand.m) - slack
+        walk = st.working_peak(blk, roots, opts, ropts, cand.m)
+        cap = usable(st.gpu, self.budget) - walk - slack
         best = None
         for o in opts:
             for ro in ropts:
@@ -239,7 +230,7 @@ class Searcher:
                        + buffer_bytes(self._buffers(cand), _kind(o) | int(ro.zero == 3)))
                 at_root_reduce = (self.n * (block.static + block.grads_reduced) + root.static
                                   + st.root_reduce(roots, cand.m) + (self._buffers(cand)[0] / 2 if o.zero == 3 else 0))
-                mem = max(mem, at_root_reduce - self._working(st, blk, roots, opts, ropts, cand.m))
+                mem = max(mem, at_root_reduce - walk)
                 t = self.n * block.time(cand.m) + root.time(cand.m)
                 if mem <= cap and (best is None or t < best[0]):
                     best = (t, o, ro)

@@ -1,0 +1,192 @@
+"""Hugging Face causal LMs in the shape snugfit's runtime drives: embed / blocks / norm / head.
+
+`HFCausalLM` re-homes the modules of a transformers causal LM (no copy, no
+reimplementation of any layer) under the built-in Decoder's structure:
+
+    model.embed   token embedding (+ learned positions, projection, dropout as the arch has them)
+    model.blocks  ModuleDict {"0": HFBlock, ...}; each HFBlock holds one HF decoder layer as `.layer`
+    model.norm    final norm (Identity where the arch has none)
+    model.head    lm_head (preceded by OPT's project_out where it exists)
+    model.rope    the HF rotary embedding module, or None; the runtime passes it to every block
+
+and calls each layer as the HF model does for a training batch without
+padding: no attention mask, so SDPA runs with is_causal=True. Parameter names
+map back to the HF names by module identity (`hf_names`), which is what loading
+and saving use (model.hf); nothing depends on a per-architecture name table.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from snugfit.errors import SnugfitError
+from snugfit.model.decoder import Decoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HFInfo:
+    """What the runtime reads from `model.cfg` (the same field names as the built-in ModelConfig)."""
+
+    arch: str  # the HF model_type
+    vocab_size: int
+    dim: int  # hidden size between blocks
+    n_layers: int
+    max_seq_len: int  # longest sequence the no-mask forward reproduces exactly
+    tie_embeddings: bool
+
+
+@dataclass
+class HFStructure:
+    """Where the pieces of an HF causal LM live, by role (the order embed -> layers -> norm -> head)."""
+
+    tokens: nn.Embedding
+    layers: list[nn.Module]
+    head: nn.Module
+    positions: nn.Embedding | None = None
+    position_offset: int = 0  # OPT's learned positions start at index 2
+    project_in: nn.Module | None = None
+    drop: nn.Module | None = None
+    norm: nn.Module | None = None
+    project_out: nn.Module | None = None
+    rotary: nn.Module | None = None
+
+
+# Checked to match transformers' own forward exactly (tests/test_hf.py for the first five).
+VERIFIED = ("llama", "mistral", "qwen2", "gpt2", "opt", "qwen3", "mixtral", "olmo2")
+# Scale embeddings or logits outside their layers, which the pieces below do not reproduce.
+DIFFERENT = ("gemma", "granite", "cohere")
+SUPPORTED = "supported: Llama, Mistral, Qwen2/3, Mixtral, OLMo2, GPT-2, OPT"
+
+
+def hf_structure(model: nn.Module) -> HFStructure:
+    """Find the pieces of a Llama-family (Llama, Mistral, Qwen2, ...), GPT-2 or OPT causal LM."""
+    kind = model.config.model_type
+    if kind.startswith(DIFFERENT):
+        raise SnugfitError(f"{type(model).__name__} is not supported yet; {SUPPORTED}")
+    found = _find_structure(model)
+    if found is None:
+        raise SnugfitError(f"don't know where the layers of {type(model).__name__} are; {SUPPORTED}")
+    if kind not in VERIFIED:
+        log.warning("%s: layers found by structure; equality with its own forward is verified only for %s",
+                    type(model).__name__, ", ".join(VERIFIED))
+    return found
+
+
+def _find_structure(model: nn.Module) -> HFStructure | None:
+    head = model.get_output_embeddings()
+    base = getattr(model, "model", None)
+    if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")):
+        return HFStructure(tokens=base.embed_tokens, layers=list(base.layers), head=head, norm=base.norm,
+                           rotary=getattr(base, "rotary_emb", None))
+    if base is not None and hasattr(base, "decoder") and hasattr(base.decoder, "layers"):  # OPT
+        dec = base.decoder
+        return HFStructure(tokens=dec.embed_tokens, layers=list(dec.layers), head=head, positions=dec.embed_positions,
+                           position_offset=getattr(dec.embed_positions, "offset", 0), project_in=dec.project_in,
+                           norm=dec.final_layer_norm, project_out=dec.project_out)
+    tr = getattr(model, "transformer", None)
+    if tr is not None and hasattr(tr, "h"):  # GPT-2
+        return HFStructure(tokens=tr.wte, layers=list(tr.h), head=head, positions=tr.wpe, drop=tr.drop, norm=tr.ln_f)
+    return None
+
+
+class HFEmbed(nn.Module):
+    """tokens -> first hidden states, in the order the HF model computes them."""
+
+    def __init__(self, s: HFStructure):
+        super().__init__()
+        self.tokens, self.positions, self.project_in, self.drop = s.tokens, s.positions, s.project_in, s.drop
+        self.position_offset = s.position_offset
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(tokens)
+        if self.project_in is not None:
+            h = self.project_in(h)
+        if self.positions is not None:
+            pos = torch.arange(tokens.shape[1], device=tokens.device) + self.position_offset
+            h = h + F.embedding(pos, self.positions.weight)[None]
+        return self.drop(h) if self.drop is not None else h
+
+
+class HFBlock(nn.Module):
+    """One HF decoder layer behind the runtime's block call `block(hidden, rope)`.
+
+    A wrapper rather than hooks because the runtime replaces `block.forward` for
+    recomputation and activation offload, and those wrappers pass positional
+    arguments only.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h: torch.Tensor, rope: nn.Module | None = None) -> torch.Tensor:
+        pos = torch.arange(h.shape[1], device=h.device)[None]
+        extra = {"position_embeddings": rope(h, pos)} if rope is not None else {}
+        out = self.layer(h, attention_mask=None, position_ids=pos, use_cache=False, **extra)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _module_names(root: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM as embed / blocks / norm / head (see the module docstring).
+
+    forward(tokens, targets=None) as the built-in Decoder: logits, or the mean
+    cross-entropy (targets of -100 ignored); a pipeline stage without `embed`
+    takes hidden states, one without `head` returns them.
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        s = hf_structure(hf_model)
+        cfg = hf_model.config
+        self.hf_config = cfg
+        self.embed: HFEmbed | None = HFEmbed(s)
+        self.blocks = nn.ModuleDict({str(i): HFBlock(layer) for i, layer in enumerate(s.layers)})
+        self.norm: nn.Module | None = s.norm if s.norm is not None else nn.Identity()
+        self.head: nn.Module | None = s.head if s.project_out is None else nn.Sequential(s.project_out, s.head)
+        self.rope = s.rotary
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.cfg = HFInfo(arch=cfg.model_type, vocab_size=cfg.vocab_size, dim=cfg.hidden_size,
+                          n_layers=len(s.layers), max_seq_len=min(cfg.max_position_embeddings, window or 1 << 62),
+                          tie_embeddings=s.head.weight is s.tokens.weight)
+        hf_mods = _module_names(hf_model)
+        self.hf_names: dict[str, str] = {}  # our parameter / persistent buffer name -> HF name
+        for name, m in self.named_modules(remove_duplicate=False):
+            if id(m) in hf_mods:
+                prefix, ours = hf_mods[id(m)] + ".", name + "." if name else ""
+                tensors = list(m.named_parameters(recurse=False)) + [
+                    (n, b) for n, b in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set]
+                for leaf, _ in tensors:
+                    self.hf_names[ours + leaf] = prefix + leaf
+        self.hf_class = type(hf_model).__name__
+        self.base_prefix = hf_model.base_model_prefix
+        self.head_weight = "head.1.weight" if s.project_out is not None else "head.weight"
+        self.tokens_hf_name = self.hf_names["embed.tokens.weight"]
+
+    # the built-in decoder's walk over the same pieces (embed, blocks, norm, head; pruned ones skipped)
+    forward = Decoder.forward
+
+    def prune(self, blocks: set[int] | None = None, embed: bool = True, head: bool = True) -> None:
+        """Keep only the given blocks (names stay stable) and pieces, as a pipeline stage does."""
+        if blocks is not None:
+            for name in [n for n in self.blocks if int(n) not in blocks]:
+                del self.blocks[name]
+        if not embed:
+            self.embed = None
+        if not head:
+            self.norm = self.head = None
+        present = {n for n, _ in self.named_parameters(remove_duplicate=False)} | {n for n, _ in self.named_buffers()}
+        self.hf_names = {k: v for k, v in self.hf_names.items() if k in present}
+
+
+# -- loading --
