@@ -96,30 +96,40 @@ class StageCosts:
         self.dp_link = cluster.link_for(list(range(rank, rank + dp * tp, tp)))  # plan.RankLayout: tp innermost
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
         self._cache: dict[tuple, Cost] = {}
+        self._walks: dict[tuple, float] = {}  # working_peak's
 
     def working_peak(self, blk: PieceProfile, roots: list[PieceProfile], opts: list[BlockPlan],
                      ropts: list[BlockPlan], m: int) -> float:
         """The largest piece's working peak above the held bytes the knapsack counts, a block's with FSDP2's
-        gradient buffers of the backward that syncs (`sync_buffers`). The held bytes include the piece's own
-        saved activations of the microbatch in flight, which working() counts too (memory.stage_walk counts them
-        once), so they come off, at the piece's leanest option to stay an upper bound."""
-        sync = min(self.sync_buffers(blk, roots, m, ro, o) for o in opts for ro in ropts)
-        return max(working(p) - min(self.cost(p, o).act for o in (opts if p is blk else ropts))
-                   + (sync if p is blk else 0) for p in [blk, *roots])
+        gradient buffers of the backward that syncs (memory.sync_held), at the leanest options. The held bytes
+        include the piece's own saved activations of the microbatch in flight, which working() counts too
+        (memory.stage_walk counts them once), so they come off, at the piece's leanest option to stay an upper
+        bound. Cached: the search asks for it per candidate and stage (`opts`/`ropts` are the search's own
+        cached lists, so their identity names them)."""
+        key = (blk.name, tuple(p.name for p in roots), m, id(opts), id(ropts))
+        if key not in self._walks:
+            sync = (min(self._reduce_held(blk, o) for o in opts)
+                    + (min(self._head_held(roots, ro) for ro in ropts) if m == 1 else 0.0))
+            self._walks[key] = max(working(p) - min(self.cost(p, o).act for o in (opts if p is blk else ropts))
+                                   + (sync if p is blk else 0) for p in [blk, *roots])
+        return self._walks[key]
 
-    def sync_buffers(self, blk: PieceProfile, roots: list[PieceProfile], m: int, root: BlockPlan,
-                     block: BlockPlan) -> float:
-        """What FSDP2 holds beyond the gradients the costs count during a block's backward, in the backward that
-        syncs (memory.sync_held): the reduce-scatter input of the block reduced before it, less that block's
-        gathered copy, freed after its backward (zero 0-2), and with one microbatch the head's unsharded gradient
-        where it exceeds its shard. None on one fp32 rank, which runs unwrapped (nearly always)."""
+    def _reduce_held(self, blk: PieceProfile, block: BlockPlan) -> float:
+        """During a block's backward that syncs: the reduce-scatter input of the block reduced before it, less
+        that block's gathered copy, freed after its backward (zero 0-2). None on one fp32 rank, which runs
+        unwrapped (nearly always)."""
         if self.stub.world_size == 1 and self.dtype == "float32":
             return 0.0
-        head = sum(p.num_trainable for p in roots if p.name == "head") if m == 1 else 0
-        shard = 0 if root.offload_optimizer or root.offload_params else 4 / (self.dp if root.zero >= 1 else 1)
         freed = gathered_bytes(self.stub, StagePiece(blk, block, blk.num_params)) if block.zero < 3 else 0
-        return max(0.0, DTYPE_BYTES[self.rdtype] * blk.num_trainable - freed) + head * max(
-            0.0, DTYPE_BYTES[self.dtype] - shard)
+        return max(0.0, DTYPE_BYTES[self.rdtype] * blk.num_trainable - freed)
+
+    def _head_held(self, roots: list[PieceProfile], root: BlockPlan) -> float:
+        """With one microbatch: the head's unsharded gradient where it exceeds the shard the costs count for it
+        (the root is reduced last)."""
+        if self.stub.world_size == 1 and self.dtype == "float32":
+            return 0.0
+        shard = 0 if root.offload_optimizer or root.offload_params else 4 / (self.dp if root.zero >= 1 else 1)
+        return sum(p.num_trainable for p in roots if p.name == "head") * max(0.0, DTYPE_BYTES[self.dtype] - shard)
 
     def root_reduce(self, roots: list[PieceProfile], m: int) -> float:
         """FSDP2's bytes at the root unit's reduce, the backward's last, beyond the held static bytes: the root's
