@@ -250,6 +250,7 @@ class StageActivations:
         self._accepted.clear()
         self._external = {_storage_id(t) for t in external}
         self.peak_bytes = self.peak_microbatches = self.evictions = self.accepts = 0
+        self.peak_own_bytes = self.largest_accepted_bytes = 0
         self._fold()
 
     # -- accounting --
@@ -257,9 +258,12 @@ class StageActivations:
         own = {e[0] for e in self._entries.values() if e[2] > 0} - set(self._evicted)
         return own | set(self._accepted)
 
+    def own_bytes(self) -> int:
+        """This stage's own saved bytes still here, evict sends not yet finished included."""
+        return sum(e[1] for e in self._entries.values() if e[0] not in self._evicted) + self._in_flight
+
     def resident_bytes(self) -> int:
-        own = sum(e[1] for e in self._entries.values() if e[0] not in self._evicted)
-        return own + sum(t.numel() for t in self._accepted.values()) + self._in_flight
+        return self.own_bytes() + sum(t.numel() for t in self._accepted.values())
 
     def _fold(self) -> None:
         with self._lock:
@@ -270,6 +274,7 @@ class StageActivations:
 
     def _fold_locked(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
+        self.peak_own_bytes = max(self.peak_own_bytes, self.own_bytes())
         self.peak_microbatches = max(self.peak_microbatches, len(self.resident_keys()))
 
     def add_in_flight(self, nbytes: int) -> None:
@@ -351,6 +356,7 @@ class StageActivations:
         with self._lock:
             self._accepted[key] = flat
             self.accepts += 1
+            self.largest_accepted_bytes = max(self.largest_accepted_bytes, flat.numel())
             self._fold_locked()
 
     def release(self, key) -> torch.Tensor:

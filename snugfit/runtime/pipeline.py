@@ -266,7 +266,8 @@ class PipelineEngine(Engine):
         """What this rank's stages held in the last step: peak activation bytes and resident microbatches."""
         a = self.acts
         return {"pp_rank": self.pp_rank, "stages": list(self.stages), "peak_activation_bytes": a.peak_bytes,
-                "peak_microbatches": a.peak_microbatches, "evictions": a.evictions, "accepted": a.accepts}
+                "peak_microbatches": a.peak_microbatches, "evictions": a.evictions, "accepted": a.accepts,
+                "peak_own_bytes": a.peak_own_bytes, "largest_accepted_bytes": a.largest_accepted_bytes}
 
 
 def build_pipeline_engine(model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv,
