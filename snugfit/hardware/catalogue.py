@@ -59,8 +59,13 @@ class GPU:
 @dataclass
 class Link:
     name: str
-    gbps: float  # GB/s per direction, achievable
+    gbps: float  # GB/s per direction, achievable by one copy (offload, pipeline sends)
     latency_s: float
+    # What NCCL's ring collectives reach over it (nccl-tests "busbw", large messages); 0 where NCCL does not run
+    # (gloo ranks, links profile_hardware measured): gbps then. Sources beside LINKS.
+    bus_gbps: float = 0.0
+    rails: bool = False  # nodes have one such NIC per GPU (DGX/HGX design): NCCL runs a channel over each
+    nodes: int = 1  # nodes a collective over it spans (Cluster.link_for); across nodes NCCL may use a tree
 
 
 # per unit and microbatch: "replicate" (zero 0), "gather" (zero 1-2), "regather" (zero 3's extra);
@@ -144,25 +149,36 @@ ALIASES = {
     "H100-94GB": "H100-NVL", "RTX-4080": "RTX4080", "RTX-3080": "RTX3080",
 }
 
+# bus_gbps, NCCL's achieved bus bandwidth (nccl-tests busbw, ring, large messages):
+# - NVLink: about 80% of the line rate, the protocol's overhead (S. Jeaugey, NVIDIA/nccl-tests#212: H100's 450 GB/s
+#   give 370 GB/s busbw for ring collectives; its NVLink SHARP all-reduce, ~480, is not modelled); A100: 230 GB/s
+#   measured on 8 GPUs (NVIDIA/nccl-tests#175: 232.5; NCCL's tuning caps sm80 at 235 GB/s)
+# - PCIe with peer-to-peer: the same 80% of the per-direction rate
+# - PCIe through host memory (no peer-to-peer, NCCL's SHM transport): 8 RTX 5090s on PCIe 5 reach 28 GB/s
+#   (NVIDIA/nccl#1639); PCIe 4 and 3 pro rata
+# - InfiniBand, per NIC: 4 HDR NICs per node reach 91-96 GB/s busbw across nodes, of 100 (NVIDIA/nccl-tests#100,
+#   #119): 23 GB/s per 25 GB/s HDR NIC, 46 per NDR NIC. Rails: a node has one per GPU (Cluster.link_for adds them up)
+# - Ethernet (TCP sockets) and gloo: the link's own rate
 LINKS: dict[str, Link] = {lk.name: lk for lk in [
-    Link("pcie3", 12.0, 5e-6),
-    Link("pcie4", 24.0, 5e-6),
-    Link("pcie5", 48.0, 5e-6),
+    Link("pcie3", 12.0, 5e-6, 10.0),
+    Link("pcie4", 24.0, 5e-6, 20.0),
+    Link("pcie5", 48.0, 5e-6, 40.0),
     # GPU to GPU through host memory (no peer-to-peer): each byte crosses PCIe twice, through a host bounce buffer
-    Link("pcie3-host", 6.0, 10e-6),
-    Link("pcie4-host", 12.0, 10e-6),
-    Link("pcie5-host", 24.0, 10e-6),
-    Link("nvlink2", 150.0, 3e-6),
-    Link("nvlink3", 300.0, 3e-6),
-    Link("nvlink4", 450.0, 3e-6),
-    Link("nvlink3-400", 200.0, 3e-6),  # A800: 400 GB/s both ways
-    Link("nvlink4-400", 200.0, 3e-6),  # H800: 400 GB/s both ways
-    Link("xgmi-mi300x", 300.0, 3e-6),  # MI300X: 7 Infinity Fabric links (896 GB/s in all); what RCCL's rings reach
+    Link("pcie3-host", 6.0, 10e-6, 7.0),
+    Link("pcie4-host", 12.0, 10e-6, 14.0),
+    Link("pcie5-host", 24.0, 10e-6, 28.0),
+    Link("nvlink2", 150.0, 3e-6, 120.0),
+    Link("nvlink3", 300.0, 3e-6, 230.0),
+    Link("nvlink4", 450.0, 3e-6, 370.0),
+    Link("nvlink3-400", 200.0, 3e-6, 160.0),  # A800: 400 GB/s both ways
+    Link("nvlink4-400", 200.0, 3e-6, 160.0),  # H800: 400 GB/s both ways
+    # MI300X: 7 Infinity Fabric links (896 GB/s in all); what RCCL's rings reach
+    Link("xgmi-mi300x", 300.0, 3e-6, 300.0),
     Link("eth-10g", 1.1, 30e-6),
     Link("eth-25g", 2.8, 20e-6),
     Link("eth-100g", 11.0, 10e-6),
-    Link("ib-hdr", 23.0, 3e-6),
-    Link("ib-ndr", 46.0, 3e-6),
+    Link("ib-hdr", 23.0, 3e-6, 23.0, rails=True),
+    Link("ib-ndr", 46.0, 3e-6, 46.0, rails=True),
     Link("gloo-loopback", 1.0, 50e-6),  # default for local gloo ranks; profile_hardware measures it
 ]}
 

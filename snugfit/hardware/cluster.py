@@ -45,11 +45,20 @@ class Cluster:
         return self.nodes[self.node_of(rank)].gpu
 
     def link_for(self, ranks: list[int]) -> Link:
-        """The slowest link a collective over these ranks crosses."""
-        nodes = {self.node_of(r) for r in ranks}
-        if len(nodes) > 1:
-            return self.inter
-        return self.nodes[nodes.pop()].intra
+        """The slowest link a collective over these ranks crosses. Across nodes: the inter-node link, with the
+        nodes it spans and, where each GPU has its own NIC (rails), NCCL's bus bandwidth over as many NICs as the
+        group has ranks on its sparsest node (NCCL runs a channel over each), up to the nodes' own links."""
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            node = self.node_of(r)
+            per_node[node] = per_node.get(node, 0) + 1
+        if len(per_node) == 1:
+            return self.nodes[next(iter(per_node))].intra
+        inter, bus = self.inter, self.inter.bus_gbps
+        if inter.rails and bus:
+            intra = min(self.nodes[n].intra.bus_gbps or self.nodes[n].intra.gbps for n in per_node)
+            bus = min(bus * min(per_node.values()), max(bus, intra))
+        return replace(inter, bus_gbps=bus, nodes=len(per_node))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -5,7 +5,9 @@ timed on this very device, else a roofline sum: matmul FLOPs at the device's ach
 moved by memory-bound ops at its achievable bandwidth. Recompute adds a forward
 ("selective" only the memory-bound part). Frozen weights cost no weight-gradient
 matmuls: the profile's backward FLOPs were recorded with them frozen. Collectives
-are alpha-beta ring formulas over the slowest link of the group.
+are what NCCL runs over the slowest link of the group (`collective_time`): rings at the
+link's measured bus bandwidth, and for all-reduces across nodes the faster of a ring and
+a tree (log2 of the nodes in latency).
 
 As the runtime (FSDP2) communicates: every microbatch gathers each sharded unit in
 forward (zero 1-3: FSDP2 reshards after backward) and zero-3 blocks again in
@@ -14,6 +16,8 @@ reduced once, in the last microbatch's backward (sync is off before it).
 What overlaps: gathers with the previous block's compute (prefetch), gradient
 reduction with the last microbatch's backward, activation offload with the
 block's compute, the host optimizer with the last backward; the rest is exposed.
+A hidden collective is not free on a GPU: NCCL's kernels hold one SM per channel, so
+the compute beside it runs on fewer SMs (`overlap_exposed`).
 
 Where the device is this machine's CPU (gloo ranks), nothing overlaps: collectives
 and compute share the same cores. Ranks slow each other's compute, and FSDP2's
@@ -25,6 +29,7 @@ of a multi-rank step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU, Host, Link
@@ -36,15 +41,70 @@ from snugfit.profile.types import DTYPE_BYTES, PieceProfile
 ADAM_BYTES_PER_PARAM = 32  # fused AdamW on device: read p, g, m, v (+ master), write p, m, v
 
 
+# NCCL's own tuning model (src/graph/tuning.cc, NCCL 2.1x): a tree all-reduce reaches 90% of the ring's bus bandwidth,
+# and at most 110 GB/s over 2 nodes, 80 GB/s over more
+TREE_BUS_SHARE = 0.9
+TREE_MAX_GBPS = (110.0, 80.0)
+# NCCL runs one thread block (on one SM) per channel, and opens about as many channels as its bus bandwidth needs
+# at up to ~24 GB/s each (its tuning tables' per-channel maxima for Ampere, src/graph/tuning.h), 2 at least and 32
+# at most: 2 on PCIe, 16 on H100's NVLink (NVIDIA/nccl#1161's log shows 24 on two NVLink-bridged H100s)
+CHANNEL_GBPS = 24.0
+CHANNELS = (2, 32)
+
+
+def bus_gbps(link: Link) -> float:
+    """What a ring collective reaches over the link: NCCL's bus bandwidth, or the link's rate where NCCL does
+    not run (gloo, measured links)."""
+    return link.bus_gbps or link.gbps
+
+
 def ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """all_gather / reduce_scatter / all_reduce of a tensor of `nbytes` (unsharded) over n ranks."""
+    """all_gather / reduce_scatter / all_reduce of a tensor of `nbytes` (unsharded) over an n-rank ring: a step's
+    latency per hop, and each rank's share of the bytes at the bus bandwidth (nccl-tests' definition of busbw)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     steps = n - 1
     frac = (n - 1) / n
     if kind == "all_reduce":
         steps, frac = 2 * steps, 2 * frac
-    return steps * link.latency_s + frac * nbytes / (link.gbps * 1e9)
+    return steps * link.latency_s + frac * nbytes / (bus_gbps(link) * 1e9)
+
+
+def tree_time(nbytes: float, n: int, link: Link) -> float:
+    """An all-reduce over NCCL's double binary tree across link.nodes nodes: reduced up and broadcast down, a
+    chain inside each node and log2(nodes) network hops each way, at NCCL's tree bandwidth."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    hops = 2 * (max(1, n // link.nodes) - 1 + math.ceil(math.log2(link.nodes)))
+    bus = min(TREE_BUS_SHARE * bus_gbps(link), TREE_MAX_GBPS[link.nodes > 2])
+    return hops * link.latency_s + 2 * nbytes / (bus * 1e9)
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """A collective as NCCL runs it: a ring, or for an all-reduce across nodes the tree where that is faster
+    (small messages over many nodes, where the ring's 2(n-1) latencies dominate). Links NCCL does not run on
+    (gloo) keep the ring."""
+    ring = ring_time(kind, nbytes, n, link)
+    if kind == "all_reduce" and link.nodes > 1 and link.bus_gbps:
+        return min(ring, tree_time(nbytes, n, link))
+    return ring
+
+
+def overlap_exposed(comm: float, compute: float, sm_share: float) -> float:
+    """Seconds a collective of `comm` seconds adds beside `compute` seconds of kernels: what outlasts the
+    compute, and the hidden part's toll on it: the compute runs on the SMs NCCL leaves (1 - sm_share), so it
+    takes 1 / (1 - sm_share) as long while they overlap."""
+    hidden = min(comm, compute)
+    return comm - hidden + hidden * sm_share / (1.0 - sm_share)
+
+
+def nccl_sm_share(gpu: GPU, link: Link) -> float:
+    """The share of the GPU's SMs NCCL's channels over `link` hold while a collective runs (0 on CPUs, unknown
+    GPUs and links NCCL does not run on)."""
+    if gpu.name == "cpu" or not gpu.sms or not link.bus_gbps:
+        return 0.0
+    channels = min(max(math.ceil(link.bus_gbps / CHANNEL_GBPS), CHANNELS[0]), CHANNELS[1])
+    return min(0.5, channels / gpu.sms)
 
 
 def transfer_time(nbytes: float, link: Link) -> float:
@@ -108,15 +168,16 @@ class TensorParallel:
         n, link = self.size, self.link
         if p.name.startswith("block"):
             whole = p.input_bytes * n
-            gather, scatter = ring_time("all_gather", whole, n, link), ring_time("reduce_scatter", whole, n, link)
+            gather = collective_time("all_gather", whole, n, link)
+            scatter = collective_time("reduce_scatter", whole, n, link)
             again = {"recompute": 2 * (gather + scatter), "selective": 2 * gather}.get(policy, 0.0)
             return 2 * (gather + scatter), 2 * (gather + scatter) + again
         if p.name == "embed":
             whole = p.output_bytes * n
-            return ring_time("all_reduce", whole, n, link), ring_time("all_gather", whole, n, link)
+            return collective_time("all_reduce", whole, n, link), collective_time("all_gather", whole, n, link)
         whole = p.input_bytes * n
-        return (ring_time("all_gather", whole, n, link) + ring_time("all_gather", self.logits_bytes, n, link),
-                ring_time("all_reduce", whole, n, link))
+        logits = collective_time("all_gather", self.logits_bytes, n, link)
+        return collective_time("all_gather", whole, n, link) + logits, collective_time("all_reduce", whole, n, link)
 
 
 @dataclass
@@ -133,6 +194,7 @@ class StageTime:
     pipe: float = 0.0  # the pipeline runtime's own work for this stage on CPU ranks (transfers, bookkeeping)
     tp_fwd: float = 0.0  # tensor-parallel collectives in forward (all exposed)
     tp_bwd: float = 0.0  # and in backward, recomputation's included
+    sm_share: float = 0.0  # of the GPU's SMs, what NCCL holds while a dp collective overlaps compute
 
     @property
     def f_total(self) -> float:
@@ -182,7 +244,7 @@ def stage_time(
     gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     on_cpu, share = gpu.name == "cpu", cpu_share(node, busy)
-    st = StageTime(reduce_bytes=[])
+    st = StageTime(reduce_bytes=[], sm_share=nccl_sm_share(gpu, dp_link))
     first_gather = True
     for sp in pieces:
         p, d = sp.piece, sp.decision
@@ -194,14 +256,15 @@ def stage_time(
             tf, tb = tensor.times(p, policy)
             st.tp_fwd, st.tp_bwd = st.tp_fwd + tf, st.tp_bwd + tb
         if d.zero >= 1 and dp > 1 and not on_cpu:  # CPU ranks: FSDP2's measured costs below
-            gather = ring_time("all_gather", sp.n_params * c, dp, dp_link)
+            gather = collective_time("all_gather", sp.n_params * c, dp, dp_link)
             if d.offload_params:
                 gather += transfer_time(sp.n_params * c / dp, pcie)
             comm_b = gather if d.zero == 3 and p.name.startswith("block") else 0.0
             if first_gather:  # nothing to hide the first gather behind
                 st.comm_exposed += gather
                 first_gather = False
-            st.comm_exposed += max(0.0, gather - f) + max(0.0, comm_b - (b + rc))
+            st.comm_exposed += (overlap_exposed(gather, f, st.sm_share)
+                                + overlap_exposed(comm_b, b + rc, st.sm_share))
         if host_saved(sp):
             move = transfer_time(host_saved(sp), pcie)
             st.offload_exposed += 2 * move if on_cpu else max(0.0, move - f) + max(0.0, move - b)
@@ -262,7 +325,7 @@ def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int, cos
 
 def reduce_time(sp: StagePiece, nbytes: float, dp: int, link: Link) -> float:
     """One piece's end-of-step gradient reduction: all-reduce when replicated, else reduce-scatter (FSDP2)."""
-    return ring_time("all_reduce" if sp.decision.zero == 0 else "reduce_scatter", nbytes, dp, link)
+    return collective_time("all_reduce" if sp.decision.zero == 0 else "reduce_scatter", nbytes, dp, link)
 
 
 def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: int, link: Link, bwd_last: float,
@@ -281,7 +344,7 @@ def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: in
     if cpu is not None:  # CPU ranks not measured: the link's cost, nothing overlaps
         return sum(times)
     tail = times[0] if times else 0.0  # the first piece's gradients are ready last
-    return max(0.0, sum(times) - bwd_last) + tail
+    return overlap_exposed(sum(times), bwd_last, stages[0][0].sm_share if stages else 0.0) + tail
 
 
 def optimizer_time(
