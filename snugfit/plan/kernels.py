@@ -12,6 +12,7 @@ launch costs at least `LAUNCH_S`. A GPU whose rates profile-hardware measured
 
 from __future__ import annotations
 
+import functools
 import math
 
 from snugfit.hardware.catalogue import GPU
@@ -24,13 +25,20 @@ GEMM_CEILING = {"bfloat16": 0.8, "float16": 0.8, "tf32": 0.75, "float32": 0.9}
 LAUNCH_S = 4e-6
 
 
-def gemm_time(m: int, n: int, k: int, gpu: GPU, dtype: str) -> float:
-    """Seconds of one M x K by K x N GEMM on `gpu` (requires gpu.sms)."""
-    tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
-    waves = math.ceil(tiles / gpu.sms)
+def sm_rate(gpu: GPU, dtype: str) -> float:
+    """FLOP/s one SM reaches on a large, well-shaped GEMM of `dtype` (requires gpu.sms)."""
     dtype, peak = gpu.peak_flops(dtype)
     ceiling = 1.0 if gpu.matmul_efficiency >= 1.0 else GEMM_CEILING.get(dtype, gpu.matmul_efficiency)
-    per_sm = peak * ceiling / gpu.sms
+    return peak * ceiling / gpu.sms
+
+
+def gemm_time(m: int, n: int, k: int, gpu: GPU, dtype: str) -> float:
+    """Seconds of one M x K by K x N GEMM on `gpu` (requires gpu.sms)."""
+    return _gemm_time(m, n, k, gpu.sms, sm_rate(gpu, dtype))
+
+
+def _gemm_time(m: int, n: int, k: int, sms: int, per_sm: float) -> float:
+    waves = math.ceil(math.ceil(m / TILE_M) * math.ceil(n / TILE_N) / sms)
     k_padded = math.ceil(k / TILE_K) * TILE_K
     return max(LAUNCH_S, waves * 2 * TILE_M * TILE_N * k_padded / per_sm)
 
@@ -40,10 +48,22 @@ def gemm_seconds(gemms: list[list[int]], gpu: GPU, dtype: str,
     """(forward seconds, backward seconds, forward FLOPs, backward FLOPs) of a piece's linear layers: forward
     M x K by K x N; backward the input's gradient (M x N by N x K) and, for the `weight_grads` share of
     trainable weights, the weight's (K x M by M x N)."""
+    # the search asks for the same pieces on the same GPUs thousands of times: cached on what the times depend on
+    return _gemm_seconds(tuple(map(tuple, gemms)), gpu.sms, sm_rate(gpu, dtype), weight_grads)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_seconds(gemms: tuple[tuple[int, ...], ...], sms: int, per_sm: float,
+                  weight_grads: float) -> tuple[float, float, float, float]:
     fwd = bwd = fwd_flops = bwd_flops = 0.0
     for m, n, k in gemms:
-        fwd += gemm_time(m, n, k, gpu, dtype)
-        bwd += gemm_time(m, k, n, gpu, dtype) + weight_grads * gemm_time(k, n, m, gpu, dtype)
+        fwd += _gemm_time(m, n, k, sms, per_sm)
+        bwd += _gemm_time(m, k, n, sms, per_sm) + weight_grads * _gemm_time(k, n, m, sms, per_sm)
         fwd_flops += 2.0 * m * n * k
         bwd_flops += 2.0 * m * n * k * (1 + weight_grads)
     return fwd, bwd, fwd_flops, bwd_flops
+
+
+def gemm_cache_clear() -> None:
+    """Forget the cached GEMM times (benchmarks time the search from a cold start)."""
+    _gemm_seconds.cache_clear()

@@ -106,7 +106,7 @@ class StageCosts:
         (memory.stage_walk counts them once), so they come off, at the piece's leanest option to stay an upper
         bound. Cached: the search asks for it per candidate and stage (`opts`/`ropts` are the search's own
         cached lists, so their identity names them)."""
-        key = (blk.name, tuple(p.name for p in roots), m, id(opts), id(ropts))
+        key = (blk.name, tuple(p.name for p in roots), m == 1, id(opts), id(ropts))
         if key not in self._walks:
             sync = (min(self._reduce_held(blk, o) for o in opts)
                     + (min(self._head_held(roots, ro) for ro in ropts) if m == 1 else 0.0))

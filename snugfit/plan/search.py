@@ -57,6 +57,8 @@ class Searcher:
         self.rep = max(range(self.n), key=lambda i: (blocks[i].num_params, blocks[i].saved_bytes["keep"]))
         self._scaled: dict[tuple[int, int], ModelProfile] = {}
         self._costs: dict[tuple, StageCosts] = {}
+        self._costs_at: dict[tuple, StageCosts] = {}  # by first rank: the links need not be looked up again
+        self._buffers_of: dict[tuple[int, int], tuple[float, float, float]] = {}
         self._opts: dict[tuple[int, bool], list[BlockPlan]] = {}
         self._fastest_of: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.verified, self.verify_s = 0, 0.0
@@ -79,6 +81,9 @@ class Searcher:
         busy = 1.0
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
             busy = cand.m / (cand.m + (cand.pp - 1) / cand.v)  # crowded CPU ranks: a pipeline's busy share
+        at = (first, cand.dp, cand.tp, cand.mbs, busy)
+        if at in self._costs_at:
+            return self._costs_at[at]
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer)
         dp_link = self.cluster.link_for(list(range(first, first + cand.dp * cand.tp, cand.tp))).name
         tp_link = self.cluster.link_for(list(range(first, first + cand.tp))).name
@@ -92,6 +97,7 @@ class Searcher:
                 tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))), logits,
                                         cpu_tp_time(node))
             self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor)
+        self._costs_at[at] = self._costs[key]
         return self._costs[key]
 
     def _stage(self, cand: Candidate, s: int):
@@ -172,9 +178,12 @@ class Searcher:
     def _buffers(self, cand: Candidate) -> tuple[float, float, float]:
         """(ZeRO-3 gather buffers, activation-offload window, checkpoint-offload window): two blocks of each, as
         memory.py counts them."""
-        blk = self.profile(cand).blocks[self.rep]
-        return (2 * blk.num_params * DTYPE_BYTES[self.prof.dtype], 2 * blk.saved_bytes["keep"],
-                2 * blk.saved_bytes["recompute"])
+        key = (cand.mbs, cand.tp)
+        if key not in self._buffers_of:
+            blk = self.profile(cand).blocks[self.rep]
+            self._buffers_of[key] = (2 * blk.num_params * DTYPE_BYTES[self.prof.dtype], 2 * blk.saved_bytes["keep"],
+                                     2 * blk.saved_bytes["recompute"])
+        return self._buffers_of[key]
 
     def _extra(self, cand: Candidate, o: BlockPlan) -> float:
         kind = _kind(o)
@@ -256,9 +265,14 @@ class Searcher:
     def _build(self, cand: Candidate, choices, sizes: list[int], opts_of, ropts_of) -> Plan:
         """Lay each rank's chosen options out over its (virtual) stages."""
         pp, v = cand.pp, cand.v
-        chunks = [[k // v + (1 if i < k % v else 0) for i in range(v)] for k in sizes]
+        # Interleaved: a rank's first chunk may hold every resident microbatch at once (its forwards run ahead of
+        # the last chunk's backwards), its last chunk about the share the knapsack assumes. So the first chunks
+        # take the fewer blocks and the options that save the least; the peak then stays near the knapsack's count.
+        chunks = [[k // v + (1 if i >= v - k % v else 0) for i in range(v)] for k in sizes]
         stage_blocks = [chunks[k % pp][k // pp] for k in range(pp * v)]
-        per_rank = [sorted(idx) for _, idx in choices]
+        blk = self.profile(cand).blocks[self.rep]
+        act = [[self.costs(cand, s).cost(blk, o).act for o in opts_of[s]] for s in range(pp)]
+        per_rank = [sorted(idx, key=lambda i, s=s: (act[s][i], i)) for s, (_, idx) in enumerate(choices)]
         blocks: list[BlockPlan] = []
         for k, nb in enumerate(stage_blocks):
             take, per_rank[k % pp] = per_rank[k % pp][:nb], per_rank[k % pp][nb:]
@@ -272,29 +286,33 @@ class Searcher:
 
     def verify(self, cand: Candidate) -> bool:
         """estimate() the candidate's plan; on a device overshoot re-solve with it as slack."""
-        slack = 0.0
+        slack, tried = 0.0, None
         for _ in range(RETRIES + 1):
             if cand.plan is None:
                 break
-            t0 = time.perf_counter()
-            pred = estimate(cand.plan, self.prof, self.cluster, self.budget)
-            self.verified, self.verify_s = self.verified + 1, self.verify_s + time.perf_counter() - t0
-            if pred.fits:
-                cand.fits = True
-                return True
-            over = max(device_bytes(m) for m in pred.memory_by_rank) - self.budget
-            if over <= 0:  # host memory, which slack on the device cannot fix
-                break
+            if _layout(cand.plan) != tried:  # the slack changed the plan: estimate it, else ask for more room
+                t0 = time.perf_counter()
+                pred = estimate(cand.plan, self.prof, self.cluster, self.budget)
+                self.verified, self.verify_s = self.verified + 1, self.verify_s + time.perf_counter() - t0
+                if pred.fits:
+                    cand.fits = True
+                    return True
+                over = max(device_bytes(m) for m in pred.memory_by_rank) - self.budget
+                if over <= 0:  # host memory, which slack on the device cannot fix
+                    break
+                tried = _layout(cand.plan)
             slack += over * 1.25 + self.budget / BUCKETS
             self.solve(cand, slack)
         cand.fits, cand.plan = False, None
         return False
 
-    def polish(self, cand: Candidate) -> None:
+    def polish(self, cand: Candidate, fastest: float) -> None:
         """Give a verified candidate back the room the knapsack could not see: it rounds memory up and puts the
         largest piece's working peak on every stage, so a plan estimate() says fits can leave a few percent free
         that a faster assignment would use. Re-solve with that room (then twice it, while what comes back fits)
-        and keep the fastest that estimate() says fits."""
+        and keep the fastest that estimate() says fits. A re-solve is estimated only when its knapsack score
+        beats the plan it would replace and the fastest verified time (`fastest`): the score runs below
+        estimate()'s time, so one that does not cannot win."""
         cand.polished = True
         room = self.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
         if room <= self.budget / BUCKETS:
@@ -303,7 +321,7 @@ class Searcher:
             trial = replace(cand, plan=None)
             self.solve(trial, slack=-factor * room)
             new, old = trial.plan, cand.plan
-            if new is None or (new.blocks, new.root, new.stage_blocks) == (old.blocks, old.root, old.stage_blocks):
+            if new is None or _layout(new) == _layout(old) or trial.score >= min(cand.score, fastest):
                 continue
             t0 = time.perf_counter()
             pred = estimate(new, self.prof, self.cluster, self.budget)
@@ -340,8 +358,13 @@ class Searcher:
         fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
         for x in found:  # those that more room could make the fastest
             if not x.polished and x.plan.predicted.step_time_s < POLISH_WITHIN * fastest:
-                self.polish(x)
+                self.polish(x, fastest)
         return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
+
+
+def _layout(plan: Plan) -> tuple:
+    """What the knapsack decides: stage sizes and every block's and the root's option."""
+    return plan.stage_blocks, plan.blocks, plan.root
 
 
 def _preference(x) -> tuple:
