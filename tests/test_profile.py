@@ -143,6 +143,19 @@ def test_gpu_profiles_count_what_the_gpu_kernels_save():
     assert saved["cpu"] - saved["gpu"] == pytest.approx(14.0, abs=0.1)  # 6 per norm, two norms; 2 for the copy
 
 
+def test_attention_backward_is_counted_once_with_its_head_dim():
+    """Flash attention's backward is 2.5 forwards, its recomputation included: the GPU kernels' stand-in must not
+    add a forward for the recomputation it runs on CPU. The profile keeps attention's head dim."""
+    cfg = ModelConfig(arch="llama", dim=128, n_layers=1, n_heads=2, vocab_size=256, max_seq_len=256)
+    for kernels in ("cpu", "gpu"):
+        block = profile_model(cfg, micro_batch_size=1, seq_len=256, use_cache=False, kernels=kernels).blocks[0]
+        gemm = sum(2.0 * m * n * k for m, n, k in block.gemms)
+        attention = 4.0 * 256 * 256 * 128 / 2  # causal: half of 4 s^2 d
+        assert block.head_dim == 64
+        assert block.fwd_flops - gemm == pytest.approx(attention)
+        assert block.bwd_flops - 2 * gemm == pytest.approx(2.5 * attention)
+
+
 def test_the_fused_norm_stand_in_computes_what_rms_norm_computes():
     import torch.nn.functional as F
 

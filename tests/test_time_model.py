@@ -6,6 +6,7 @@ from snugfit.hardware import get_link, parse_cluster
 from snugfit.plan.estimate import estimate
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.simulate import simulate
+from snugfit.plan.kernels import attention_rates
 from snugfit.plan.timing import piece_compute, ring_time
 from tests.test_memory_model import _plan, synthetic_profile
 
@@ -261,6 +262,31 @@ def test_linear_layers_are_recorded_and_timed_by_shape_on_gpus():
     gf, gb, gf_flops, gb_flops = gemm_seconds(block.gemms, gpu, "bfloat16", 1.0)
     rate = gpu.flops_per_s("bfloat16")
     assert gf < gf_flops / rate  # large GEMMs: above the flat 60%
-    bw = gpu.mem_bytes_per_s()
-    assert fwd == pytest.approx(gf + (block.fwd_flops - gf_flops) / rate + block.fwd_mem_bytes / bw)
-    assert bwd == pytest.approx(gb + (block.bwd_flops - gb_flops) / rate + block.bwd_mem_bytes / bw)
+    bw, (af, ab) = gpu.mem_bytes_per_s(), attention_rates(gpu, "bfloat16", block.head_dim)
+    assert fwd == pytest.approx(gf + (block.fwd_flops - gf_flops) / af + block.fwd_mem_bytes / bw)
+    assert bwd == pytest.approx(gb + (block.bwd_flops - gb_flops) / ab + block.bwd_mem_bytes / bw)
+
+
+def test_attention_runs_at_flash_attentions_rate_by_generation_and_head_dim():
+    """FlashAttention-2's published shares of the peak: head dim 128 faster than 64, the backward slower than the
+    forward, Hopper at a third of its peak; no FA2 (Volta, fp32): the flat rate. A measured card's share is taken
+    of its measured matmul rate."""
+    from dataclasses import replace
+
+    from snugfit.hardware.catalogue import GPUS
+    from snugfit.plan.kernels import FLASH_ATTENTION, GEMM_CEILING
+
+    a100, h100 = GPUS["A100-80GB-SXM"], GPUS["H100-SXM"]
+    fwd128, bwd128 = attention_rates(a100, "bfloat16", 128)
+    assert (fwd128, bwd128) == (pytest.approx(0.61 * 312e12), pytest.approx(0.53 * 312e12))
+    fwd64, _ = attention_rates(a100, "bfloat16", 64)
+    assert fwd64 == pytest.approx(0.53 * 312e12) and bwd128 < fwd128
+    assert attention_rates(a100, "bfloat16", 96)[0] == pytest.approx((fwd64 + fwd128) / 2)  # interpolated
+    assert attention_rates(a100, "bfloat16", 256) == (fwd128, bwd128)  # beyond the figures: the nearer end
+    assert attention_rates(h100, "bfloat16", 128)[1] == pytest.approx(0.32 * 989e12)
+    flat = GPUS["V100-32GB"].flops_per_s("float16")
+    assert attention_rates(GPUS["V100-32GB"], "float16", 128) == (flat, flat)
+    assert attention_rates(a100, "float32", 128) == (a100.flops_per_s("float32"),) * 2
+    measured = replace(a100, tflops={"bfloat16": 250.0}, matmul_efficiency=1.0)
+    share = FLASH_ATTENTION["ampere"][128][0] / GEMM_CEILING["bfloat16"]
+    assert attention_rates(measured, "bfloat16", 128)[0] == pytest.approx(250e12 * share)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from snugfit.hardware.catalogue import GPU, GiB, Host, Link, LocalHardware, default_cpu, hardware_cache_path
+from snugfit.hardware.catalogue import (
+    GPU, GiB, Host, Link, LocalHardware, cuda_arch, default_cpu, hardware_cache_path,
+)
 from snugfit.runtime.spawn import free_port
 
 
@@ -342,7 +344,8 @@ def measure_accelerator(name: str, dev: str | None = None, size: int = 4096) -> 
     duplex = _duplex_gbps(copy_bytes, dev, sync)
     hbm = _copy_gbps(2 * copy_bytes, dev, dev, sync)
     gpu = GPU(name, mem, tflops, hbm, 0, None, matmul_efficiency=1.0, mem_efficiency=1.0,
-              op_overhead_s=op_overhead_s(dev, sync), sms=props.multi_processor_count if props else 0)
+              op_overhead_s=op_overhead_s(dev, sync), sms=props.multi_processor_count if props else 0,
+              arch=cuda_arch(props.major, props.minor) if props and not torch.version.hip else "")
     return gpu, Link("pcie-local", min(h2d, d2h, duplex), 10e-6)
 
 

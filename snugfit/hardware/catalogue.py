@@ -40,6 +40,7 @@ class GPU:
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
     p2p: bool = True
     sms: int = 0  # streaming multiprocessors (AMD: compute units), which run a GEMM's tiles in waves; 0: unknown
+    arch: str = ""  # the generation its kernels are tuned for (plan.kernels: flash attention's rates); "": unknown
 
     def flops_per_s(self, dtype: str) -> float:
         """Achievable matmul rate; dtypes the card lacks (bf16 on V100/T4) fall back to float16, then float32."""
@@ -139,6 +140,20 @@ SMS = {"V100-16GB": 80, "V100-32GB": 80, "T4": 40, "A10": 72, "L4": 58, "A100-40
        "H800": 132, "H100-NVL": 132, "RTX4080": 76, "RTX3080": 68, "MI300X": 304}
 for _name, _sms in SMS.items():
     GPUS[_name].sms = _sms
+ARCHS = {"volta": ["V100-16GB", "V100-32GB"], "turing": ["T4"],
+         "ampere": ["A10", "A100-40GB-PCIe", "A100-40GB-SXM", "A100-80GB-PCIe", "A100-80GB-SXM", "RTX3090", "RTX3080",
+                    "RTX-A6000", "RTX-A5000", "A800-80GB-SXM"],
+         "ada": ["L4", "RTX4090", "RTX4080", "L40S"], "hopper": ["H100-PCIe", "H100-SXM", "H200", "H800", "H100-NVL"],
+         "blackwell": ["RTX5090"], "cdna3": ["MI300X"]}
+for _arch, _names in ARCHS.items():
+    for _name in _names:
+        GPUS[_name].arch = _arch
+
+
+def cuda_arch(major: int, minor: int) -> str:
+    """The generation of a CUDA compute capability (a measured card's `arch`)."""
+    return {7: "turing" if minor >= 5 else "volta", 8: "ada" if minor >= 9 else "ampere", 9: "hopper"}.get(
+        major, "blackwell" if major >= 10 else "")
 
 ALIASES = {
     "V100": "V100-32GB", "A100": "A100-80GB-SXM", "A100-40GB": "A100-40GB-SXM", "A100-80GB": "A100-80GB-SXM",

@@ -1,4 +1,4 @@
-"""GEMM time on a GPU from its shape: tiles, waves and a ceiling per dtype.
+"""GEMM time on a GPU from its shape: tiles, waves and a ceiling per dtype; attention at flash attention's rate.
 
 cuBLAS splits C = A B (M x K times K x N) into output tiles (128 x 128 here, its
 usual choice for large bf16/fp16 GEMMs) and runs them on the SMs in waves. A
@@ -8,6 +8,10 @@ quantization), and a dimension that is not a tile multiple computes the padding
 peak, times the best fraction large GEMMs reach (`GEMM_CEILING`); a kernel
 launch costs at least `LAUNCH_S`. A GPU whose rates profile-hardware measured
 (matmul_efficiency 1) is at its ceiling already.
+
+Attention (a piece's FLOPs beyond its GEMMs) runs as torch's SDPA runs it in fp16/bf16
+on NVIDIA GPUs from Ampere on: FlashAttention-2, whose achieved share of the peak
+depends on the generation and the head dim (`FLASH_ATTENTION`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,22 @@ TILE_K = 32  # the K step of one tile's main loop
 # limits; fp32 without TF32: the CUDA cores' FMA pipes); what the catalogue's flat matmul_efficiency undercounts
 GEMM_CEILING = {"bfloat16": 0.8, "float16": 0.8, "tf32": 0.75, "float32": 0.9}
 LAUNCH_S = 4e-6
+
+# FlashAttention-2's (forward, backward) share of the dense fp16/bf16 peak, causal, sequences of 2k-8k tokens, the
+# backward counted as 2.5 forwards (its recomputation included), by generation and head dim:
+# - ampere: Dao, "FlashAttention-2" (arXiv 2307.08691), figures 5 and 6 (A100 80GB SXM4, 312 TFLOPS): about 190 and 165
+#   TFLOPs/s at head dim 128, 165 and 135 at 64, read off the plots. Other sm8x cards (A10, RTX 3090, A6000) and Ada
+#   run the same kernels with smaller tiles; no published figures, so Ampere's are used for them.
+# - hopper: FA2's curves in Shah et al., "FlashAttention-3" (arXiv 2407.08608), H100 80GB SXM5 (989 TFLOPS): backward
+#   291-318 TFLOPs/s at head dim 128 (2k-8k), forward about 330; head dim 64 about 0.85 of that. FA2 uses none of
+#   Hopper's new instructions (torch's flash backend is FA2), hence a third of the peak where cuDNN and FA3 reach half.
+# Elsewhere (Volta and Turing have no FA2, AMD, fp32, unknown cards) attention keeps the flat matmul rate.
+FLASH_ATTENTION = {
+    "ampere": {64: (0.53, 0.43), 128: (0.61, 0.53)},
+    "ada": {64: (0.53, 0.43), 128: (0.61, 0.53)},
+    "hopper": {64: (0.28, 0.27), 128: (0.33, 0.32)},
+}
+FLASH_DTYPES = ("bfloat16", "float16")
 
 
 def sm_rate(gpu: GPU, dtype: str) -> float:
@@ -67,3 +87,19 @@ def _gemm_seconds(gemms: tuple[tuple[int, ...], ...], sms: int, per_sm: float,
 def gemm_cache_clear() -> None:
     """Forget the cached GEMM times (benchmarks time the search from a cold start)."""
     _gemm_seconds.cache_clear()
+
+
+def attention_rates(gpu: GPU, dtype: str, head_dim: int) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of attention at this head dim: flash attention's share of the peak where it is
+    known (head dims between 64 and 128 interpolated, others at the nearer end), else the flat matmul rate. On a
+    card profile-hardware measured, the share is taken of its measured matmul rate, which is at GEMM_CEILING."""
+    flat = gpu.flops_per_s(dtype)
+    table = FLASH_ATTENTION.get(gpu.arch)
+    if not table or not head_dim or dtype not in FLASH_DTYPES:
+        return flat, flat
+    t = min(max((head_dim - 64) / 64, 0.0), 1.0)
+    shares = [lo + t * (hi - lo) for lo, hi in zip(table[64], table[128])]
+    dtype, peak = gpu.peak_flops(dtype)
+    if gpu.matmul_efficiency >= 1.0:
+        peak /= GEMM_CEILING[dtype]
+    return peak * shares[0], peak * shares[1]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU, Host, Link
 from snugfit.hardware.cluster import Node
-from snugfit.plan.kernels import gemm_seconds
+from snugfit.plan.kernels import attention_rates, gemm_seconds
 from snugfit.plan.memory import StagePiece, host_saved, wrapped_params
 from snugfit.profile.types import DTYPE_BYTES, PieceProfile
 
@@ -115,7 +115,8 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
     """(forward, backward) seconds of one microbatch through one piece.
 
     Unmeasured: the roofline, with a floor of one dispatch per operator; on a GPU the linear layers' GEMMs
-    by their shapes (plan.kernels: tiles, waves, a ceiling per dtype), other FLOPs at the flat rate. On a GPU the host
+    by their shapes (plan.kernels: tiles, waves, a ceiling per dtype), other FLOPs (attention) at flash attention's
+    rate where it is known, else at the flat rate. On a GPU the host
     dispatches ahead of the kernels, so the slower of the two counts; on the CPU the same
     thread dispatches and computes, so they add up.
     """
@@ -124,9 +125,10 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
     rate, bw = gpu.flops_per_s(dtype), gpu.mem_bytes_per_s()
     combine = (lambda a, b: a + b) if gpu.name == "cpu" else max
     fwd, bwd = p.fwd_flops / rate, p.bwd_flops / rate
-    if gpu.name != "cpu" and gpu.sms and p.gemms:  # linear layers by tile and wave (plan.kernels), the rest flat
+    if gpu.name != "cpu" and gpu.sms and p.gemms:  # linear layers by tile and wave, attention as flash attention
         gf, gb, gf_flops, gb_flops = gemm_seconds(p.gemms, gpu, dtype, p.num_trainable / max(p.num_params, 1))
-        fwd, bwd = gf + max(0.0, p.fwd_flops - gf_flops) / rate, gb + max(0.0, p.bwd_flops - gb_flops) / rate
+        af, ab = attention_rates(gpu, dtype, p.head_dim)
+        fwd, bwd = gf + max(0.0, p.fwd_flops - gf_flops) / af, gb + max(0.0, p.bwd_flops - gb_flops) / ab
     return (combine(fwd + p.fwd_mem_bytes / bw, p.fwd_ops * gpu.op_overhead_s),
             combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * gpu.op_overhead_s))
 

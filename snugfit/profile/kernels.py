@@ -47,22 +47,20 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 class _FlashAttention(torch.autograd.Function):
     """Causal attention that keeps q, k, v, its output laid out sequence-major and the fp32 log-sum-exp per row,
-    as flash attention on CUDA does; its backward recomputes through the CPU kernel."""
+    as flash attention on CUDA does. Forward and backward are the CPU's flash kernels, one op each, so the profile
+    counts the backward's FLOPs once (2.5 forwards, its recomputation included), as flash attention runs it."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().transpose(1, 2)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v, _, _ = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = F.scaled_dot_product_attention(*inputs, is_causal=True)
-            return torch.autograd.grad(out, inputs, grad)
+        q, k, v, out, lse = ctx.saved_tensors
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True)
 
 
 class _GpuAttention(TorchFunctionMode):

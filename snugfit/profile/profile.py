@@ -89,7 +89,7 @@ def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int],
         saved_bytes=saved,
         fwd_peak_bytes=rec.fwd.peak_delta, bwd_peak_bytes=rec.bwd.peak_delta, fwd_flops=rec.fwd.flops,
         bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,
-        fwd_ops=rec.fwd.ops, bwd_ops=rec.bwd.ops, gemms=rec.fwd.gemms,
+        fwd_ops=rec.fwd.ops, bwd_ops=rec.bwd.ops, gemms=rec.fwd.gemms, head_dim=rec.head_dim,
     )
 
 

@@ -56,6 +56,7 @@ class PieceRecord:
     selective_extra: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
+    head_dim: int = 0  # of the attention it ran
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -147,6 +148,7 @@ class StepRecorder(TorchDispatchMode):
                 stats.gemms.append([a.shape[0], b.shape[1], a.shape[1]])
         elif name in _SDPA_CPU:
             stats.flops += _sdpa_flops(args, kwargs, _SDPA_CPU[name])
+            rec.head_dim = args[0].shape[-1]
         elif not any(r.alias_info is not None for r in func._schema.returns):
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             stats.mem_bytes += sum(_tensor_bytes(t) for t in ins + outs)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing; 5: recompute intercepts
 # 9: forward GEMM shapes (plan.kernels); 8: GPU kernels' saved tensors (profile.kernels); 7: 1-D parameter counts
-PROFILE_VERSION = 9
+# 10: attention's head dim; the GPU kernels' attention backward counted once (2.5 forwards), not with a recompute more
+PROFILE_VERSION = 10
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -50,6 +51,7 @@ class PieceProfile:
     # the forward's 2-D matmuls (the linear layers) as [M, N, K], M the microbatch's tokens: what plan.kernels
     # times by tile and wave on a GPU (their backward is two GEMMs of the same sizes, transposed)
     gemms: list[list[int]] = field(default_factory=list)
+    head_dim: int = 0  # of its attention (the FLOPs beyond the GEMMs): what flash attention's rate depends on; 0: none
 
     @property
     def num_trainable(self) -> int:
