@@ -195,3 +195,14 @@ def test_measured_profile_of_frozen_leading_pieces_has_no_backward_time():
                          frozen="embed,blocks:0-1")
     assert [p.bwd_time_s for p in prof.pieces[:3]] == [0.0, 0.0, 0.0]
     assert prof.blocks[2].bwd_time_s > 0 and all(p.fwd_time_s > 0 for p in prof.pieces)
+
+
+def test_memory_traffic_is_the_activations_and_doubles_with_the_micro_batch():
+    """Only ops that make a tensor move bytes: fake tensors answer metadata queries (prim.device) on weights and
+    gradients too, which once counted each weight's bytes several times per block and broke the linear scaling
+    in the micro-batch that ModelProfile.scaled assumes."""
+    cfg = ModelConfig(arch="llama", dim=256, n_layers=1, n_heads=4, vocab_size=256, max_seq_len=256, ffn_dim=512)
+    one, two = (profile_model(cfg, micro_batch_size=b, seq_len=256, dtype="bfloat16", use_cache=False,
+                              kernels="gpu").blocks[0] for b in (1, 2))
+    assert two.fwd_mem_bytes == pytest.approx(2 * one.fwd_mem_bytes, rel=0.01)
+    assert two.bwd_mem_bytes == pytest.approx(2 * one.bwd_mem_bytes, rel=0.05)

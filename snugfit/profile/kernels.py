@@ -4,7 +4,8 @@ The profiler runs the model's CPU operators under FakeTensorMode. For most opera
 same tensors, but not for two (`gpu_kernels` makes the profile record the GPU's):
 - RMSNorm: CUDA runs `F.rms_norm` as one fused kernel that keeps its (bf16) input and a small fp32 statistic per
   row, while on CPU the op decomposes and autograd keeps fp32 copies of the input and of the normalised input
-  (about 4 bytes more per element and norm). The built-in decoder's norms are made to save what the kernel saves.
+  (about 4 bytes more per element and norm), and its memory traffic is that of a dozen elementwise ops, not one
+  pass. The built-in decoder's norms are made to save and move what the kernel does.
   (Hugging Face Llama norms are written out in Python, unfused on CUDA too: they are left as they are.)
 - Attention: flash attention on CUDA writes its output sequence-major, so the `transpose(1, 2).reshape(...)`
   before the output projection is a view of the tensor the kernel keeps; the CPU kernel writes it head-major and
@@ -27,22 +28,26 @@ KERNELS = ("cpu", "gpu")  # whose saved tensors a profile records
 
 
 class _FusedRMSNorm(torch.autograd.Function):
-    """RMSNorm that keeps its input, weight and the fp32 reciprocal RMS per row, as the fused CUDA kernel does."""
+    """RMSNorm that keeps its input, weight and the fp32 reciprocal RMS per row, as the fused CUDA kernel does, and
+    runs as one op each way (torch's fused RMSNorm ops), so the profile counts one pass over the tensors."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (x.float() * rstd).to(x.dtype) * weight
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
-        g = grad.float() * weight.float()
-        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
-        grad_w = (grad.float() * normed).flatten(0, -2).sum(0)
-        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+        try:
+            grad_x, grad_w = torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight, [True, True])
+        except NotImplementedError:  # no CPU kernel (the profile's fake tensors run its meta kernel): the same math
+            normed = x.float() * rstd
+            g = grad.float() * weight.float()
+            grad_x = (rstd * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+            grad_w = (grad.float() * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        return grad_x, grad_w, None
 
 
 class _FlashAttention(torch.autograd.Function):

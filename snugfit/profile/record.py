@@ -7,7 +7,7 @@ module hooks say which piece (embedding, block i, last piece) is running, and a
 saved-tensors hook sees what autograd keeps. Per piece and phase we record:
 
 - FLOPs of matmul-like ops (torch's flop formulas; SDPA on CPU added here),
-- bytes read + written by the other, memory-bound ops (a roofline's second term),
+- bytes read + written by the other, memory-bound ops that make a tensor (a roofline's second term),
 - bytes saved for backward, each storage counted once, parameters and buffers skipped,
 - the peak of live tensor bytes above the live bytes at the piece's start,
 - for "selective" recomputation: bytes of the outputs of SELECTIVE_SAVE_OPS.
@@ -35,6 +35,8 @@ _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 
 
+# views whose schema does not say so (matmul folds 3-D inputs to 2-D and back through them): they move nothing
+_NO_TRAFFIC = frozenset({"aten._unsafe_view"})
 # the two matrices of a 2-D matmul, by argument position: what linear layers run (3-D inputs folded to 2-D)
 _GEMM_OPERANDS = {"aten.mm": (0, 1), "aten.addmm": (1, 2)}
 
@@ -149,7 +151,8 @@ class StepRecorder(TorchDispatchMode):
         elif name in _SDPA_CPU:
             stats.flops += _sdpa_flops(args, kwargs, _SDPA_CPU[name])
             rec.head_dim = args[0].shape[-1]
-        elif not any(r.alias_info is not None for r in func._schema.returns):
+        elif outs and name not in _NO_TRAFFIC and not any(r.alias_info is not None for r in func._schema.returns):
+            # ops that make no tensor (prim.device and other metadata queries fake tensors answer) move nothing
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             stats.mem_bytes += sum(_tensor_bytes(t) for t in ins + outs)
         for t in outs:

@@ -9,7 +9,9 @@ from pathlib import Path
 # 2: trainable counts; HF models profiled as HFCausalLM; 3: operator counts; 4: paired timing; 5: recompute intercepts
 # 9: forward GEMM shapes (plan.kernels); 8: GPU kernels' saved tensors (profile.kernels); 7: 1-D parameter counts
 # 10: attention's head dim; the GPU kernels' attention backward counted once (2.5 forwards), not with a recompute more
-PROFILE_VERSION = 10
+# 11: no memory traffic for ops that make no tensor (fake tensors' metadata queries) or are views (_unsafe_view);
+# the GPU kernels' RMSNorm one pass each way
+PROFILE_VERSION = 11
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
