@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 
 pytest.importorskip("transformers")
 
 from snugfit.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.engine import OptimConfig  # noqa: E402
+from snugfit.runtime.memory import local  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.test_hf import MBS, NMB, SEQ, STEPS, _batches, _fresh, _reference  # noqa: E402
 
@@ -39,11 +41,25 @@ def _step(engine, plan: Plan, batch: torch.Tensor, rank: int) -> float:
     return engine.train_step(batch[dp_rank * rows:(dp_rank + 1) * rows]).loss
 
 
+def _logits_widths(model: nn.Module) -> list[int] | None:
+    """Records the vocabulary width of every logits tensor this rank's head computes (None: no head here)."""
+    head = getattr(model, "head", None)
+    if head is None:
+        return None
+    widths: list[int] = []
+    linear = [m for m in head.modules() if isinstance(m, nn.Linear)][-1]
+    linear.register_forward_hook(lambda mod, args, out: widths.append(local(out).shape[-1]))
+    return widths
+
+
 def _run(env, ckpt: str) -> dict[str, list[float]]:
     p, batches, out = plans(), _batches(STEPS), {}
     for name in ("dp2_tp2", "tp2_pp2"):
         engine = build_engine(_fresh(False), p[name], OPTIM, env)
+        widths = _logits_widths(engine.model)
         out[name] = [_step(engine, p[name], b, env.rank) for b in batches]
+        if widths is not None:  # the rank holds the head (every dp2_tp2 rank, the last stage of tp2_pp2)
+            out[f"{name} logits width"] = sorted(set(widths))
         if name == "dp2_tp2":
             engine = build_engine(_fresh(False), p[name], OPTIM, env)
             for b in batches[:2]:
@@ -61,6 +77,12 @@ def _run(env, ckpt: str) -> dict[str, list[float]]:
 def test_llama_gqa_tensor_parallel_matches_one_process_and_resumes_without_it(tmp_path):
     results = run_ranks(_run, 4, str(tmp_path / "tp2"))
     reference = _reference(False, OPTIM)
+    vocab = _fresh(False).cfg.vocab_size
+    for name in ("dp2_tp2", "tp2_pp2"):  # logits stay split by vocabulary (loss_parallel): never gathered
+        holders = [r[f"{name} logits width"] for r in results if f"{name} logits width" in r]
+        assert holders and all(w == [vocab // 2] for w in holders), (name, holders)
+        for r in results:
+            r.pop(f"{name} logits width", None)
     for name, losses in results[0].items():
         assert all(r[name] == losses for r in results), name  # every rank reports the global loss
         want = reference if len(losses) == STEPS else reference[2:]  # resumed: the step after the checkpoint

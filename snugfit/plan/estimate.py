@@ -9,7 +9,7 @@ from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
     StageTime, TensorParallel, cpu_tp_time, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
 )
-from snugfit.profile.types import DTYPE_BYTES, ModelProfile
+from snugfit.profile.types import ModelProfile
 
 HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
 
@@ -62,10 +62,9 @@ def _tp_group(plan: Plan, rank: int) -> list[int]:
 def _tensor_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int) -> TensorParallel | None:
     if plan.tp == 1:
         return None
-    vocab = prof.config.get("vocab_size") or 0
-    logits = prof.micro_batch_size * prof.seq_len * vocab * DTYPE_BYTES[plan.compute_dtype]
     node = cluster.nodes[cluster.node_of(rank)]
-    return TensorParallel(plan.tp, cluster.link_for(_tp_group(plan, rank)), logits, cpu_tp_time(node))
+    return TensorParallel(plan.tp, cluster.link_for(_tp_group(plan, rank)), prof.micro_batch_size * prof.seq_len,
+                          cpu_tp_time(node))
 
 
 def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:

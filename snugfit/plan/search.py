@@ -92,10 +92,8 @@ class Searcher:
             prof = self.profile(cand)
             tensor = None
             if cand.tp > 1:
-                logits = prof.micro_batch_size * prof.seq_len * (prof.config.get("vocab_size") or 0) * \
-                    DTYPE_BYTES[prof.dtype]
-                tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))), logits,
-                                        cpu_tp_time(node))
+                tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))),
+                                        prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
             self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]

@@ -152,12 +152,13 @@ class TensorParallel:
     """A stage's tensor-parallel group, as runtime.tensor_parallel talks over it (Megatron with sequence
     parallelism): per block, the attention and MLP inputs are all-gathered and their outputs reduce-scattered,
     in forward and again (as reduce-scatter and all-gather) in backward; recomputation gathers again. The
-    embedding all-reduces its output, the head gathers its input and its logits. torch's eager DTensor runs each
-    collective when its op needs it: none overlaps compute."""
+    embedding all-reduces its output, the head gathers its input; the loss (loss_parallel) all-reduces three fp32
+    figures per token (the logits' maximum, the sum of exponentials, the target's logit), never the logits.
+    torch's eager DTensor runs each collective when its op needs it: none overlaps compute."""
 
     size: int
     link: Link
-    logits_bytes: float  # one microbatch's whole logits in the compute dtype
+    tokens: int  # one microbatch's
     fixed_s: float = 0.0  # per piece and microbatch: what DTensor adds on CPU ranks (measured, `cpu_tp_time`)
 
     def times(self, p: PieceProfile, policy: str) -> tuple[float, float]:
@@ -178,8 +179,8 @@ class TensorParallel:
             whole = p.output_bytes * n
             return collective_time("all_reduce", whole, n, link), collective_time("all_gather", whole, n, link)
         whole = p.input_bytes * n
-        logits = collective_time("all_gather", self.logits_bytes, n, link)
-        return collective_time("all_gather", whole, n, link) + logits, collective_time("all_reduce", whole, n, link)
+        loss = 3 * collective_time("all_reduce", 4 * self.tokens, n, link)
+        return collective_time("all_gather", whole, n, link) + loss, collective_time("all_reduce", whole, n, link)
 
 
 @dataclass

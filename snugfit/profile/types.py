@@ -152,8 +152,9 @@ class ModelProfile:
         biases) replicated; FLOPs, memory traffic and measured times divide, but for the fixed part of times.
         Sequence parallelism slices the residual stream, so what blocks send and keep divides too, except the
         two whole-sequence inputs of the attention and MLP projections (all-gathered, saved by autograd on every
-        rank). Recomputation gathers them again rather than keeping them. The head runs its norm and loss on the
-        whole sequence, with gathered logits: its saved and working bytes do not divide.
+        rank). Recomputation gathers them again rather than keeping them. The head runs its norm on the whole
+        sequence; its logits are split by vocabulary (loss_parallel), but the profile does not tell their bytes
+        from the norm's, so its saved and working bytes are kept whole: an upper bound.
         """
         if tp == 1:
             return self

@@ -25,6 +25,7 @@ from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.memory import MemoryTracker, local
 from snugfit.runtime.offload import HostOffload
+from snugfit.runtime.tensor_parallel import vocab_parallel_loss
 
 
 @dataclass
@@ -237,11 +238,12 @@ class Engine:
         for i, (inputs, targets) in enumerate(micro):
             if isinstance(self.model, FSDPModule):  # reduce gradients once, after the last microbatch
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            with self._span("F", i), self.memory.track_activations() if self.track_memory else nullcontext():
-                loss = self.model(inputs, targets) / divisors[i]
-            self._sample()
-            with self._span("B", i):
-                (loss * self.loss_scale).backward()
+            with vocab_parallel_loss(self.plan):
+                with self._span("F", i), self.memory.track_activations() if self.track_memory else nullcontext():
+                    loss = local(self.model(inputs, targets)) / divisors[i]
+                self._sample()
+                with self._span("B", i):
+                    (loss * self.loss_scale).backward()
             total += loss.detach()
         self._sample()
         return self._update(total)
@@ -280,7 +282,8 @@ class Engine:
         micro = split_batch(batch.to(self.device), self.plan)
         total = torch.zeros((), device=self.device)
         for (inputs, targets), divisor in zip(micro, loss_divisors(batch, self.plan, self.dp_group, self.device)):
-            total += self.model(inputs, targets).float() / divisor
+            with vocab_parallel_loss(self.plan):
+                total += local(self.model(inputs, targets)).float() / divisor
         if self.dp_group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
         return total.item()

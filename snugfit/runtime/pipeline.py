@@ -50,10 +50,11 @@ from snugfit.runtime.activations import StageActivations
 from snugfit.runtime.apply import Weights, apply_activations, place, read_weights
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import Engine, OptimConfig, StepResult, loss_divisors, split_batch
+from snugfit.runtime.memory import local
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.schedules import BPipeSchedule, PipelineError, StageComms
 from snugfit.runtime.sharding import DTYPES, apply_fsdp
-from snugfit.runtime.tensor_parallel import apply_tp
+from snugfit.runtime.tensor_parallel import apply_tp, vocab_parallel_loss
 
 
 class StageModule(nn.Module):
@@ -204,7 +205,7 @@ class PipelineEngine(Engine):
         activations of that microbatch."""
         last = self.chunks[-1]
         with self.acts.microbatch((last.index, last.microbatch - 1)):
-            return cross_entropy(logits, targets) * (self.loss_scale / self.divisors[last.microbatch - 1])
+            return local(cross_entropy(logits, targets)) * (self.loss_scale / self.divisors[last.microbatch - 1])
 
     def train_step(self, batch: torch.Tensor) -> StepResult:
         self.model.train()
@@ -225,7 +226,8 @@ class PipelineEngine(Engine):
                 losses = self.schedule.step(micro)
             else:
                 args = (inputs,) if self.stages[0] == 0 else ()
-                self.schedule.step(*args, target=targets if self.is_last else None, losses=losses)
+                with vocab_parallel_loss(self.plan):
+                    self.schedule.step(*args, target=targets if self.is_last else None, losses=losses)
         except PipelineError:
             raise
         except Exception as err:  # torch.distributed.pipelining's own transfers: name the stage
@@ -253,7 +255,8 @@ class PipelineEngine(Engine):
                     torch.empty_like(self.hidden), (k - 1) % self.plan.pp, 0, f"eval recv mb {mb}")
                 y = chunk(x)
                 if k == n - 1:
-                    total += cross_entropy(y, targets).float() / divisors[mb]
+                    with vocab_parallel_loss(self.plan):
+                        total += local(cross_entropy(y, targets)).float() / divisors[mb]
                 else:
                     self.comms.send(y, (k + 1) % self.plan.pp, 0, f"eval send mb {mb}")
             self.comms.finish_sends()

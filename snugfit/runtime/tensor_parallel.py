@@ -10,9 +10,11 @@ Per block (`parallelize_module`, as torchtitan's parallelize_llama lays it out):
 The residual stream between blocks stays a DTensor sharded on the sequence, so a block sees the global
 sequence length (position ids, rotary tables) without knowing about tensor parallelism. The embedding is
 split by vocabulary (row-wise) and hands the blocks sequence slices; the final norm runs on the whole
-sequence and the head is split by vocabulary with its logits gathered (`Replicate`), so the loss, chunked or
-not, is the plain one. Gathering logits costs memory a vocabulary-parallel loss (`loss_parallel`) would save;
-that is left for later.
+sequence and the head is split by vocabulary. Its logits stay split (`Shard(-1)`): the loss, chunked or not,
+is the plain F.cross_entropy, which torch's `loss_parallel` computes from each rank's slice of the vocabulary
+with three small all-reduces per chunk, never gathering tokens x vocabulary logits on a rank. The engines run
+forward and backward under `vocab_parallel_loss(plan)`, as loss_parallel requires, and take the loss, a
+replicated DTensor, as a plain tensor (`runtime.memory.local`).
 
 Which modules are split is found by name: the built-in decoder's blocks (`attn.q` ... `mlp.down`) and the Hugging
 Face Llama-family layers (`self_attn.q_proj` ... `mlp.down_proj`: Llama, Mistral, Qwen2). Heads, key/value
@@ -22,6 +24,7 @@ heads, the MLP hidden size, the vocabulary and the sequence must divide by tp.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -33,6 +36,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -135,6 +139,12 @@ def check_tp(model: nn.Module, plan: Plan) -> None:
                         "activations) yet; plan those with tp 1")
 
 
+def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
+    """The context a step's forward and backward run in: torch's loss_parallel where the head's logits are split
+    by vocabulary (tp > 1), else nothing."""
+    return loss_parallel() if plan.tp > 1 else nullcontext()
+
+
 def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split `model`'s pieces that are present (a pipeline rank keeps only its own) over the tp mesh."""
     if model.embed is not None:
@@ -152,6 +162,6 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(model.norm, mesh, PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
         head = [m for m in model.head.modules() if isinstance(m, nn.Linear)][-1]
-        parallelize_module(head, mesh, ColwiseParallel(output_layouts=Replicate()))
+        parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     log.info("tensor parallel: %d blocks%s split over %d ranks (sequence parallel)", len(model.blocks),
              "".join(f" + {name}" for name in ("embed", "head") if getattr(model, name) is not None), mesh.size())
