@@ -1,5 +1,5 @@
 #!/bin/bash
-# Re-run every `snugfit plan` quoted in docs/scale.md (about 10 minutes on 2 cores; profiles are cached).
+# Re-run every `snugfit plan` quoted in docs/scale.md (about 3 minutes on 2 cores; profiles are cached).
 # Usage: bash docs/scale_runs.sh > scale_out.txt   (per-rank rows beyond rank 0 are dropped)
 # Every command gives the whole plan (--pp, --micro-batch, --zero, --recompute), so `snugfit plan` evaluates it as
 # written instead of searching; a plan that does not fit is still evaluated and reported.
