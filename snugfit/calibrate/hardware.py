@@ -12,6 +12,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -181,6 +183,7 @@ def _tensor_parallel_cost(world: int) -> float:
     split compute: DTensor's per-operator dispatch and redistribution, and its collectives' latency. Measured on
     a decoder so narrow that its compute is negligible, through runtime.tensor_parallel itself."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from snugfit.model.decoder import Decoder, ModelConfig
     from snugfit.runtime.tensor_parallel import apply_tp
@@ -188,8 +191,10 @@ def _tensor_parallel_cost(world: int) -> float:
     cfg = ModelConfig(dim=8 * world, n_layers=FSDP_UNITS, n_heads=world, vocab_size=16 * world, max_seq_len=4 * world)
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len + 1))
 
-    def step_time(model: Decoder) -> float:
-        step = lambda: model(tokens[:, :-1], tokens[:, 1:]).backward()  # noqa: E731
+    def step_time(model: Decoder, loss: Callable = nullcontext) -> float:
+        def step():
+            with loss():  # the split head's logits stay split by vocabulary: torch's loss_parallel, as engines run it
+                model(tokens[:, :-1], tokens[:, 1:]).backward()
         step()
         torch.distributed.barrier()
         return _typical_time(step, 9)
@@ -198,7 +203,7 @@ def _tensor_parallel_cost(world: int) -> float:
     plain = step_time(Decoder(cfg))
     split = Decoder(cfg)
     apply_tp(split, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
-    return max(0.0, step_time(split) - plain) / (FSDP_UNITS + 2)  # per piece: the blocks, embedding and head
+    return max(0.0, step_time(split, loss_parallel) - plain) / (FSDP_UNITS + 2)  # per piece: blocks, embedding, head
 
 
 PIPE_EXTRA_MICROBATCHES = 6  # two 1F1B steps, with as many microbatches as stages and this many more
