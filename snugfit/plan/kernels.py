@@ -93,13 +93,17 @@ def attention_rates(gpu: GPU, dtype: str, head_dim: int) -> tuple[float, float]:
     """(forward, backward) FLOP/s of attention at this head dim: flash attention's share of the peak where it is
     known (head dims between 64 and 128 interpolated, others at the nearer end), else the flat matmul rate. On a
     card profile-hardware measured, the share is taken of its measured matmul rate, which is at GEMM_CEILING."""
-    flat = gpu.flops_per_s(dtype)
-    table = FLASH_ATTENTION.get(gpu.arch)
+    return _attention_rates(gpu.arch, dtype, head_dim, *gpu.peak_flops(dtype), gpu.matmul_efficiency)
+
+
+@functools.lru_cache(maxsize=1024)  # the search asks thousands of times for a few GPUs and head dims
+def _attention_rates(arch: str, dtype: str, head_dim: int, peak_dtype: str, peak: float,
+                     efficiency: float) -> tuple[float, float]:
+    table = FLASH_ATTENTION.get(arch)
     if not table or not head_dim or dtype not in FLASH_DTYPES:
-        return flat, flat
+        return peak * efficiency, peak * efficiency  # GPU.flops_per_s
     t = min(max((head_dim - 64) / 64, 0.0), 1.0)
-    shares = [lo + t * (hi - lo) for lo, hi in zip(table[64], table[128])]
-    dtype, peak = gpu.peak_flops(dtype)
-    if gpu.matmul_efficiency >= 1.0:
-        peak /= GEMM_CEILING[dtype]
-    return peak * shares[0], peak * shares[1]
+    forward, backward = (lo + t * (hi - lo) for lo, hi in zip(table[64], table[128]))
+    if efficiency >= 1.0:
+        peak /= GEMM_CEILING[peak_dtype]
+    return peak * forward, peak * backward
