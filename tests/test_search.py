@@ -225,3 +225,26 @@ def test_interleaved_ranks_put_their_leaner_blocks_on_their_first_chunk():
             assert max(early) <= min(late), (rank, early, late)
             mixed |= len(set(early + late)) > 1
         assert mixed, "the budget should make the search mix options, or this test checks nothing"
+
+
+@pytest.mark.parametrize("model,spec", [("mid", "4xA10"), ("wide", "8xA100-40GB-SXM"), ("small", "2xRTX4090"),
+                                        ("small", "2x4xA100-80GB")])
+def test_lower_bounds_may_leave_offload_out(model, spec):
+    """The search's lower bounds cost only the options that offload nothing (`may_be_fastest`): that is a bound
+    only if no offloading option is faster than every option without offload, in step time and per microbatch."""
+    from snugfit.plan.search import may_be_fastest
+
+    prof, cluster = MODELS[model], parse_cluster(spec)
+    srch = Searcher(prof, cluster, 16, Constraints(), budget_for(cluster, None))
+    checked = 0
+    for cand in srch.candidates():
+        for s in range(cand.pp):
+            st, blk, _, opts, ropts, _ = srch._stage(cand, s)
+            roots = [srch.profile(cand).embed, srch.profile(cand).head]  # as the lower bound costs them
+            for options, cost in ((opts, lambda o: st.cost(blk, o)), (ropts, lambda o: st.root(roots, o))):
+                lean = may_be_fastest(options)
+                checked += len(lean) < len(options)  # offload allowed (not with tp)
+                for measure in (lambda c: c.time(cand.m), lambda c: c.t_mb):
+                    best = min(measure(cost(o)) for o in lean)
+                    assert all(measure(cost(o)) >= best * (1 - 1e-9) for o in options), (cand, s)
+    assert checked > 20

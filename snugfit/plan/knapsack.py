@@ -97,6 +97,7 @@ class StageCosts:
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
         self._cache: dict[tuple, Cost] = {}
         self._walks: dict[tuple, float] = {}  # working_peak's
+        self._computed: dict[str, tuple[float, float]] = {}  # piece_compute's, the same for every option
 
     def working_peak(self, blk: PieceProfile, roots: list[PieceProfile], opts: list[BlockPlan],
                      ropts: list[BlockPlan], m: int) -> float:
@@ -171,7 +172,8 @@ class StageCosts:
             host_act += host_saved(sp)
         unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
-                  measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor)
+                  measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
+                  computed=self._computed)
         one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
         # what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
         # costs the same wherever it is, and the root's per-unit costs count once for its pieces

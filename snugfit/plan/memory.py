@@ -327,7 +327,7 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         g = accum if grads_resident else 0
         kind = "sync" if ev.kind == "B" and ev.mb == plan.num_microbatches - 1 else ev.kind
         walk = walks[(ev.stage, kind, grads_resident)]
-        held = sum(per_mb[s] for s, _ in snap.resident)
+        held = sum(per_mb[s] * n for s, n in snap.resident.items() if n)
         total = held + walk.saved + walk.working + g + gathered - walk.released + walk.buffers
         if total > best_total:
             best_total, best = total, Peak(held + walk.saved + window, g, gathered - walk.released, walk.buffers,

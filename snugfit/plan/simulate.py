@@ -33,13 +33,14 @@ class Event:
 
 @dataclass(slots=True)
 class Snapshot:
-    """At the start of a compute event: what activations the rank holds, by (stage, microbatch).
+    """At the start of a compute event: how many microbatches of activations the rank holds, per stage (the
+    memory model needs no more, and a count keeps long simulations cheap).
 
     The event's own (stage, mb) is excluded: its bytes belong to the piece walk of the event.
     """
 
     event: Event
-    resident: list[tuple[int, int]]
+    resident: dict[int, int]  # stage -> microbatches held
 
 
 @dataclass
@@ -56,9 +57,9 @@ class SimResult:
         """Most microbatches held at once (of one stage, or all) — +1 for the one being computed."""
         best = 0
         for snap in self.snapshots[rank]:
-            held = [s for s in snap.resident if stage is None or s[0] == stage]
+            held = sum(snap.resident.values()) if stage is None else snap.resident.get(stage, 0)
             own = snap.event.kind == "F" and (stage is None or snap.event.stage == stage)
-            best = max(best, len(held) + own)
+            best = max(best, held + own)
         return best
 
 
@@ -106,6 +107,8 @@ def simulate(
     done: dict[tuple[str, int, int], float] = {}
     held: list[dict[tuple[int, int], None]] = [{} for _ in range(pp)]  # insertion-ordered sets
     evicted: list[dict[tuple[int, int], None]] = [{} for _ in range(pp)]  # by owner rank: held by the partner
+    counts = [dict.fromkeys(range(r, n_stages, pp), 0) for r in range(pp)]  # held[r] by stage (r's own)
+    evicted_counts = [dict.fromkeys(range(r, n_stages, pp), 0) for r in range(pp)]  # evicted[r] by stage
     res = SimResult(snapshots={r: [] for r in range(pp)}, busy=[0.0] * pp)
     remaining = sum(len(o) for o in orders)
 
@@ -140,6 +143,8 @@ def simulate(
             victim = max(held[r], key=lambda s: s[1])
             del held[r][victim]
             evicted[r][victim] = None
+            counts[r][victim[0]] -= 1
+            evicted_counts[r][victim[0]] += 1
             res.events.append(Event(r, victim[0], "evict", victim[1], t, t + move[victim[0]]))
             sent = max(sent, res.events[-1].end)
         return sent
@@ -160,15 +165,17 @@ def simulate(
             start = max(make_room(r, free[r]), done[("B", partner, j)])
             del evicted[r][(k, j)]
             held[r][(k, j)] = None
+            evicted_counts[r][k] -= 1
+            counts[r][k] += 1
             res.events.append(Event(r, k, "load", j, start, start + move[k]))
             ready = max(ready, start + move[k])
         dur = fwd[k] if kind == "F" else bwd[k]
         ev = Event(r, k, kind, j, ready, ready + dur)
-        resident = list(held[r])
+        resident = dict(counts[r])
         if kind == "B":
-            resident.remove((k, j))
+            resident[k] -= 1
         if schedule == "bpipe" and partner != r:
-            resident += list(evicted[partner])
+            resident.update(evicted_counts[partner])  # the partner's stages: other keys
         res.snapshots[r].append(Snapshot(ev, resident))
         res.events.append(ev)
         res.busy[r] += dur
@@ -182,7 +189,9 @@ def simulate(
                 starts[q] = ready_at(q)
         if kind == "F":
             held[r][(k, j)] = None
+            counts[r][k] += 1
         else:
             del held[r][(k, j)]
+            counts[r][k] -= 1
     res.makespan = max(e.end for e in res.events)
     return res

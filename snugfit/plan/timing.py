@@ -239,11 +239,12 @@ def cpu_share(node: Node, busy: float = 1.0) -> float:
 def stage_time(
     pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
     measured_on: str | None, wrapped: bool = True, pipelined: bool = False, busy: float = 1.0,
-    tensor: TensorParallel | None = None,
+    tensor: TensorParallel | None = None, computed: dict[str, tuple[float, float]] | None = None,
 ) -> StageTime:
     """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped); pipelined: they are a stage
     of a pipeline (pp > 1); busy: the share of the node's ranks working at once (`local_ranks`); tensor: the
-    pieces are one tensor-parallel rank's (ModelProfile.split) and talk over this group."""
+    pieces are one tensor-parallel rank's (ModelProfile.split) and talk over this group; computed: piece_compute's
+    results by piece name, kept across calls on the same pieces and node (the search costs every option)."""
     gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     on_cpu, share = gpu.name == "cpu", cpu_share(node, busy)
@@ -251,7 +252,12 @@ def stage_time(
     first_gather = True
     for sp in pieces:
         p, d = sp.piece, sp.decision
-        f, b = piece_compute(p, gpu, dtype, measured_on)
+        if computed is None or p.name not in computed:
+            f, b = piece_compute(p, gpu, dtype, measured_on)
+            if computed is not None:
+                computed[p.name] = f, b
+        else:
+            f, b = computed[p.name]
         policy = d.activations if p.name.startswith("block") else "keep"
         rc = recompute_time(p, "recompute" if policy == "recompute_offload" else policy, f, gpu, dtype, measured_on)
         st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share

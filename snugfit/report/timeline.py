@@ -186,7 +186,7 @@ def _memory_curve(sim: SimResult, rank: int, d: StageDetail | None) -> tuple[lis
     xs, ys = [], []
     for snap in sim.snapshots[rank]:
         ev = snap.event
-        held = sum(size[s] if size else 1 for s, _ in snap.resident)
+        held = sum((size[s] if size else 1) * n for s, n in snap.resident.items() if n)
         own = size[ev.stage] if size else 1
         xs += [ev.start, ev.end]
         ys += [base + held + (own if ev.kind == "B" else 0), base + held + (own if ev.kind == "F" else 0)]
