@@ -7,7 +7,7 @@ from snugfit.plan.estimate import estimate
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.simulate import simulate
 from snugfit.plan.kernels import attention_rates
-from snugfit.plan.timing import piece_compute, ring_time
+from snugfit.plan.timing import local_ranks, piece_compute, ring_time
 from tests.test_memory_model import _plan, synthetic_profile
 
 
@@ -206,6 +206,29 @@ def test_crowded_cpu_ranks_slow_each_other_only_while_they_work():
     pp = Plan.uniform(8, pp=4, schedule="1f1b", seq_len=1024, num_microbatches=4)
     busy = 4 / (4 + 3)  # 1F1B over 4 alike stages: each rank works 4 of 7 microbatch slots
     assert compute(pp, 2.0) == pytest.approx(2.0 * busy * compute(pp, 1.0), rel=0.1)
+
+
+def test_cpu_fsdp_costs_come_from_the_measurement_among_the_data_parallel_group():
+    """FSDP2's collectives run among the data-parallel group: dp 2 x pp 2 on 4 ranks pays the costs measured
+    between 2 (a ring of 2), slowed by the 4 ranks' crowding over what the 2 measured; dp 4 those between 4."""
+    prof = _measured(synthetic_profile(dtype="float32"))
+
+    def fsdp_time(dp, four=3.0, two=1.0):
+        cluster = _cpu_cluster(4, contention=1.25)
+        measured = cluster.nodes[0].host.fsdp
+        base = {k: v for k, v in measured["2"].items() if k != "contention"}
+        measured["2"] = {k: [two * a for a in v] for k, v in base.items()} | {"contention": [1.25]}
+        measured["4"] = {k: [four * a for a in v] for k, v in base.items()} | {"contention": [2.5]}
+        plan = Plan.uniform(8, dp=dp, pp=4 // dp, schedule="1f1b" if dp < 4 else "none", seq_len=1024,
+                            num_microbatches=2)
+        costs, share = local_ranks(cluster.nodes[0], group=dp)
+        assert costs is measured[str(dp)] and share == 2.5  # the group's costs, the crowding of all 4 ranks
+        return estimate(plan, prof, cluster).time_by_phase["dp_comm_exposed"]
+
+    assert fsdp_time(2, four=5.0) == pytest.approx(fsdp_time(2))  # what 4 ranks' collectives cost: not dp 2's
+    assert fsdp_time(2, two=2.0) == pytest.approx(2 * fsdp_time(2))
+    assert fsdp_time(4, four=5.0) == pytest.approx(5 / 3 * fsdp_time(4))
+    assert fsdp_time(4, two=2.0) == pytest.approx(fsdp_time(4))
 
 
 def test_tensor_parallel_pays_its_measured_dtensor_cost_per_piece_on_cpu_ranks():

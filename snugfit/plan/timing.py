@@ -208,21 +208,24 @@ class StageTime:
         return self.bwd + self.recompute + self.tp_bwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
 
-def local_ranks(node: Node, busy: float = 1.0) -> tuple[dict[str, list[float]], float]:
+def local_ranks(node: Node, busy: float = 1.0, group: int | None = None) -> tuple[dict[str, list[float]], float]:
     """(FSDP2 costs, how many times slower each rank runs) for the node's CPU ranks, from the measurement
     at the nearest rank count at or below theirs, slowed in proportion where they are more.
 
     busy: the share of the ranks working at any moment (below 1 where pipeline ranks wait on each other):
     the measured slowdown had all of them working, and ranks beyond the cores only slow the others while
-    they work. Without a measurement: no FSDP2 costs, and ranks beyond the cores share them evenly.
+    they work. group: the ranks FSDP2's collectives run among (the data-parallel group), when fewer than
+    the node's: its costs come from the measurement among as many ranks (a ring of that many), and the
+    crowding of the node's other ranks is in the slowdown, which callers divide by the measurement's own.
+    Without a measurement: no FSDP2 costs, and ranks beyond the cores share them evenly.
     """
     measured = {int(k): v for k, v in node.host.fsdp.items()}
     if node.count == 1 or not measured:
         return {}, max(1.0, busy * node.count / node.host.cores)
     world = max([w for w in measured if w <= node.count], default=min(measured))
     more = max(1.0, node.count / world) if node.count > node.host.cores else 1.0
-    costs = measured[world]
-    return costs, max(1.0, busy * costs["contention"][0] * more)
+    members = max([w for w in measured if w <= min(group or node.count, node.count)], default=min(measured))
+    return measured[members], max(1.0, busy * measured[world]["contention"][0] * more)
 
 
 def cpu_share(node: Node, busy: float = 1.0) -> float:
@@ -320,7 +323,7 @@ def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int, cos
     every unit (each block, and the stage's root: embedding/norm/head) as runtime/sharding.py wraps it —
     replicated (zero 0, or one data-parallel rank) or sharded and gathered in forward, zero-3 blocks again in
     backward. `cost`: instead, that one measured cost summed over the units."""
-    costs, share = local_ranks(node, busy)
+    costs, share = local_ranks(node, busy, group=dp)
     if not costs:
         return 0.0
     units = fsdp_units(pieces, [wrapped_params(sp, dp) * DTYPE_BYTES[dtype] for sp in pieces])
@@ -345,7 +348,7 @@ def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: in
     """
     if dp <= 1:
         return 0.0
-    costs, share = local_ranks(cpu) if cpu is not None else ({}, 1.0)
+    costs, share = local_ranks(cpu, group=dp) if cpu is not None else ({}, 1.0)
     if costs:
         return sum(_line(costs["reduce" if zero else "allreduce"], nbytes) for st, pieces in stages
                    for nbytes, zero, _ in fsdp_units(pieces, st.reduce_bytes)) * share / costs["contention"][0]
