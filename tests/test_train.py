@@ -156,3 +156,20 @@ def test_a_searched_plan_that_cannot_fit_names_the_fixed_part_to_drop(tmp_path):
                    "--batch-size", "1024", "--micro-batch", "1024", "--recompute", "keep", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "no plan fits" in proc.stderr and "drop --micro-batch 1024: fits as dp 1 x pp 1" in proc.stderr
+
+
+def test_a_profile_the_first_steps_contradict_is_set_aside_once(tmp_path, monkeypatch, capsys):
+    """Steps far from the prediction set the cached hardware profile aside, so the next run measures the machine
+    again; a profile measured again after that stays (the time model is then what is off)."""
+    from snugfit.train.loop import _check_profile
+
+    profile = tmp_path / "hardware.json"
+    monkeypatch.setenv("SNUGFIT_HARDWARE_PROFILE", str(profile))
+    profile.write_text("{}")
+    _check_profile(0.11, 0.1, None)  # within 1.5x: nothing happens
+    assert profile.exists() and not (tmp_path / "hardware.json.stale").exists()
+    _check_profile(0.3, 0.1, None)
+    assert not profile.exists() and (tmp_path / "hardware.json.stale").exists()
+    profile.write_text('{"measured": "again"}')  # the next run measured the machine again
+    _check_profile(0.3, 0.1, None)
+    assert profile.read_text() == '{"measured": "again"}'

@@ -259,15 +259,25 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
 
 
 def _check_profile(measured_s: float, predicted_s: float, bar) -> None:
-    """Say when the first measured steps are far from what this machine's cached profile predicts: it may have
-    been taken while another job ran, or on other hardware."""
+    """When the first measured steps are far from what this machine's cached profile predicts, set the profile
+    aside (`hardware.json.stale`), so the next run measures the machine again: it may have been taken while
+    another job ran, or on other hardware. Once set aside and measured again, a mismatch is the time model's, and
+    the new profile stays."""
     from snugfit.hardware.catalogue import hardware_cache_path
 
     ratio = measured_s / predicted_s
-    if not 1 / 1.5 <= ratio <= 1.5:
-        _say(f"warning: steps take {ratio:.2f}x the {predicted_s:.3g} s predicted; the hardware profile "
-             f"({hardware_cache_path()}) may be stale or taken while the machine was busy: "
-             "`snugfit profile-hardware` measures it again", bar)
+    if 1 / 1.5 <= ratio <= 1.5:
+        return
+    path = hardware_cache_path()
+    stale = path.with_name(path.name + ".stale")
+    said = f"warning: steps take {ratio:.2f}x the {predicted_s:.3g} s predicted"
+    if path.exists() and not stale.exists():
+        path.replace(stale)
+        _say(f"{said}; this machine's profile may have been taken while it was busy: it is set aside ({stale}) "
+             "and the next run measures the machine again (or `snugfit profile-hardware` now)", bar)
+    else:
+        _say(f"{said}, with a profile measured again after an earlier mismatch: the time model is off for this "
+             f"plan, not the profile ({path} stays; delete {stale.name} to have the next mismatch set it aside)", bar)
 
 
 def _draw_trace(cfg: RunConfig, env: DistEnv, plan: Plan, trace: StepTrace, out: Path, bar) -> None:
