@@ -232,7 +232,7 @@ def test_interleaved_ranks_put_their_leaner_blocks_on_their_first_chunk():
 def test_lower_bounds_may_leave_offload_out(model, spec):
     """The search's lower bounds cost only the options that offload nothing (`may_be_fastest`): that is a bound
     only if no offloading option is faster than every option without offload, in step time and per microbatch."""
-    from snugfit.plan.search import may_be_fastest
+    from snugfit.plan.options import may_be_fastest
 
     prof, cluster = MODELS[model], parse_cluster(spec)
     srch = Searcher(prof, cluster, 16, Constraints(), budget_for(cluster, None))

@@ -112,3 +112,18 @@ def describe(o: BlockPlan, root: bool = False) -> str:
     acts = {"keep": "activations kept", "offload": "activations offloaded",
             "recompute_offload": "recompute, checkpoints offloaded"}.get(o.activations, o.activations)
     return " + ".join(parts + ([] if root else [acts]))
+
+
+def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
+    """The options among which the fastest is, for lower bounds: offloading only adds time to the same work
+    (copies over PCIe, the optimizer on the host), so where the constraints allow options that offload nothing,
+    the fastest of them is as fast as any (tests/test_search.py checks it). Recomputation is not left out: it
+    lengthens the backward that hides a block's gradient reduction."""
+    lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
+    return lean or opts
+
+
+def buffer_kinds(o: BlockPlan) -> int:
+    """Once-per-stage buffers the option needs (`Searcher._buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
+    activation-offload window, bit 4 the checkpoint-offload window."""
+    return (o.zero == 3) | 2 * (o.activations == "offload") | 4 * (o.activations == "recompute_offload")

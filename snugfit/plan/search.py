@@ -27,7 +27,7 @@ from snugfit.plan.knapsack import (
     BUCKETS, INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve,
 )
 from snugfit.plan.memory import device_bytes
-from snugfit.plan.options import Constraints, block_options
+from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
 from snugfit.plan.timing import TensorParallel, cpu_stage_time, cpu_tp_time
@@ -186,7 +186,7 @@ class Searcher:
         return self._buffers_of[key]
 
     def _extra(self, cand: Candidate, o: BlockPlan) -> float:
-        kind = _kind(o)
+        kind = buffer_kinds(o)
         if not kind:
             return 0.0
         return buffer_bytes(self._buffers(cand), kind)
@@ -209,7 +209,7 @@ class Searcher:
             if roots:
                 rcost = [st.root(roots, o) for o in ropts]
             cap = usable(st.gpu, self.budget) - st.working_peak(blk, roots, opts, ropts, cand.m) - slack
-            tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [_kind(o) for o in opts],
+            tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [buffer_kinds(o) for o in opts],
                                    [int(o.zero == 3) for o in ropts], resident=r, m=cand.m, cap=cap, n_max=n_max,
                                    buffers=self._buffers(cand)))
         sizes = split([t.best for t in tables], self.n, cand.v)
@@ -236,7 +236,7 @@ class Searcher:
             for ro in ropts:
                 block, root = st.cost(blk, o), st.root(roots, ro)
                 mem = (self.n * block.mem(r, cand.m) + root.mem(r, cand.m)
-                       + buffer_bytes(self._buffers(cand), _kind(o) | int(ro.zero == 3)))
+                       + buffer_bytes(self._buffers(cand), buffer_kinds(o) | int(ro.zero == 3)))
                 at_root_reduce = (self.n * (block.static + block.grads_reduced) + root.static
                                   + st.root_reduce(roots, cand.m) + (self._buffers(cand)[0] / 2 if o.zero == 3 else 0))
                 mem = max(mem, at_root_reduce - walk)
@@ -362,15 +362,6 @@ class Searcher:
         return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
 
 
-def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
-    """The options among which the fastest is, for lower bounds: offloading only adds time to the same work
-    (copies over PCIe, the optimizer on the host), so where the constraints allow options that offload nothing,
-    the fastest of them is as fast as any (tests/test_search.py checks it). Recomputation is not left out: it
-    lengthens the backward that hides a block's gradient reduction."""
-    lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
-    return lean or opts
-
-
 def _layout(plan: Plan) -> tuple:
     """What the knapsack decides: stage sizes and every block's and the root's option."""
     return plan.stage_blocks, plan.blocks, plan.root
@@ -382,12 +373,6 @@ def _preference(x) -> tuple:
     still costs host memory and PCIe traffic the model may under-count)."""
     p = x.plan.predicted
     return float(f"{p.step_time_s:.3g}"), x.schedule == "bpipe", p.peak_memory_bytes
-
-
-def _kind(o: BlockPlan) -> int:
-    """Once-per-stage buffers the option needs (`Searcher._buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
-    activation-offload window, bit 4 the checkpoint-offload window."""
-    return (o.zero == 3) | 2 * (o.activations == "offload") | 4 * (o.activations == "recompute_offload")
 
 
 def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None = None,
