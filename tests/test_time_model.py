@@ -316,3 +316,17 @@ def test_attention_runs_at_flash_attentions_rate_by_generation_and_head_dim():
     measured = replace(a100, tflops={"bfloat16": 250.0}, matmul_efficiency=1.0)
     share = FLASH_ATTENTION["ampere"][128][0] / GEMM_CEILING["bfloat16"]
     assert attention_rates(measured, "bfloat16", 128)[0] == pytest.approx(250e12 * share)
+
+
+def test_working_share_weighs_a_pipelines_work_by_how_many_ranks_run_beside_it():
+    """CPU ranks beyond the cores crowd each other while they work: a pipeline's work runs mostly in its full
+    steady state, so its crowding is above its average busy share (hand count for 1F1B at pp 2, 2 microbatches,
+    forward 1 s and backward 2 s: 6 s of work with both ranks running, 6 s alone: (6 x 2 + 6 x 1) / (2 x 12))."""
+    from snugfit.plan.simulate import simulate
+
+    sim = simulate("1f1b", 2, 2, [1.0, 1.0], [2.0, 2.0])
+    assert sim.working_share() == pytest.approx(0.75)
+    assert sum(sim.busy) / (2 * sim.makespan) == pytest.approx(2 / 3)  # the average it replaces
+    assert simulate("none", 1, 4, [1.0], [2.0]).working_share() == pytest.approx(1.0)
+    deep = simulate("1f1b", 4, 4, [1.0] * 4, [2.0] * 4)
+    assert sum(deep.busy) / (4 * deep.makespan) < deep.working_share() < 1.0

@@ -93,10 +93,10 @@ def stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster) -> tuple[
     stages_of, kind, times = _stage_times(plan, prof, cluster)
     if plan.pp > 1 and any(n.gpu.name == "cpu" and n.count > n.host.cores for n in cluster.nodes):
         # more CPU ranks than cores slow each other only while they work, and pipeline ranks also wait: the
-        # schedule's share of busy time (transfers left out) sets how crowded the cores are
+        # share of ranks working beside the schedule's work (transfers left out) sets how crowded the cores are
         sim = simulate(plan.schedule, plan.pp, plan.num_microbatches, *_paces(plan, kind, times),
                        v=plan.virtual_stages, bound=plan.bpipe_bound() if plan.schedule == "bpipe" else None)
-        _, _, times = _stage_times(plan, prof, cluster, busy=sum(sim.busy) / (plan.pp * sim.makespan))
+        _, _, times = _stage_times(plan, prof, cluster, busy=sim.working_share())
     return stages_of, kind, times
 
 

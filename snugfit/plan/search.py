@@ -16,6 +16,7 @@ all of them; estimate() checks the actual plan.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import astuple, replace
@@ -30,6 +31,7 @@ from snugfit.plan.memory import device_bytes
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
+from snugfit.plan.simulate import simulate
 from snugfit.plan.timing import TensorParallel, cpu_stage_time, cpu_tp_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
@@ -80,7 +82,7 @@ class Searcher:
         node = self.cluster.nodes[self.cluster.node_of(first)]
         busy = 1.0
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
-            busy = cand.m / (cand.m + (cand.pp - 1) / cand.v)  # crowded CPU ranks: a pipeline's busy share
+            busy = _working_share(cand.pp, cand.m, cand.v)  # crowded CPU ranks: a pipeline's working share
         at = (first, cand.dp, cand.tp, cand.mbs, busy)
         if at in self._costs_at:
             return self._costs_at[at]
@@ -360,6 +362,12 @@ class Searcher:
             if not x.polished and x.plan.predicted.step_time_s < POLISH_WITHIN * fastest:
                 self.polish(x, fastest)
         return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
+
+
+@functools.lru_cache(maxsize=256)
+def _working_share(pp: int, m: int, v: int) -> float:
+    """SimResult.working_share of a pipeline of like stages (estimate() simulates the plan's own)."""
+    return simulate("interleaved" if v > 1 else "1f1b", pp, m, [1.0] * pp * v, [2.0] * pp * v, v=v).working_share()
 
 
 def _layout(plan: Plan) -> tuple:

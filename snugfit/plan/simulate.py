@@ -53,6 +53,19 @@ class SimResult:
     def bubble(self, rank: int) -> float:
         return self.makespan - self.busy[rank]
 
+    def working_share(self) -> float:
+        """The share of the ranks working while the average unit of work runs (integral of running^2 over pp times
+        the integral of running). Ranks on too few cores slow each other only while they work, and a pipeline's
+        work runs mostly in its crowded steady state, not at the average over its fill and drain (1F1B at pp 4
+        and 4 microbatches: 0.69 against 0.57 busy on average)."""
+        edges = sorted([(e.start, 1) for e in self.events if e.kind in "FB"]
+                       + [(e.end, -1) for e in self.events if e.kind in "FB"])
+        running, last, square, linear = 0, 0.0, 0.0, 0.0
+        for t, step in edges:
+            square, linear = square + running * running * (t - last), linear + running * (t - last)
+            running, last = running + step, t
+        return square / (len(self.busy) * linear) if linear else 1.0
+
     def max_resident(self, rank: int, stage: int | None = None) -> int:
         """Most microbatches held at once (of one stage, or all) — +1 for the one being computed."""
         best = 0
