@@ -153,8 +153,8 @@ class ModelProfile:
         Sequence parallelism slices the residual stream, so what blocks send and keep divides too, except the
         two whole-sequence inputs of the attention and MLP projections (all-gathered, saved by autograd on every
         rank). Recomputation gathers them again rather than keeping them. The head runs its norm on the whole
-        sequence; its logits are split by vocabulary (loss_parallel), but the profile does not tell their bytes
-        from the norm's, so its saved and working bytes are kept whole: an upper bound.
+        sequence (its input and output, the linear's input: two whole hidden states on every rank); what it
+        keeps and holds beyond them is the loss's, logits-sized and split by vocabulary (loss_parallel).
         """
         if tp == 1:
             return self
@@ -179,7 +179,12 @@ class ModelProfile:
                 recompute_time_s={k: time(v, p.recompute_fixed_s.get(k, 0.0)) for k, v in p.recompute_time_s.items()},
             )
             if p.name == "head":
-                return replace(out, input_bytes=p.input_bytes // tp)
+                def vocab(n: int) -> int:
+                    return share(n, min(n, 2 * whole))
+
+                return replace(out, input_bytes=p.input_bytes // tp, fwd_peak_bytes=vocab(p.fwd_peak_bytes),
+                               bwd_peak_bytes=vocab(p.bwd_peak_bytes),
+                               saved_bytes={k: vocab(v) for k, v in p.saved_bytes.items()})
             out.output_bytes = p.output_bytes // tp
             if block:
                 keep = p.saved_bytes["keep"]
