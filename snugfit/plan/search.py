@@ -6,7 +6,7 @@ problem (per-block ZeRO stage, offload, activation policy, and stage sizes) is a
 knapsack per pipeline stage (knapsack.py). Candidates are taken best-first: a cheap
 lower bound (every block at its fastest option, perfectly balanced) orders them, and
 one is solved only while it could still beat the best solved one. The winner is
-verified with the full estimate(); a plan it says does not fit is never returned
+verified with the full estimate() (verify.py); a plan it says does not fit is never returned
 (the candidate is re-solved with the overshoot as slack, or dropped). BPipe is chosen
 only when estimate() says it beats the best plan without it.
 
@@ -18,29 +18,21 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import astuple, replace
 
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
-from snugfit.plan.estimate import HOST_USABLE, estimate, tensor_parallel_problem
+from snugfit.plan.estimate import HOST_USABLE, tensor_parallel_problem
 from snugfit.plan.knapsack import (
-    BUCKETS, INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve,
+    INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve,
 )
-from snugfit.plan.memory import device_bytes
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
 from snugfit.plan.simulate import simulate
 from snugfit.plan.timing import TensorParallel, cpu_stage_time, cpu_tp_time
+from snugfit.plan.verify import best_first
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
-
-RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
-SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time are verified before giving up
-MAX_EXTRA = 2  # such verifications beyond what was asked for (each is a full estimate())
-POLISH_WITHIN = 1.1  # verified candidates this close to the fastest get the knapsack's unseen room back
-POLISH_ROOM = (1, 2)  # multiples of that room tried
-
 
 def budget_for(cluster: Cluster, memory_budget: int | None) -> int:
     """The per-GPU limit estimate() applies: the smallest GPU's memory, or less if the user says so."""
@@ -286,93 +278,11 @@ class Searcher:
                     evict_bound=self.c.evict_bound if cand.schedule == "bpipe" else None,
                     compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, root=replace(root), blocks=blocks)
 
-    def verify(self, cand: Candidate) -> bool:
-        """estimate() the candidate's plan; on a device overshoot re-solve with it as slack."""
-        slack, tried = 0.0, None
-        for _ in range(RETRIES + 1):
-            if cand.plan is None:
-                break
-            if _layout(cand.plan) != tried:  # the slack changed the plan: estimate it, else ask for more room
-                t0 = time.perf_counter()
-                pred = estimate(cand.plan, self.prof, self.cluster, self.budget)
-                self.verified, self.verify_s = self.verified + 1, self.verify_s + time.perf_counter() - t0
-                if pred.fits:
-                    cand.fits = True
-                    return True
-                over = max(device_bytes(m) for m in pred.memory_by_rank) - self.budget
-                if over <= 0:  # host memory, which slack on the device cannot fix
-                    break
-                tried = _layout(cand.plan)
-            slack += over * 1.25 + self.budget / BUCKETS
-            self.solve(cand, slack)
-        cand.fits, cand.plan = False, None
-        return False
-
-    def polish(self, cand: Candidate, fastest: float) -> None:
-        """Give a verified candidate back the room the knapsack could not see: it rounds memory up and puts the
-        largest piece's working peak on every stage, so a plan estimate() says fits can leave a few percent free
-        that a faster assignment would use. Re-solve with that room (then twice it, while what comes back fits)
-        and keep the fastest that estimate() says fits. A re-solve is estimated only when its knapsack score
-        beats the plan it would replace and the fastest verified time (`fastest`): the score runs below
-        estimate()'s time, so one that does not cannot win."""
-        cand.polished = True
-        room = self.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
-        if room <= self.budget / BUCKETS:
-            return
-        for factor in POLISH_ROOM:
-            trial = replace(cand, plan=None)
-            self.solve(trial, slack=-factor * room)
-            new, old = trial.plan, cand.plan
-            if new is None or _layout(new) == _layout(old) or trial.score >= min(cand.score, fastest):
-                continue
-            t0 = time.perf_counter()
-            pred = estimate(new, self.prof, self.cluster, self.budget)
-            self.verified, self.verify_s = self.verified + 1, self.verify_s + time.perf_counter() - t0
-            if not pred.fits:
-                return
-            if pred.step_time_s < old.predicted.step_time_s:
-                cand.plan, cand.score = new, trial.score
-
-    def best_first(self, cands: list[Candidate], want: int) -> list[Candidate]:
-        """Up to `want` verified fitting candidates, fastest by estimate() first. Candidates are verified in
-        knapsack-score order, and (at most MAX_EXTRA more) beyond `want` while their score is within SCORE_ERROR
-        of the fastest verified time: the knapsack's additive step time (even stage split, bubble from the
-        slowest rank, per-block overlap) approximates estimate()'s. Those near the fastest are then polished."""
-        pending = sorted((x for x in cands if not x.solved), key=lambda x: x.lower)
-        found = [x for x in cands if x.fits]
-        extra = 0
-        while True:
-            open_ = [x for x in cands if x.solved and x.plan is not None and x.fits is None]
-            top = min(open_, key=lambda x: x.score, default=None)
-            while pending and (top is None or pending[0].lower < top.score):
-                nxt = pending.pop(0)
-                self.solve(nxt)
-                if nxt.plan is not None and (top is None or nxt.score < top.score):
-                    top = nxt
-            if top is None:
-                break
-            if len(found) >= want:
-                if extra == MAX_EXTRA or top.score >= min(x.plan.predicted.step_time_s for x in found) / SCORE_ERROR:
-                    break
-                extra += 1
-            if self.verify(top):
-                found.append(top)
-        fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
-        for x in found:  # those that more room could make the fastest
-            if not x.polished and x.plan.predicted.step_time_s < POLISH_WITHIN * fastest:
-                self.polish(x, fastest)
-        return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
-
 
 @functools.lru_cache(maxsize=256)
 def _working_share(pp: int, m: int, v: int) -> float:
     """SimResult.working_share of a pipeline of like stages (estimate() simulates the plan's own)."""
     return simulate("interleaved" if v > 1 else "1f1b", pp, m, [1.0] * pp * v, [2.0] * pp * v, v=v).working_share()
-
-
-def _layout(plan: Plan) -> tuple:
-    """What the knapsack decides: stage sizes and every block's and the root's option."""
-    return plan.stage_blocks, plan.blocks, plan.root
 
 
 def _preference(x) -> tuple:
@@ -405,12 +315,12 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
                           f"on {cluster.world_size} GPUs with the fixed parts ({fixed})", res)
     for x in cands:
         x.lower = srch.lower_bound(x)
-    found = srch.best_first(cands, 1 + alternatives)
+    found = best_first(srch, cands, 1 + alternatives)
     plain = [x for x in cands if x.schedule != "bpipe"]
     if compare_bpipe or (found and found[0].schedule == "bpipe"):  # BPipe only where it beats the rest
-        found += srch.best_first(plain, 1)
+        found += best_first(srch, plain, 1)
     if compare_bpipe:
-        found += srch.best_first([x for x in cands if x.schedule == "bpipe"], 1)
+        found += best_first(srch, [x for x in cands if x.schedule == "bpipe"], 1)
     found = sorted({id(x): x for x in found}.values(), key=_preference)
     plans = [x.plan for x in found]
     for p in plans:

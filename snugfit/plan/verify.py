@@ -1,0 +1,111 @@
+"""Verification of the search's candidates with the full estimate(): the knapsack's plans are checked in score
+order, re-solved with slack when estimate() says they overshoot, and those near the fastest given back the room
+the knapsack could not see. A plan estimate() says does not fit is never returned."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from snugfit.plan.candidates import Candidate
+from snugfit.plan.estimate import estimate
+from snugfit.plan.knapsack import BUCKETS, INF
+from snugfit.plan.memory import device_bytes
+from snugfit.plan.plan import Plan, Prediction
+
+if TYPE_CHECKING:
+    from snugfit.plan.search import Searcher
+
+RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
+SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time are verified before giving up
+MAX_EXTRA = 2  # such verifications beyond what was asked for (each is a full estimate())
+POLISH_WITHIN = 1.1  # verified candidates this close to the fastest get the knapsack's unseen room back
+POLISH_ROOM = (1, 2)  # multiples of that room tried
+
+
+def verify(srch: Searcher, cand: Candidate) -> bool:
+    """estimate() the candidate's plan; on a device overshoot re-solve with it as slack."""
+    slack, tried = 0.0, None
+    for _ in range(RETRIES + 1):
+        if cand.plan is None:
+            break
+        if _layout(cand.plan) != tried:  # the slack changed the plan: estimate it, else ask for more room
+            pred = _estimate(srch, cand.plan)
+            if pred.fits:
+                cand.fits = True
+                return True
+            over = max(device_bytes(m) for m in pred.memory_by_rank) - srch.budget
+            if over <= 0:  # host memory, which slack on the device cannot fix
+                break
+            tried = _layout(cand.plan)
+        slack += over * 1.25 + srch.budget / BUCKETS
+        srch.solve(cand, slack)
+    cand.fits, cand.plan = False, None
+    return False
+
+def polish(srch: Searcher, cand: Candidate, fastest: float) -> None:
+    """Give a verified candidate back the room the knapsack could not see: it rounds memory up and puts the
+    largest piece's working peak on every stage, so a plan estimate() says fits can leave a few percent free
+    that a faster assignment would use. Re-solve with that room (then twice it, while what comes back fits)
+    and keep the fastest that estimate() says fits. A re-solve is estimated only when its knapsack score
+    beats the plan it would replace and the fastest verified time (`fastest`): the score runs below
+    estimate()'s time, so one that does not cannot win."""
+    cand.polished = True
+    room = srch.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
+    if room <= srch.budget / BUCKETS:
+        return
+    for factor in POLISH_ROOM:
+        trial = replace(cand, plan=None)
+        srch.solve(trial, slack=-factor * room)
+        new, old = trial.plan, cand.plan
+        if new is None or _layout(new) == _layout(old) or trial.score >= min(cand.score, fastest):
+            continue
+        pred = _estimate(srch, new)
+        if not pred.fits:
+            return
+        if pred.step_time_s < old.predicted.step_time_s:
+            cand.plan, cand.score = new, trial.score
+
+def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candidate]:
+    """Up to `want` verified fitting candidates, fastest by estimate() first. Candidates are verified in
+    knapsack-score order, and (at most MAX_EXTRA more) beyond `want` while their score is within SCORE_ERROR
+    of the fastest verified time: the knapsack's additive step time (even stage split, bubble from the
+    slowest rank, per-block overlap) approximates estimate()'s. Those near the fastest are then polished."""
+    pending = sorted((x for x in cands if not x.solved), key=lambda x: x.lower)
+    found = [x for x in cands if x.fits]
+    extra = 0
+    while True:
+        open_ = [x for x in cands if x.solved and x.plan is not None and x.fits is None]
+        top = min(open_, key=lambda x: x.score, default=None)
+        while pending and (top is None or pending[0].lower < top.score):
+            nxt = pending.pop(0)
+            srch.solve(nxt)
+            if nxt.plan is not None and (top is None or nxt.score < top.score):
+                top = nxt
+        if top is None:
+            break
+        if len(found) >= want:
+            if extra == MAX_EXTRA or top.score >= min(x.plan.predicted.step_time_s for x in found) / SCORE_ERROR:
+                break
+            extra += 1
+        if verify(srch, top):
+            found.append(top)
+    fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
+    for x in found:  # those that more room could make the fastest
+        if not x.polished and x.plan.predicted.step_time_s < POLISH_WITHIN * fastest:
+            polish(srch, x, fastest)
+    return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
+
+
+def _estimate(srch: Searcher, plan: Plan) -> Prediction:
+    """estimate() the plan, counted and timed in the search's figures."""
+    t0 = time.perf_counter()
+    pred = estimate(plan, srch.prof, srch.cluster, srch.budget)
+    srch.verified, srch.verify_s = srch.verified + 1, srch.verify_s + time.perf_counter() - t0
+    return pred
+
+
+def _layout(plan: Plan) -> tuple:
+    """What the knapsack decides: stage sizes and every block's and the root's option."""
+    return plan.stage_blocks, plan.blocks, plan.root
