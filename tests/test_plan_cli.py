@@ -9,6 +9,7 @@ import pytest
 from snugfit.commands import plan as plan_cmd
 from snugfit.commands import profile_hardware as hw_cmd
 from snugfit.errors import SnugfitError
+from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import ModelConfig
 
 
@@ -95,7 +96,7 @@ def test_a_measured_gpu_machine_becomes_a_cluster_file(tmp_path, monkeypatch):
     """profile-hardware --toml on a GPU machine: the measured card as a [[gpu]] table that plans elsewhere."""
     import torch
 
-    from snugfit.hardware import GPU, Host, Link, LocalHardware, parse_cluster
+    from snugfit.hardware import GPU, Host, Link, LocalHardware
 
     card = GPU("local-cuda", 48 * 2**30, {"float32": 30.0, "bfloat16": 150.0}, 900.0, 0, matmul_efficiency=1.0)
     local = LocalHardware(card, Host(ram_bytes=256 * 2**30), {"pcie-local": Link("pcie-local", 22.0, 1e-5)})
@@ -107,6 +108,15 @@ def test_a_measured_gpu_machine_becomes_a_cluster_file(tmp_path, monkeypatch):
     assert cluster.world_size == 4 and cluster.gpu_of(0).memory_bytes == 48 * 2**30
     assert cluster.gpu_of(0).flops_per_s("bfloat16") == 150e12  # measured: efficiency 1
     assert cluster.nodes[0].pcie.name == "pcie4"  # 22 GB/s one way
+
+
+def test_a_cpu_machine_becomes_a_cluster_file_that_plans(tmp_path, capsys):
+    """profile-hardware --toml on a CPU machine: its offload link (a memcpy, no catalogue name) is left for the
+    loader to derive; it used to be written as 'host-memory', which --cluster then refused as an unknown link."""
+    rc, _ = _run(["profile-hardware", "--out", str(tmp_path / "hw.json"), "--no-collectives",
+                  "--toml", str(tmp_path / "here.toml")], capsys)
+    cluster = parse_cluster(str(tmp_path / "here.toml"))
+    assert rc == 0 and cluster.gpu_of(0).name == "cpu" and cluster.nodes[0].pcie.gbps > 0
 
 
 def test_search_explains_choice_alternatives_and_rejections(tiny_model, tmp_path, capsys):

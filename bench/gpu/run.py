@@ -27,6 +27,7 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from snugfit.runtime.engine import OptimConfig, param_groups  # noqa: E402
 from snugfit.train.autoplan import local_cluster  # noqa: E402
 
 GIB = 2**30
+OUT = Path(os.environ.get("OUT", "."))
 BUDGET_FRACTION = 0.6  # (d): of the replicated plan's predicted peak
 # On CPU the search offloads nothing (host and device are one memory), so only recomputation saves memory there
 SMOKE_BUDGET_FRACTION = 0.9
@@ -219,40 +221,63 @@ def run_plan(name: str, model: Decoder, plan: Plan, env: DistEnv, batch: torch.T
     return row
 
 
+def guarded(section: str, work, report: dict):
+    """Run one part of the suite; an exception becomes an error entry (with its traceback in the JSON) instead of
+    ending the run, so one GPU-path bug does not cost the other rows of a leased machine's single run."""
+    try:
+        return work()
+    except Exception as err:  # noqa: BLE001 - reported per row, and the script exits 1
+        trace = traceback.format_exc()
+        print(trace, file=sys.stderr, flush=True)
+        report.setdefault("errors", []).append({"section": section, "error": f"{type(err).__name__}: {err}",
+                                                "traceback": trace})
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+
+
 def free_memory(env: DistEnv) -> None:
     gc.collect()  # FSDP2 modules hold reference cycles; free this plan's memory before the next
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dtype: str) -> list[dict]:
-    """(a), (b), (c): each technique's losses against the reference, its memory and its time against the models."""
+def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dtype: str, report: dict) -> None:
+    """(a), (b), (c): each technique's losses against the reference, its memory and its time against the models;
+    report["techniques"] grows by one row per technique and is saved after each."""
     on_gpu = env.device.type == "cuda"
     torch.manual_seed(0)
     weights = Decoder(cfg).state_dict()
     batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
     mbs = max(1, args.batch // 2)  # two microbatches: gradient accumulation in every row
-    rows = []
+    rows = report["techniques"] = []
     for t in techniques(on_gpu):
         row: dict = {"technique": t.name}
         if t.tune == "qlora" and importlib.util.find_spec("torchao") is None:
             rows.append({**row, "skipped": "torchao is not installed (pip install -e \".[qlora]\")"})
             continue
-        plan = Plan.uniform(cfg.n_layers, block=t.block, root=t.root, micro_batch_size=mbs,
-                            num_microbatches=args.batch // mbs, seq_len=args.seq, compute_dtype=t.dtype or dtype)
-        prof = profile_model(cfg, micro_batch_size=mbs, seq_len=args.seq, dtype=plan.compute_dtype,
-                             lora_rank=LORA_RANK if t.tune else None, kernels="gpu" if on_gpu else "cpu",
-                             quantize_base="nf4" if t.tune == "qlora" else "none")
-        estimate(plan, prof, cluster)
-        row.update(run_plan(t.name, build(cfg, weights, t.tune), plan, env, batch, args.steps))
-        if "error" not in row:
-            ref = reference_losses(build(cfg, weights, t.tune), batch, mbs, len(row["losses"]), env.device)
-            free_memory(env)
-            rel = max(abs(a / b - 1) for a, b in zip(row["losses"], ref))
-            tol = TOLERANCE[plan.compute_dtype] * (2 if t.tune == "qlora" else 1)
-            row.update(reference_losses=ref, loss_error=rel, loss_tolerance=tol, loss_ok=rel <= tol)
         rows.append(row)
-    return rows
+        row.update(guarded(t.name, lambda: check_technique(t, args, cfg, env, cluster, dtype, weights, batch, mbs),
+                           report))
+        free_memory(env)
+        save(report)
+
+
+def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dtype: str,
+                    weights: dict[str, torch.Tensor], batch: torch.Tensor, mbs: int) -> dict:
+    """One technique's row: its plan's predictions, its measurements, and its losses against the reference."""
+    on_gpu = env.device.type == "cuda"
+    plan = Plan.uniform(cfg.n_layers, block=t.block, root=t.root, micro_batch_size=mbs,
+                        num_microbatches=args.batch // mbs, seq_len=args.seq, compute_dtype=t.dtype or dtype)
+    prof = profile_model(cfg, micro_batch_size=mbs, seq_len=args.seq, dtype=plan.compute_dtype,
+                         lora_rank=LORA_RANK if t.tune else None, kernels="gpu" if on_gpu else "cpu",
+                         quantize_base="nf4" if t.tune == "qlora" else "none")
+    estimate(plan, prof, cluster)
+    row = run_plan(t.name, build(cfg, weights, t.tune), plan, env, batch, args.steps)
+    if "error" not in row:
+        ref = reference_losses(build(cfg, weights, t.tune), batch, mbs, len(row["losses"]), env.device)
+        rel = max(abs(a / b - 1) for a, b in zip(row["losses"], ref))
+        tol = TOLERANCE[plan.compute_dtype] * (2 if t.tune == "qlora" else 1)
+        row.update(reference_losses=ref, loss_error=rel, loss_tolerance=tol, loss_ok=rel <= tol)
+    return row
 
 
 def full_offload(profile, cluster: Cluster, batch: int, budget: int) -> Plan:
@@ -315,35 +340,52 @@ def hardware_check(env: DistEnv, cluster: Cluster) -> dict:
 
 
 def markdown(report: dict) -> str:
+    """The table of what has run so far; a part that failed shows its error."""
     gib = lambda b: f"{b / GIB:.3g}" if b is not None else "-"  # noqa: E731
+    sec = lambda x: f"{x:.3g}" if x is not None else ""  # noqa: E731
+    elapsed = f"{report['elapsed_s']:.0f} s" if "elapsed_s" in report else "unfinished"
     lines = [f"# snugfit GPU acceptance: {report['device']}", "",
              f"model {report['params']:,} parameters, seq {report['seq_len']}, batch {report['global_batch']}, "
-             f"{report['dtype']}; {report['elapsed_s']:.0f} s", "",
+             f"{report['dtype']}; {elapsed}", "",
              "| technique | loss vs reference | pred s | meas s | time err | pred GiB | allocated GiB | reserved GiB |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in report["techniques"]:
+    for r in report.get("techniques", []):
         if "skipped" in r:
             lines.append(f"| {r['technique']} | skipped: {r['skipped']} | | | | | | |")
         elif "error" in r:
-            lines.append(f"| {r['technique']} | {r['error']} | {r['predicted_step_s']:.3g} | | | | | |")
-        else:
+            lines.append(f"| {r['technique']} | {r['error']} | {sec(r.get('predicted_step_s'))} | | | | | |")
+        elif "loss_ok" in r:
             verdict = f"{'ok' if r['loss_ok'] else 'FAIL'} ({r['loss_error']:.1e} <= {r['loss_tolerance']:.0e})"
             err = r["predicted_step_s"] / r["measured_step_s"] - 1
             lines.append(f"| {r['technique']} | {verdict} | {r['predicted_step_s']:.3g} | {r['measured_step_s']:.3g} "
                          f"| {err:+.0%} | {gib(r['predicted_peak_bytes'])} | {gib(r['measured_peak_bytes'])} "
                          f"| {gib(r['measured_reserved_bytes'])} |")
-    d = report["offload_comparison"]
-    lines += ["", f"## snugfit vs FSDP2 full offload (budget {gib(d['budget_bytes'])} GiB)", "",
-              "| plan | pred s | meas s | pred GiB | meas GiB |", "|---|---|---|---|---|"]
-    for name, r in d["plans"].items():
-        meas = (f"{r['error']} | {gib(r['predicted_peak_bytes'])} |" if "error" in r else
-                f"{r['measured_step_s']:.3g} | {gib(r['predicted_peak_bytes'])} | {gib(r['measured_peak_bytes'])}")
-        lines.append(f"| {name}: {r['plan']} | {r['predicted_step_s']:.3g} | {meas} |")
-    lines.append("speedup: " + ", ".join(f"{v:.2f}x {k}" for k, v in d["speedup"].items()))
-    h = report["hardware"]
-    lines += ["", f"## {h['device']} measured (catalogue: {h['catalogue']})", "", "```",
-              json.dumps({k: v for k, v in h.items() if k not in ("device", "catalogue")}, indent=1), "```"]
+    d = report.get("offload_comparison")
+    if d and "plans" in d:
+        lines += ["", f"## snugfit vs FSDP2 full offload (budget {gib(d['budget_bytes'])} GiB)", "",
+                  "| plan | pred s | meas s | pred GiB | meas GiB |", "|---|---|---|---|---|"]
+        for name, r in d["plans"].items():
+            meas = (f"{r['error']} | {gib(r['predicted_peak_bytes'])} |" if "error" in r else
+                    f"{r['measured_step_s']:.3g} | {gib(r['predicted_peak_bytes'])} | {gib(r['measured_peak_bytes'])}")
+            lines.append(f"| {name}: {r['plan']} | {r['predicted_step_s']:.3g} | {meas} |")
+        lines.append("speedup: " + ", ".join(f"{v:.2f}x {k}" for k, v in d["speedup"].items()))
+    elif d:
+        lines += ["", f"## snugfit vs FSDP2 full offload: {d['error']}"]
+    h = report.get("hardware")
+    if h and "device" in h:
+        lines += ["", f"## {h['device']} measured (catalogue: {h['catalogue']})", "", "```",
+                  json.dumps({k: v for k, v in h.items() if k not in ("device", "catalogue")}, indent=1), "```"]
+    elif h:
+        lines += ["", f"## hardware: {h['error']}"]
     return "\n".join(lines) + "\n"
+
+
+def save(report: dict) -> str:
+    """Write the report so far (a run stopped at its time limit still leaves every finished row); the table."""
+    (OUT / "acceptance.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (OUT / "acceptance.md").write_text(table)
+    return table
 
 
 def main() -> int:
@@ -375,19 +417,18 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(env.device) if on_gpu else "cpu", "cluster": cluster.spec,
               "model": cfg.to_dict(), "params": params, "seq_len": args.seq, "global_batch": args.batch,
               "dtype": dtype}
-    report["techniques"] = check_techniques(args, cfg, env, cluster, dtype)
-    report["offload_comparison"] = offload_comparison(args, cfg, env, cluster, dtype)
-    report["hardware"] = hardware_check(env, cluster)
+    check_techniques(args, cfg, env, cluster, dtype, report)
+    report["offload_comparison"] = guarded("offload comparison",
+                                           lambda: offload_comparison(args, cfg, env, cluster, dtype), report)
+    save(report)
+    report["hardware"] = guarded("hardware", lambda: hardware_check(env, cluster), report)
     report["elapsed_s"] = time.perf_counter() - t0
-    out = Path(os.environ.get("OUT", "."))
-    (out / "acceptance.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (out / "acceptance.md").write_text(table)
+    table = save(report)
     print(table)
-    print(f"wrote {out / 'acceptance.json'} and {out / 'acceptance.md'}")
+    print(f"wrote {OUT / 'acceptance.json'} and {OUT / 'acceptance.md'}")
     dist.destroy_process_group()
     failed = [r["technique"] for r in report["techniques"] if r.get("loss_ok") is False or "error" in r]
-    return 1 if failed else 0
+    return 1 if failed or report.get("errors") else 0
 
 
 if __name__ == "__main__":

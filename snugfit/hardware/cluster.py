@@ -74,8 +74,13 @@ class Cluster:
                       *([f'nvlink = "{gpu.nvlink}"'] if gpu.nvlink else []),
                       *(["p2p = false"] if not gpu.p2p else []), ""]
         for n in self.nodes:
-            lines += ["[[node]]", f'gpu = "{n.gpu.name}"', f"count = {n.count}", f'intra = "{n.intra.name}"',
-                      f'pcie = "{n.pcie.name}"', f"host_ram_gib = {n.host.ram_bytes / 2**30:g}",
+            # links only where they differ from the GPU's own: a CPU node's offload link is a memcpy at its memory
+            # bandwidth, which has no catalogue name to write
+            default = make_node(n.gpu.name, 1, host=n.host, custom={n.gpu.name: n.gpu})
+            lines += ["[[node]]", f'gpu = "{n.gpu.name}"', f"count = {n.count}",
+                      *([f'intra = "{n.intra.name}"'] if n.intra.name != default.intra.name else []),
+                      *([f'pcie = "{n.pcie.name}"'] if n.pcie.name != default.pcie.name else []),
+                      f"host_ram_gib = {n.host.ram_bytes / 2**30:g}",
                       f"host_adam_params_per_s = {n.host.adam_params_per_s:g}", ""]
         return "\n".join(lines)
 
