@@ -3,10 +3,12 @@
 import os
 
 import pytest
+import torch
 
 from snugfit.errors import SnugfitError
 from snugfit.hardware import GPUS, Host, LocalHardware, get_gpu, load_cluster_toml, load_local, parse_cluster
 from snugfit.hardware.catalogue import FSDP_COSTS
+from snugfit.hardware.cluster import make_node
 
 REQUIRED = ["V100-32GB", "T4", "A10", "L4", "A100-40GB-PCIe", "A100-40GB-SXM", "A100-80GB-PCIe", "A100-80GB-SXM",
             "RTX3090", "RTX4090", "RTX5090", "H100-PCIe", "H100-SXM", "H200"]
@@ -117,6 +119,30 @@ def test_an_unknown_card_is_measured_from_its_properties():
     assert set(gpu.tflops) >= {"float32", "float16", "bfloat16"} and all(t > 0 for t in gpu.tflops.values())
     assert gpu.hbm_gbps > 0 and link.gbps > 0
     assert gpu.matmul_efficiency == 1.0  # measured rates are what kernels reach, not a datasheet's
+    # its PCIe generation from the measured link: the node's offload link is then a catalogue one (a measured
+    # card used to get generation 0, and planning for it failed on 'unknown link pcie0')
+    node = make_node(gpu.name, 1, custom={gpu.name: gpu})
+    assert gpu.pcie_gen in (3, 4, 5) and node.pcie.name == f"pcie{gpu.pcie_gen}"
+
+
+def test_collectives_are_measured_in_spawned_processes_once_an_accelerator_ran(monkeypatch):
+    """Forked children of a process whose autograd ran on a GPU die ('Unable to handle autograd's threading in
+    combination with fork-based multiprocessing': profile-hardware on an H200)."""
+    import torch.multiprocessing as mp
+
+    from snugfit.calibrate.hardware import measure_collectives
+
+    methods = []
+
+    def start_processes(*args, start_method, **kwargs):
+        methods.append(start_method)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(mp, "start_processes", start_processes)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="not started"):
+        measure_collectives(2)
+    assert methods == ["spawn"]
 
 
 def test_gpus_without_peer_access_disable_nccl_p2p(monkeypatch):
@@ -210,3 +236,14 @@ def test_cpu_ranks_compute_at_one_thread_each():
     node = replace(node, host=replace(node.host, cores=2, fsdp={}, thread_slowdown=1.8))
     assert cpu_share(node) == pytest.approx(1.8)  # 2 ranks on 2 cores: no crowding, but one thread each
     assert cpu_share(replace(node, count=1)) == 1.0  # one process runs with every thread
+
+
+def test_one_process_runs_on_the_local_accelerator(monkeypatch):
+    """`snugfit train` without torchrun on a GPU machine trained on the CPU (seen on an H200): the one-process
+    environment took DistEnv's default device instead of the local accelerator."""
+    from snugfit.runtime import dist as dist_mod
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(dist_mod, "pick_device", lambda local_rank: torch.device("meta"))
+    env = dist_mod.init_distributed()
+    assert env.device == torch.device("meta") and env.world_size == 1

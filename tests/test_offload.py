@@ -48,3 +48,26 @@ def test_bf16_masters_go_back_through_pinned_copies_in_the_device_dtype():
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_a_dropped_offload_engine_frees_its_model():
+    """The host optimizer's gradient hooks must not keep the engine alive: they did, through the parameters'
+    hook tables (out of the garbage collector's sight), so every parameter stayed allocated after the engine
+    and the model were dropped (2.1 GiB of a 1.1B model on the H200 bench, for every later plan)."""
+    import gc
+    import weakref
+
+    plan = Plan.uniform(2, seq_len=16, micro_batch_size=2, block=BlockPlan(offload_optimizer=True),
+                        root=BlockPlan(offload_optimizer=True))
+    try:
+        model = Decoder(CFG)
+        engine = build_engine(model, plan, OptimConfig(lr=1e-2), DistEnv())
+        engine.train_step(torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1)))
+        engine.host.wait()
+        params = [weakref.ref(p) for p in model.parameters()]
+        del engine, model
+        gc.collect()
+        assert not [r for r in params if r() is not None]
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -287,8 +287,9 @@ def measure_collectives(world: int = 2, nbytes: int = 16 * 2**20) -> tuple[Link,
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result")
-        # fork where there is one: the children skip re-importing torch (seconds on a busy machine)
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        # fork where there is one: the children skip re-importing torch (seconds on a busy machine); not after
+        # an accelerator ran here (profile-hardware on a GPU machine): autograd's device threads do not survive it
+        method = "fork" if "fork" in mp.get_all_start_methods() and not torch.accelerator.is_available() else "spawn"
         mp.start_processes(_collective_worker, args=(world, free_port(), out, nbytes), nprocs=world, join=True,
                            start_method=method)
         r = json.loads(Path(out).read_text())
@@ -348,10 +349,12 @@ def measure_accelerator(name: str, dev: str | None = None, size: int = 4096) -> 
     d2h = _copy_gbps(copy_bytes, dev, "cpu", sync)
     duplex = _duplex_gbps(copy_bytes, dev, sync)
     hbm = _copy_gbps(2 * copy_bytes, dev, dev, sync)
-    gpu = GPU(name, mem, tflops, hbm, 0, None, matmul_efficiency=1.0, mem_efficiency=1.0,
+    link = Link("pcie-local", min(h2d, d2h, duplex), 10e-6)
+    pcie_gen = 5 if link.gbps >= 40 else 4 if link.gbps >= 18 else 3  # one direction, pinned: ~50 / ~25 / ~12 GB/s
+    gpu = GPU(name, mem, tflops, hbm, pcie_gen, None, matmul_efficiency=1.0, mem_efficiency=1.0,
               op_overhead_s=op_overhead_s(dev, sync), sms=props.multi_processor_count if props else 0,
               arch=cuda_arch(props.major, props.minor) if props and not torch.version.hip else "")
-    return gpu, Link("pcie-local", min(h2d, d2h, duplex), 10e-6)
+    return gpu, link
 
 
 def profile_hardware(out: str | Path | None = None, collectives: bool = True) -> LocalHardware:

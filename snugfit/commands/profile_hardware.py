@@ -32,8 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def machine_cluster(local: LocalHardware) -> Cluster:
-    """This machine as a one-node cluster: its accelerators as measured (named as torch names them, their PCIe
-    generation read from the measured host link), or its CPU."""
+    """This machine as a one-node cluster: its accelerators as measured (named as torch names them), or its CPU."""
     import torch
 
     from snugfit.hardware.cluster import make_node
@@ -41,9 +40,7 @@ def machine_cluster(local: LocalHardware) -> Cluster:
     if not torch.accelerator.is_available():
         node = make_node("cpu", 1)
         return Cluster([node], node.intra, "cpu")
-    link = local.links["pcie-local"]
-    gen = 5 if link.gbps >= 40 else 4 if link.gbps >= 18 else 3  # one direction, pinned: ~50 / ~25 / ~12 GB/s
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else local.device.name
-    gpu = replace(local.device, name=name, pcie_gen=gen)
+    gpu = replace(local.device, name=name)
     node = make_node(gpu.name, torch.accelerator.device_count(), host=local.host, custom={gpu.name: gpu})
     return Cluster([node], node.intra, name)

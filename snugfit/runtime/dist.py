@@ -89,8 +89,8 @@ def init_distributed(timeout_s: float = 300.0) -> DistEnv:
     The timeout bounds every collective and point-to-point transfer, so a dead
     peer ends the step with an error instead of a silent hang.
     """
-    if "RANK" not in os.environ:
-        return DistEnv()
+    if "RANK" not in os.environ:  # one process, not launched by torchrun: still on the local accelerator
+        return DistEnv(device=pick_device(0))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)

@@ -29,6 +29,7 @@ With sharding, everything above is the local shard: host state is 1/dp of the un
 from __future__ import annotations
 
 import logging
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -58,6 +59,20 @@ class _Unit:
     filled: list[bool] = field(default_factory=list)  # host gradient holds this step's gradient
     optimizer: torch.optim.Optimizer | None = None
     pending: Future | None = None
+
+
+def _weak_hook(method):
+    """A parameter hook that calls `method` while its object lives. A tensor's hooks are held where the garbage
+    collector does not look (the parameter is also referenced from C++: FSDP2, autograd), so a hook bound to the
+    HostOffload would keep it, its units and so the whole model alive after the engine is dropped: measured on an
+    H200, a bf16 copy of a 1.1B model (2.1 GiB) stayed allocated for the rest of bench/gpu/run.py."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        if (bound := ref()) is not None:
+            bound(p)
+
+    return hook
 
 
 class HostOffload:
@@ -105,7 +120,7 @@ class HostOffload:
                 u.masters.append(master)
                 u.staged.append(_host_empty_like(master, p.dtype) if p.dtype != torch.float32 else None)
                 u.filled.append(False)
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+                p.register_post_accumulate_grad_hook(_weak_hook(self._grad_ready))
             u.optimizer = make_optimizer(u.masters)
             for m in u.masters:  # states exist from the start: counted, and loadable from a checkpoint
                 u.optimizer.state[m] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(m),
