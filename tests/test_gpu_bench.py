@@ -30,3 +30,18 @@ def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_ref
     assert set(offload["plans"]) == {"snugfit", "full offload"} and offload["speedup"]["measured"] > 0
     assert report["hardware"]["measured"]["tflops"]["float32"] > 0  # (e)
     assert "| replicated | ok" in (tmp_path / "acceptance.md").read_text()
+    assert "errors" not in report  # a part that raised is reported there and fails the run
+
+
+def test_diagnose_smoke_times_both_loops_at_both_shapes(tmp_path):
+    """bench/gpu/diagnose.py on CPU: the engine's and plain PyTorch's steps timed and profiled at both shapes."""
+    env = {**os.environ, "OUT": str(tmp_path), "SNUGFIT_HARDWARE_PROFILE": str(tmp_path / "hardware.json")}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "diagnose.py"), "--smoke"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "diagnose.json").read_text())
+    for shape in ("shape", "tiny"):
+        r = report[shape]
+        assert r["engine_step_s"] > 0 and r["plain_step_s"] > 0 and r["predicted_step_s"] > 0
+        assert r["engine_kernels"]["aten_ops"] > 0 and r["plain_kernels"]["aten_ops"] > 0
+        assert r["profile_ops_total"] >= 2 * sum(r["profile_ops_per_block"].values())  # two blocks at least

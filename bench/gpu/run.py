@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import os
 import socket
 import statistics
@@ -35,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from report import save  # noqa: E402 (bench/gpu)
 
 from snugfit.hardware.catalogue import gpu_for_device  # noqa: E402
 from snugfit.hardware.cluster import Cluster  # noqa: E402
@@ -258,7 +259,7 @@ def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dty
         row.update(guarded(t.name, lambda: check_technique(t, args, cfg, env, cluster, dtype, weights, batch, mbs),
                            report))
         free_memory(env)
-        save(report)
+        save(report, OUT)
 
 
 def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dtype: str,
@@ -339,55 +340,6 @@ def hardware_check(env: DistEnv, cluster: Cluster) -> dict:
     return out
 
 
-def markdown(report: dict) -> str:
-    """The table of what has run so far; a part that failed shows its error."""
-    gib = lambda b: f"{b / GIB:.3g}" if b is not None else "-"  # noqa: E731
-    sec = lambda x: f"{x:.3g}" if x is not None else ""  # noqa: E731
-    elapsed = f"{report['elapsed_s']:.0f} s" if "elapsed_s" in report else "unfinished"
-    lines = [f"# snugfit GPU acceptance: {report['device']}", "",
-             f"model {report['params']:,} parameters, seq {report['seq_len']}, batch {report['global_batch']}, "
-             f"{report['dtype']}; {elapsed}", "",
-             "| technique | loss vs reference | pred s | meas s | time err | pred GiB | allocated GiB | reserved GiB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in report.get("techniques", []):
-        if "skipped" in r:
-            lines.append(f"| {r['technique']} | skipped: {r['skipped']} | | | | | | |")
-        elif "error" in r:
-            lines.append(f"| {r['technique']} | {r['error']} | {sec(r.get('predicted_step_s'))} | | | | | |")
-        elif "loss_ok" in r:
-            verdict = f"{'ok' if r['loss_ok'] else 'FAIL'} ({r['loss_error']:.1e} <= {r['loss_tolerance']:.0e})"
-            err = r["predicted_step_s"] / r["measured_step_s"] - 1
-            lines.append(f"| {r['technique']} | {verdict} | {r['predicted_step_s']:.3g} | {r['measured_step_s']:.3g} "
-                         f"| {err:+.0%} | {gib(r['predicted_peak_bytes'])} | {gib(r['measured_peak_bytes'])} "
-                         f"| {gib(r['measured_reserved_bytes'])} |")
-    d = report.get("offload_comparison")
-    if d and "plans" in d:
-        lines += ["", f"## snugfit vs FSDP2 full offload (budget {gib(d['budget_bytes'])} GiB)", "",
-                  "| plan | pred s | meas s | pred GiB | meas GiB |", "|---|---|---|---|---|"]
-        for name, r in d["plans"].items():
-            meas = (f"{r['error']} | {gib(r['predicted_peak_bytes'])} |" if "error" in r else
-                    f"{r['measured_step_s']:.3g} | {gib(r['predicted_peak_bytes'])} | {gib(r['measured_peak_bytes'])}")
-            lines.append(f"| {name}: {r['plan']} | {r['predicted_step_s']:.3g} | {meas} |")
-        lines.append("speedup: " + ", ".join(f"{v:.2f}x {k}" for k, v in d["speedup"].items()))
-    elif d:
-        lines += ["", f"## snugfit vs FSDP2 full offload: {d['error']}"]
-    h = report.get("hardware")
-    if h and "device" in h:
-        lines += ["", f"## {h['device']} measured (catalogue: {h['catalogue']})", "", "```",
-                  json.dumps({k: v for k, v in h.items() if k not in ("device", "catalogue")}, indent=1), "```"]
-    elif h:
-        lines += ["", f"## hardware: {h['error']}"]
-    return "\n".join(lines) + "\n"
-
-
-def save(report: dict) -> str:
-    """Write the report so far (a run stopped at its time limit still leaves every finished row); the table."""
-    (OUT / "acceptance.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (OUT / "acceptance.md").write_text(table)
-    return table
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="built-in decoder: catalogue name (gpt2*, llama*, mistral-7b) or config.json")
@@ -420,10 +372,10 @@ def main() -> int:
     check_techniques(args, cfg, env, cluster, dtype, report)
     report["offload_comparison"] = guarded("offload comparison",
                                            lambda: offload_comparison(args, cfg, env, cluster, dtype), report)
-    save(report)
+    save(report, OUT)
     report["hardware"] = guarded("hardware", lambda: hardware_check(env, cluster), report)
     report["elapsed_s"] = time.perf_counter() - t0
-    table = save(report)
+    table = save(report, OUT)
     print(table)
     print(f"wrote {OUT / 'acceptance.json'} and {OUT / 'acceptance.md'}")
     dist.destroy_process_group()
