@@ -206,3 +206,30 @@ def test_memory_traffic_is_the_activations_and_doubles_with_the_micro_batch():
                               kernels="gpu").blocks[0] for b in (1, 2))
     assert two.fwd_mem_bytes == pytest.approx(2 * one.fwd_mem_bytes, rel=0.01)
     assert two.bwd_mem_bytes == pytest.approx(2 * one.bwd_mem_bytes, rel=0.05)
+
+
+def test_operators_counted_are_the_ones_an_eager_block_dispatches():
+    """The dispatch floor counts operators: the fake-tensor metadata queries (prim.device), two of every three
+    ops counted once, never run in eager mode. An eager block's forward dispatches exactly the counted ops; its
+    backward a few fewer (the profile's fake gradients add detaches)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.n += any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0])
+            return out
+
+    cfg = ModelConfig(arch="llama", dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=8)
+    model = Decoder(cfg)
+    x, rope = torch.randn(1, 8, 32, requires_grad=True), model.rope[:8]  # as Decoder.forward calls the block
+    with Count() as fwd:
+        y = model.blocks["0"](x, rope)
+    with Count() as bwd:
+        y.backward(torch.ones_like(y))
+    counted = profile_model(cfg, micro_batch_size=1, seq_len=8, dtype="float32", use_cache=False).blocks[0]
+    assert counted.fwd_ops == fwd.n
+    assert bwd.n <= counted.bwd_ops <= 1.25 * bwd.n

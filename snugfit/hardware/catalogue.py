@@ -36,6 +36,12 @@ class GPU:
     # Host time to dispatch one operator under autograd (eager PyTorch): a small microbatch's floor.
     # Measured for this machine's CPU by profile_hardware; a typical figure for catalogue GPUs.
     op_overhead_s: float = 10e-6
+    # Host time FSDP2 adds per wrapped unit and microbatch, forward and backward together (its hooks, the copy-in,
+    # copy-out and collectives it launches): about 2.6 ms on an H200's host with torch 2.11 (docs/gpu.md: snugfit's
+    # engine spent 0.17 s of host time per step of 17 units x 2 microbatches where plain PyTorch, the same
+    # operators without FSDP2, spent 0.08 s). One measurement, used for every card. CPU ranks: profile_hardware
+    # measures FSDP2's costs instead (plan.timing.cpu_fsdp_time).
+    unit_overhead_s: float = 2.6e-3
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
     p2p: bool = True
@@ -223,6 +229,9 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
+MEASUREMENT_VERSION = 2
+
+
 @dataclass
 class LocalHardware:
     """What profile_hardware measured here, in catalogue form."""
@@ -230,6 +239,9 @@ class LocalHardware:
     device: GPU
     host: Host
     links: dict[str, Link] = field(default_factory=dict)
+    # what was measured how; older measurements are taken again. 2: op_overhead_s per operator of a real model's
+    # step (it was a chain of multiplies, per forward + backward pair)
+    version: int = MEASUREMENT_VERSION
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -237,7 +249,7 @@ class LocalHardware:
     @classmethod
     def from_dict(cls, d: dict) -> "LocalHardware":
         links = {k: Link(**v) for k, v in d.get("links", {}).items()}
-        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links)
+        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links, d.get("version", 1))
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +263,7 @@ def load_local(path: str | Path | None = None) -> LocalHardware | None:
     if not p.exists():
         return None
     local = LocalHardware.from_dict(json.loads(p.read_text()))
-    complete = all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values())
+    complete = local.version == MEASUREMENT_VERSION and all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values())
     if local.device.name == "cpu" and local.host.thread_slowdown is None:
         complete = False  # measured before one-thread ranks were
     return local if complete else None

@@ -111,14 +111,15 @@ def transfer_time(nbytes: float, link: Link) -> float:
     return 0.0 if nbytes <= 0 else link.latency_s + nbytes / (link.gbps * 1e9)
 
 
-def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None) -> tuple[float, float]:
+def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None,
+                  host_extra: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch through one piece.
 
     Unmeasured: the roofline, with a floor of one dispatch per operator; on a GPU the linear layers' GEMMs
     by their shapes (plan.kernels: tiles, waves, a ceiling per dtype), other FLOPs (attention) at flash attention's
     rate where it is known, else at the flat rate. On a GPU the host
     dispatches ahead of the kernels, so the slower of the two counts; on the CPU the same
-    thread dispatches and computes, so they add up.
+    thread dispatches and computes, so they add up. host_extra: more host seconds each way (FSDP2's share).
     """
     if measured_on == gpu.name and p.fwd_time_s is not None and p.bwd_time_s is not None:
         return p.fwd_time_s, p.bwd_time_s
@@ -129,8 +130,8 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
         gf, gb, gf_flops, gb_flops = gemm_seconds(p.gemms, gpu, dtype, p.num_trainable / max(p.num_params, 1))
         af, ab = attention_rates(gpu, dtype, p.head_dim)
         fwd, bwd = gf + max(0.0, p.fwd_flops - gf_flops) / af, gb + max(0.0, p.bwd_flops - gb_flops) / ab
-    return (combine(fwd + p.fwd_mem_bytes / bw, p.fwd_ops * gpu.op_overhead_s),
-            combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * gpu.op_overhead_s))
+    return (combine(fwd + p.fwd_mem_bytes / bw, p.fwd_ops * gpu.op_overhead_s + host_extra),
+            combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * gpu.op_overhead_s + host_extra))
 
 
 def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, dtype: str, measured_on: str | None) -> float:
@@ -242,25 +243,29 @@ def cpu_share(node: Node, busy: float = 1.0) -> float:
 def stage_time(
     pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
     measured_on: str | None, wrapped: bool = True, pipelined: bool = False, busy: float = 1.0,
-    tensor: TensorParallel | None = None, computed: dict[str, tuple[float, float]] | None = None,
+    tensor: TensorParallel | None = None, computed: dict[tuple[str, float], tuple[float, float]] | None = None,
 ) -> StageTime:
     """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped); pipelined: they are a stage
     of a pipeline (pp > 1); busy: the share of the node's ranks working at once (`local_ranks`); tensor: the
     pieces are one tensor-parallel rank's (ModelProfile.split) and talk over this group; computed: piece_compute's
-    results by piece name, kept across calls on the same pieces and node (the search costs every option)."""
+    results by piece name and host share, kept across calls on the same pieces and node (the search costs every
+    option)."""
     gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     on_cpu, share = gpu.name == "cpu", cpu_share(node, busy)
     st = StageTime(reduce_bytes=[], sm_share=nccl_sm_share(gpu, dp_link))
     first_gather = True
+    roots = sum(not sp.is_block for sp in pieces)
     for sp in pieces:
         p, d = sp.piece, sp.decision
-        if computed is None or p.name not in computed:
-            f, b = piece_compute(p, gpu, dtype, measured_on)
+        # FSDP2's host time per unit, half each way: each block is a unit, the stage's root pieces share one
+        extra = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and not on_cpu else 0.0
+        if computed is None or (p.name, extra) not in computed:
+            f, b = piece_compute(p, gpu, dtype, measured_on, extra)
             if computed is not None:
-                computed[p.name] = f, b
+                computed[p.name, extra] = f, b
         else:
-            f, b = computed[p.name]
+            f, b = computed[p.name, extra]
         policy = d.activations if p.name.startswith("block") else "keep"
         rc = recompute_time(p, "recompute" if policy == "recompute_offload" else policy, f, gpu, dtype, measured_on)
         st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share

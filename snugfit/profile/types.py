@@ -11,7 +11,8 @@ from pathlib import Path
 # 10: attention's head dim; the GPU kernels' attention backward counted once (2.5 forwards), not with a recompute more
 # 11: no memory traffic for ops that make no tensor (fake tensors' metadata queries) or are views (_unsafe_view);
 # the GPU kernels' RMSNorm one pass each way
-PROFILE_VERSION = 11
+# 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
+PROFILE_VERSION = 12
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
