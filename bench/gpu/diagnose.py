@@ -119,14 +119,16 @@ def main() -> int:
     torch.manual_seed(0)
     weights = Decoder(cfg).state_dict()
     report = {"device": torch.cuda.get_device_name(env.device) if on_gpu else "cpu", "dtype": dtype,
-              "shape": case(cfg, weights, *shape, env, cluster, dtype), "tiny": case(cfg, weights, 16, 1, env, cluster, dtype)}
+              "shape": case(cfg, weights, *shape, env, cluster, dtype),
+              "tiny": case(cfg, weights, 16, 1, env, cluster, dtype)}
     (OUT / "diagnose.json").write_text(json.dumps(report, indent=1))
     for name in ("shape", "tiny"):
         r = report[name]
-        print(f"{name}: engine {r['engine_step_s']:.4f} s (memory counted {r['engine_tracked_step_s']:.4f} s), plain {r['plain_step_s']:.4f} s, predicted "
-              f"{r['predicted_step_s']:.4f} s; device busy {r['engine_kernels']['device_busy_s']:.4f} s over "
-              f"{r['engine_kernels']['device_launches']} launches (plain {r['plain_kernels']['device_busy_s']:.4f} s, "
-              f"{r['plain_kernels']['device_launches']}); profile ops/block {r['profile_ops_per_block']}")
+        print(f"{name}: engine {r['engine_step_s']:.4f} s (memory counted {r['engine_tracked_step_s']:.4f} s), "
+              f"plain {r['plain_step_s']:.4f} s, predicted {r['predicted_step_s']:.4f} s; device busy "
+              f"{r['engine_kernels']['device_busy_s']:.4f} s over {r['engine_kernels']['device_launches']} launches "
+              f"(plain {r['plain_kernels']['device_busy_s']:.4f} s, {r['plain_kernels']['device_launches']}); "
+              f"profile ops/block {r['profile_ops_per_block']}")
     torch.distributed.destroy_process_group()
     return 0
 

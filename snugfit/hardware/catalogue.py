@@ -34,7 +34,8 @@ class GPU:
     mem_efficiency: float = 0.75
     context_bytes: int = GiB // 2  # CUDA context + library workspaces, outside the allocator
     # Host time to dispatch one operator under autograd (eager PyTorch): a small microbatch's floor.
-    # Measured for this machine's CPU by profile_hardware; a typical figure for catalogue GPUs.
+    # Measured for this machine's CPU by profile_hardware; for catalogue GPUs, what plain PyTorch's Llama step took
+    # per counted operator on an H200's host (10.3 us, docs/gpu.md).
     op_overhead_s: float = 10e-6
     # Host time FSDP2 adds per wrapped unit and microbatch, forward and backward together (its hooks, the copy-in,
     # copy-out and collectives it launches): about 2.6 ms on an H200's host with torch 2.11 (docs/gpu.md: snugfit's
@@ -263,7 +264,8 @@ def load_local(path: str | Path | None = None) -> LocalHardware | None:
     if not p.exists():
         return None
     local = LocalHardware.from_dict(json.loads(p.read_text()))
-    complete = local.version == MEASUREMENT_VERSION and all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values())
+    complete = local.version == MEASUREMENT_VERSION
+    complete = complete and all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values())
     if local.device.name == "cpu" and local.host.thread_slowdown is None:
         complete = False  # measured before one-thread ranks were
     return local if complete else None
