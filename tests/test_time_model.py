@@ -356,3 +356,24 @@ def test_gpu_ranks_pay_fsdp2s_host_time_per_unit_and_microbatch_where_the_host_i
     fp32 = _plan(num_microbatches=2, compute_dtype="float32")
     assert fp32.runs_unwrapped
     assert estimate(fp32, host_bound("float32"), cluster).time_by_phase["compute"] == pytest.approx(free)
+
+
+def test_cpu_attention_runs_at_its_measured_rate_and_the_linear_layers_at_the_matmul_rate():
+    """CPU SDPA ran at a fifth of the matmul rate (41 against 200 GFLOP/s on this machine), which the flat rate
+    missed by 25% of a block's time; profile_hardware measures it and the CPU path charges attention by it."""
+    from dataclasses import replace
+
+    from snugfit.model.decoder import ModelConfig
+    from snugfit.profile.profile import profile_model
+
+    cfg = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=128)
+    block = profile_model(cfg, micro_batch_size=2, seq_len=128, dtype="float32", use_cache=False).blocks[0]
+    cpu = replace(parse_cluster("cpu").nodes[0].gpu, tflops={"float32": 0.2}, matmul_efficiency=1.0,
+                  mem_efficiency=1.0, op_overhead_s=0.0, attention_tflops=[0.04, 0.05])
+    fwd, bwd = piece_compute(block, cpu, "float32", None)
+    gemm = sum(2.0 * m * n * k for m, n, k in block.gemms)
+    attention = 2.0 * 2 * 2 * 128 * 128 * 32  # causal: 2 b h s^2 d
+    assert block.fwd_flops == pytest.approx(gemm + attention)
+    memory = block.fwd_mem_bytes / cpu.mem_bytes_per_s()
+    assert fwd == pytest.approx(gemm / 0.2e12 + attention / 0.04e12 + memory)
+    assert bwd > fwd and piece_compute(block, replace(cpu, attention_tflops=[]), "float32", None)[0] < fwd

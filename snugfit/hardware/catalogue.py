@@ -43,6 +43,9 @@ class GPU:
     # operators without FSDP2, spent 0.08 s). One measurement, used for every card. CPU ranks: profile_hardware
     # measures FSDP2's costs instead (plan.timing.cpu_fsdp_time).
     unit_overhead_s: float = 2.6e-3
+    # [forward, backward] TFLOP/s of attention where profile_hardware measured it (CPU ranks; calibrate.hardware.
+    # attention_tflops); [] elsewhere: GPUs use flash attention's published rates (plan.kernels)
+    attention_tflops: list[float] = field(default_factory=list)
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
     p2p: bool = True
@@ -230,7 +233,7 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-MEASUREMENT_VERSION = 2
+MEASUREMENT_VERSION = 3
 
 
 @dataclass
@@ -241,7 +244,7 @@ class LocalHardware:
     host: Host
     links: dict[str, Link] = field(default_factory=dict)
     # what was measured how; older measurements are taken again. 2: op_overhead_s per operator of a real model's
-    # step (it was a chain of multiplies, per forward + backward pair)
+    # step (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate
     version: int = MEASUREMENT_VERSION
 
     def to_dict(self) -> dict:
