@@ -10,12 +10,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_reference(tmp_path):
+def _smoke(script: str, report: str, tmp_path: Path) -> dict:
+    """Run bench/gpu/`script` --smoke with its output and hardware profile under tmp_path; its JSON report."""
     env = {**os.environ, "OUT": str(tmp_path), "SNUGFIT_HARDWARE_PROFILE": str(tmp_path / "hardware.json")}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "run.py"), "--smoke"], env=env,
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / script), "--smoke"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    report = json.loads((tmp_path / "acceptance.json").read_text())
+    return json.loads((tmp_path / report).read_text())
+
+
+def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_reference(tmp_path):
+    report = _smoke("run.py", "acceptance.json", tmp_path)
     rows = {r["technique"]: r for r in report["techniques"]}
     assert set(rows) == {"replicated", "optimizer offload", "parameter offload", "recompute", "selective",
                          "activation offload", "LoRA", "NF4 base (QLoRA)", "fp16 + loss scaling", "bfloat16"}
@@ -35,11 +40,7 @@ def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_ref
 
 def test_diagnose_smoke_times_both_loops_at_both_shapes(tmp_path):
     """bench/gpu/diagnose.py on CPU: the engine's and plain PyTorch's steps timed and profiled at both shapes."""
-    env = {**os.environ, "OUT": str(tmp_path), "SNUGFIT_HARDWARE_PROFILE": str(tmp_path / "hardware.json")}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "diagnose.py"), "--smoke"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    report = json.loads((tmp_path / "diagnose.json").read_text())
+    report = _smoke("diagnose.py", "diagnose.json", tmp_path)
     for shape in ("shape", "tiny"):
         r = report[shape]
         assert r["engine_step_s"] > 0 and r["plain_step_s"] > 0 and r["predicted_step_s"] > 0
