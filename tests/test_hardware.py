@@ -65,6 +65,7 @@ def test_profile_hardware_measures_this_machine(tmp_path):
     assert local.device.matmul_efficiency == local.device.mem_efficiency == 1.0
     assert local.device.flops_per_s("float32") == local.device.tflops["float32"] * 1e12
     assert len(local.device.attention_tflops) == 2 and min(local.device.attention_tflops) > 1e-4
+    assert 1e-7 < local.device.op_overhead_s < 1e-3 and 0 <= local.device.sac_overhead_s < 1e-3
     assert load_local(out) == local == LocalHardware.from_dict(local.to_dict())
     local.host.fsdp = {"2": {"gather": [1e-3, 0.0], "contention": [1.0]}}  # what an older snugfit measured
     local.save(out)

@@ -356,6 +356,13 @@ def test_gpu_ranks_pay_fsdp2s_host_time_per_unit_and_microbatch_where_the_host_i
     fp32 = _plan(num_microbatches=2, compute_dtype="float32")
     assert fp32.runs_unwrapped
     assert estimate(fp32, host_bound("float32"), cluster).time_by_phase["compute"] == pytest.approx(free)
+    # selective checkpointing's policy sees every forward operator twice, in the forward and in the replay, which
+    # dispatches them all again (an H200 ran selective slower than full recompute, docs/gpu.md)
+    keep = estimate(plan, host_bound("bfloat16"), cluster).time_by_phase
+    selective = estimate(_plan(num_microbatches=2, block=BlockPlan(activations="selective"), root=BlockPlan()),
+                         host_bound("bfloat16"), cluster).time_by_phase
+    added = selective["compute"] + selective["recompute"] - keep["compute"] - keep["recompute"]
+    assert added == pytest.approx(2 * 8 * 1000 * (gpu.op_overhead_s + 2 * gpu.sac_overhead_s))
 
 
 def test_cpu_attention_runs_at_its_measured_rate_and_the_linear_layers_at_the_matmul_rate():

@@ -99,26 +99,35 @@ def _duplex_gbps(nbytes: int, dev: str, sync) -> float:
     return nbytes / _best_time(run, 3) / 1e9
 
 
-def op_overhead_s(device: str, sync) -> float:
-    """Host seconds per operator as a model runs them: a tiny decoder's forward and backward (its kernels take
-    next to nothing, so its dispatch is its time: nn.Module calls, autograd, the dispatcher), over the operators
-    the profiler counts for it. A chain of bare multiplies measured 12.5-13.6 us per operator on an H200's host,
-    where plain PyTorch's Llama step took 10.3 us per counted operator (docs/gpu.md)."""
+def dispatch_costs(device: str, sync) -> tuple[float, float]:
+    """(host seconds per operator as a model runs them, what selective checkpointing adds per forward operator and
+    pass), from a tiny decoder whose kernels take next to nothing, so that its dispatch is its time (nn.Module
+    calls, autograd, the dispatcher): its step over the operators the profiler counts for it, and its step under
+    selective against full recomputation over its blocks' forward operators, run twice (forward and replay).
+    A chain of bare multiplies measured 12.5-13.6 us per operator on an H200's host, where plain PyTorch's Llama
+    step took 10.3 us per counted operator (docs/gpu.md)."""
     from snugfit.model.decoder import Decoder, ModelConfig
     from snugfit.profile.profile import profile_model
+    from snugfit.runtime.activations import apply_activation_policy
 
-    cfg = ModelConfig(arch="llama", dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=8)
-    with torch.device(device):
-        model = Decoder(cfg)
+    cfg = ModelConfig(arch="llama", dim=32, n_layers=4, n_heads=2, vocab_size=64, max_seq_len=8)
     tokens = torch.randint(0, cfg.vocab_size, (1, 9), device=device)
+    step = {}
+    for policy in ("keep", "recompute", "selective"):
+        with torch.device(device):
+            model = Decoder(cfg)
+        for block in model.blocks.values():
+            apply_activation_policy(block, policy)
 
-    def run():
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        sync()
-    seconds = _best_time(run, 10)
+        def run():
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            sync()
+        step[policy] = _best_time(run, 10)
     prof = profile_model(cfg, micro_batch_size=1, seq_len=8, dtype="float32",
                          kernels="cpu" if device == "cpu" else "gpu", use_cache=False)
-    return seconds / sum(p.fwd_ops + p.bwd_ops for p in prof.pieces)
+    passes = 2 * sum(b.fwd_ops for b in prof.blocks)
+    return (step["keep"] / sum(p.fwd_ops + p.bwd_ops for p in prof.pieces),
+            max(0.0, step["selective"] - step["recompute"]) / passes)
 
 
 def _adam_params_per_s(n: int) -> float:
@@ -372,8 +381,9 @@ def measure_accelerator(name: str, dev: str | None = None, size: int = 4096) -> 
     hbm = _copy_gbps(2 * copy_bytes, dev, dev, sync)
     link = Link("pcie-local", min(h2d, d2h, duplex), 10e-6)
     pcie_gen = 5 if link.gbps >= 40 else 4 if link.gbps >= 18 else 3  # one direction, pinned: ~50 / ~25 / ~12 GB/s
+    per_op, selective = dispatch_costs(dev, sync)
     gpu = GPU(name, mem, tflops, hbm, pcie_gen, None, matmul_efficiency=1.0, mem_efficiency=1.0,
-              op_overhead_s=op_overhead_s(dev, sync), sms=props.multi_processor_count if props else 0,
+              op_overhead_s=per_op, sac_overhead_s=selective, sms=props.multi_processor_count if props else 0,
               arch=cuda_arch(props.major, props.minor) if props and not torch.version.hip else "")
     return gpu, link
 
@@ -391,9 +401,10 @@ def profile_hardware(out: str | Path | None = None, collectives: bool = True) ->
                   "bfloat16": _matmul_tflops(torch.bfloat16, 128, "cpu", sync)}
         hbm = _copy_gbps(32 * 2**20, "cpu", "cpu", sync)
         host.thread_slowdown = thread_slowdown()
+        per_op, selective = dispatch_costs("cpu", sync)
         device = GPU("cpu", host.ram_bytes, tflops, hbm, 0, None, "gloo-loopback",
                      matmul_efficiency=base.matmul_efficiency, mem_efficiency=base.mem_efficiency, context_bytes=0,
-                     op_overhead_s=op_overhead_s("cpu", sync), attention_tflops=attention_tflops())
+                     op_overhead_s=per_op, sac_overhead_s=selective, attention_tflops=attention_tflops())
     if collectives:
         links["gloo-loopback"] = measure_local_ranks(host)
     local = LocalHardware(device, host, links)

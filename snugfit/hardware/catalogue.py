@@ -46,6 +46,11 @@ class GPU:
     # [forward, backward] TFLOP/s of attention where profile_hardware measured it (CPU ranks; calibrate.hardware.
     # attention_tflops); [] elsewhere: GPUs use flash attention's published rates (plan.kernels)
     attention_tflops: list[float] = field(default_factory=list)
+    # Host time torch's selective checkpointing adds per forward operator and pass: its policy, a Python dispatch
+    # mode, sees every operator in the forward and again in the replay. 13 us on this project's 2-core CPU
+    # (profile_hardware measures it), 11-22 us on an H200's host (selective 0.34-0.41 s a step against full
+    # recompute's 0.27 s, docs/gpu.md)
+    sac_overhead_s: float = 13e-6
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
     p2p: bool = True
@@ -244,7 +249,8 @@ class LocalHardware:
     host: Host
     links: dict[str, Link] = field(default_factory=dict)
     # what was measured how; older measurements are taken again. 2: op_overhead_s per operator of a real model's
-    # step (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate
+    # step (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate and
+    # selective checkpointing's cost per operator
     version: int = MEASUREMENT_VERSION
 
     def to_dict(self) -> dict:

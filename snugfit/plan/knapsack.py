@@ -97,7 +97,7 @@ class StageCosts:
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
         self._cache: dict[tuple, Cost] = {}
         self._walks: dict[tuple, float] = {}  # working_peak's
-        self._computed: dict[tuple[str, float], tuple[float, float]] = {}  # piece_compute's, the same for every option
+        self._computed: dict[tuple, tuple[float, float]] = {}  # piece_compute's, the same for every option
 
     def working_peak(self, blk: PieceProfile, roots: list[PieceProfile], opts: list[BlockPlan],
                      ropts: list[BlockPlan], m: int) -> float:

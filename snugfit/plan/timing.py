@@ -112,14 +112,15 @@ def transfer_time(nbytes: float, link: Link) -> float:
 
 
 def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None,
-                  host_extra: float = 0.0) -> tuple[float, float]:
+                  host_extra: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch through one piece.
 
     Unmeasured: the roofline, with a floor of one dispatch per operator; on a GPU the linear layers' GEMMs
     by their shapes (plan.kernels: tiles, waves, a ceiling per dtype), other FLOPs (attention) at flash attention's
     rate where it is known, else at the flat rate. On a GPU the host
     dispatches ahead of the kernels, so the slower of the two counts; on the CPU the same
-    thread dispatches and computes, so they add up. host_extra: more host seconds each way (FSDP2's share).
+    thread dispatches and computes, so they add up. host_extra: more host seconds (forward, backward): FSDP2's
+    share, selective checkpointing's policy.
     """
     if measured_on == gpu.name and p.fwd_time_s is not None and p.bwd_time_s is not None:
         return p.fwd_time_s, p.bwd_time_s
@@ -136,21 +137,22 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
         af, ab = (t * 1e12 for t in gpu.attention_tflops)
         fwd = gf_flops / rate + max(0.0, p.fwd_flops - gf_flops) / af
         bwd = gb_flops / rate + max(0.0, p.bwd_flops - gb_flops) / ab
-    return (combine(fwd + p.fwd_mem_bytes / bw, p.fwd_ops * gpu.op_overhead_s + host_extra),
-            combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * gpu.op_overhead_s + host_extra))
+    return (combine(fwd + p.fwd_mem_bytes / bw, p.fwd_ops * gpu.op_overhead_s + host_extra[0]),
+            combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * gpu.op_overhead_s + host_extra[1]))
 
 
-def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, dtype: str, measured_on: str | None) -> float:
+def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, measured_on: str | None) -> float:
     """Extra seconds in backward for recomputing what the policy did not keep."""
     if measured_on == gpu.name and policy in p.recompute_time_s:
         return p.recompute_time_s[policy]
     if policy == "recompute":
         return fwd
     if policy == "selective":
-        # the memory-bound share of the forward (matmul outputs were kept)
-        rate, bw = gpu.flops_per_s(dtype), gpu.mem_bytes_per_s()
-        mem, mm = p.fwd_mem_bytes / bw, p.fwd_flops / rate
-        return fwd * mem / (mem + mm) if mem + mm > 0 else 0.0
+        # the memory-bound ops of the forward run again at bandwidth (matmul outputs were kept), but the replay
+        # dispatches every forward operator, each through the policy
+        kernels = p.fwd_mem_bytes / gpu.mem_bytes_per_s()
+        replay = p.fwd_ops * (gpu.op_overhead_s + gpu.sac_overhead_s)
+        return kernels + replay if gpu.name == "cpu" else max(kernels, replay)
     return 0.0
 
 
@@ -249,7 +251,7 @@ def cpu_share(node: Node, busy: float = 1.0) -> float:
 def stage_time(
     pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
     measured_on: str | None, wrapped: bool = True, pipelined: bool = False, busy: float = 1.0,
-    tensor: TensorParallel | None = None, computed: dict[tuple[str, float], tuple[float, float]] | None = None,
+    tensor: TensorParallel | None = None, computed: dict[tuple, tuple[float, float]] | None = None,
 ) -> StageTime:
     """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped); pipelined: they are a stage
     of a pipeline (pp > 1); busy: the share of the node's ranks working at once (`local_ranks`); tensor: the
@@ -264,16 +266,18 @@ def stage_time(
     roots = sum(not sp.is_block for sp in pieces)
     for sp in pieces:
         p, d = sp.piece, sp.decision
-        # FSDP2's host time per unit, half each way: each block is a unit, the stage's root pieces share one
-        extra = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and not on_cpu else 0.0
+        policy = d.activations if p.name.startswith("block") else "keep"
+        # host time beyond dispatch: FSDP2's per unit, half each way (each block is a unit, the stage's root pieces
+        # share one); selective checkpointing's policy on every forward operator
+        unit = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and not on_cpu else 0.0
+        extra = (unit + (p.fwd_ops * gpu.sac_overhead_s if policy == "selective" else 0.0), unit)
         if computed is None or (p.name, extra) not in computed:
             f, b = piece_compute(p, gpu, dtype, measured_on, extra)
             if computed is not None:
                 computed[p.name, extra] = f, b
         else:
             f, b = computed[p.name, extra]
-        policy = d.activations if p.name.startswith("block") else "keep"
-        rc = recompute_time(p, "recompute" if policy == "recompute_offload" else policy, f, gpu, dtype, measured_on)
+        rc = recompute_time(p, "recompute" if policy == "recompute_offload" else policy, f, gpu, measured_on)
         st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share
         if tensor is not None:
             tf, tb = tensor.times(p, policy)
