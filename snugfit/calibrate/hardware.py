@@ -46,14 +46,14 @@ def _typical_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _matmul_tflops(dtype: torch.dtype, n: int, device: str, sync) -> float:
+def _matmul_tflops(dtype: torch.dtype, n: int, device: str, sync, repeats: int = 3) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
 
     def run():
         a @ b
         sync()
-    return 2 * n**3 / _best_time(run, 3) / 1e12
+    return 2 * n**3 / _best_time(run, repeats) / 1e12
 
 
 def attention_tflops(device: str = "cpu", b: int = 8, heads: int = 6, seq: int = 128, head_dim: int = 32) -> list[float]:
@@ -332,11 +332,13 @@ MAX_CROWDED = 8  # most local ranks measured (twice the cores, on machines small
 def thread_slowdown(n: int = 768) -> float:
     """How many times slower a matmul as large as the device's rate was measured with runs on one thread than
     on all this process has (small ones never spread over threads)."""
+    # 30 repeats: the first calls after the thread count changes run before the pool has its threads going, and
+    # the best of 3 read 1.02-1.06 here in five tries of six where 30 read 1.8-2.0 every time
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    one = _matmul_tflops(torch.float32, n, "cpu", lambda: None)
+    one = _matmul_tflops(torch.float32, n, "cpu", lambda: None, repeats=30)
     torch.set_num_threads(threads)
-    return max(1.0, _matmul_tflops(torch.float32, n, "cpu", lambda: None) / one)
+    return max(1.0, _matmul_tflops(torch.float32, n, "cpu", lambda: None, repeats=30) / one)
 
 
 def measure_local_ranks(host: Host) -> Link:
