@@ -73,7 +73,7 @@ def test_profile_hardware_measures_this_machine(tmp_path):
 
 
 def test_gloo_collective_bandwidth_and_fsdp_overheads_between_two_processes():
-    from snugfit.calibrate.hardware import measure_collectives
+    from snugfit.calibrate.local_ranks import measure_collectives
 
     link, fsdp, together = measure_collectives(2, nbytes=2**20)
     assert link.gbps > 0.01 and 0 < link.latency_s < 1 and 0 < together < 10
@@ -132,7 +132,7 @@ def test_collectives_are_measured_in_spawned_processes_once_an_accelerator_ran(m
     combination with fork-based multiprocessing': profile-hardware on an H200)."""
     import torch.multiprocessing as mp
 
-    from snugfit.calibrate.hardware import measure_collectives
+    from snugfit.calibrate.local_ranks import measure_collectives
 
     methods = []
 
