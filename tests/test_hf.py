@@ -209,7 +209,7 @@ def _train_two_ranks(env, folders: dict[str, str], saved: str) -> dict:
     for arch, folder in folders.items():  # built on meta, sharded, then each rank reads its own rows
         model = load_hf(folder, device="meta")
         plan = Plan.uniform(2, dp=2, block=BlockPlan(zero=3), root=BlockPlan(zero=3), seq_len=SEQ)
-        apply_fsdp(model, dict(model.blocks.items()), plan, ParallelDims.of(plan, "cpu", env.rank))
+        apply_fsdp(model, dict(model.blocks.items()), plan, ParallelDims.of(plan, env))
         materialize(model, "cpu", folder)
         x = tokens()
         out[arch] = model(x, x).item()

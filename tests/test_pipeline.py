@@ -8,6 +8,7 @@ it computes itself, and reports what did not match.
 
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def _run(env, name: str) -> dict:
     cfg, plan, batch = _setup(name)
     ref_loss, ref_grads = _reference(cfg, plan, batch)
     torch.manual_seed(0)
-    engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(grad_clip=0.0), env, timeout_s=60)
+    engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(grad_clip=0.0), env)
     checked, bad = [], []
     update = engine._update
 
@@ -212,7 +213,7 @@ def _dead_peer(env) -> dict:
     engines = {}
     for schedule in ("bpipe", "1f1b"):
         plan = Plan.uniform(2, pp=2, schedule=schedule, micro_batch_size=1, num_microbatches=2, seq_len=SEQ)
-        engines[schedule] = build_pipeline_engine(Decoder(_cfg(2, 64)), plan, OptimConfig(), env, DEAD_PEER_TIMEOUT_S)
+        engines[schedule] = build_pipeline_engine(Decoder(_cfg(2, 64)), plan, OptimConfig(), replace(env, timeout_s=DEAD_PEER_TIMEOUT_S))
     if env.rank == 1:
         return {}  # built its stages, then leaves without stepping
     out = {}
@@ -336,7 +337,7 @@ def _bf16_stages(env) -> dict:
         plan = Plan.uniform(2, pp=2, schedule=schedule, micro_batch_size=2, num_microbatches=2, seq_len=SEQ,
                             compute_dtype="bfloat16")
         torch.manual_seed(0)
-        engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env, timeout_s=60)
+        engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env)
         sent = []
         engine.chunks[0].register_forward_hook(lambda m, a, y: sent.append(y.dtype))
         batch = torch.randint(0, 64, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))

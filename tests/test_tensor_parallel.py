@@ -15,6 +15,7 @@ from snugfit.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.engine import OptimConfig  # noqa: E402
 from snugfit.runtime.memory import local  # noqa: E402
+from snugfit.runtime.mesh import ParallelDims  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.test_hf import MBS, NMB, SEQ, STEPS, _batches, _fresh, _reference  # noqa: E402
 
@@ -60,7 +61,10 @@ def _run(env, ckpt: str) -> dict[str, list[float]]:
         out[name] = [_step(engine, p[name], b, env.rank) for b in batches]
         if widths is not None:  # the rank holds the head (every dp2_tp2 rank, the last stage of tp2_pp2)
             out[f"{name} logits width"] = sorted(set(widths))
-        if name == "dp2_tp2":
+        if name == "dp2_tp2":  # the mesh's sub-groups wait as long as the run's default group (120 s), no longer
+            groups = ParallelDims.of(p[name], env).world.get_all_groups()
+            out["mesh group timeouts"] = sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                                                 for g in groups})
             engine = build_engine(_fresh(False), p[name], OPTIM, env)
             for b in batches[:2]:
                 _step(engine, p[name], b, env.rank)
@@ -78,6 +82,7 @@ def test_llama_gqa_tensor_parallel_matches_one_process_and_resumes_without_it(tm
     results = run_ranks(_run, 4, str(tmp_path / "tp2"))
     reference = _reference(False, OPTIM)
     vocab = _fresh(False).cfg.vocab_size
+    assert all(r.pop("mesh group timeouts") == [120.0] for r in results)  # tests.distributed's timeout_s
     for name in ("dp2_tp2", "tp2_pp2"):  # logits stay split by vocabulary (loss_parallel): never gathered
         holders = [r[f"{name} logits width"] for r in results if f"{name} logits width" in r]
         assert holders and all(w == [vocab // 2] for w in holders), (name, holders)

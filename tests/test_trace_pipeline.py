@@ -33,7 +33,7 @@ def _traced(env, schedule: str) -> StepTrace:
     plan = _plan(schedule)
     cfg = ModelConfig(dim=32, n_layers=CONFIGS[schedule][1], n_heads=4, vocab_size=64, max_seq_len=SEQ)
     torch.manual_seed(0)
-    engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env, timeout_s=60)
+    engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env)
     batch = torch.randint(0, 64, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(1))
     trace = engine.trace = StepTrace()
     dist.barrier()

@@ -23,6 +23,7 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    timeout_s: float = 300.0  # how long any collective or transfer may wait (config.parallel.timeout_s)
 
     @property
     def is_main(self) -> bool:
@@ -94,7 +95,7 @@ def init_distributed(timeout_s: float = 300.0) -> DistEnv:
     # offload; with this set, 32.5 for 19.5: little changed there, docs/gpu.md). A user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:  # one process, not launched by torchrun: still on the local accelerator
-        return DistEnv(device=pick_device(0))
+        return DistEnv(device=pick_device(0), timeout_s=timeout_s)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(local_rank)
@@ -110,7 +111,7 @@ def init_distributed(timeout_s: float = 300.0) -> DistEnv:
         store = dist.PrefixStore(f"snugfit/attempt_{launch_attempt()}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=None if device.type == "cpu" else device)
-    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, timeout_s=timeout_s)
 
 
 def ensure_process_group(env: DistEnv) -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from snugfit.plan import Plan
-from snugfit.runtime.dist import cached_group
+from snugfit.runtime.dist import DistEnv, cached_group
 
 
 @dataclass
@@ -25,12 +25,15 @@ class ParallelDims:
     world: DeviceMesh  # dims ("pp", "dp", "one", "tp")
 
     @classmethod
-    def of(cls, plan: Plan, device_type: str, rank: int) -> "ParallelDims":
-        """The mesh of `plan` (made once per process group and shape, see `cached_group`)."""
+    def of(cls, plan: Plan, env: DistEnv) -> "ParallelDims":
+        """The mesh of `plan` (made once per process group and shape, see `cached_group`), its groups bounded
+        by env.timeout_s like the default group."""
         shape = (plan.pp, plan.dp, 1, plan.tp)
-        world = cached_group(("mesh", device_type, *shape),
-                             lambda: init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "one", "tp")))
-        return cls(plan, rank, world)
+        world = cached_group(("mesh", env.device.type, *shape, env.timeout_s),
+                             lambda: _bounded(init_device_mesh(env.device.type, shape,
+                                                               mesh_dim_names=("pp", "dp", "one", "tp")),
+                                              env.timeout_s))
+        return cls(plan, env.rank, world)
 
     @property
     def pp_rank(self) -> int:
@@ -86,3 +89,14 @@ class ParallelDims:
                 if (d, t) == (my_dp, my_tp):
                     mine = (g, e)
         return mine
+
+
+def _bounded(mesh: DeviceMesh, timeout_s: float) -> DeviceMesh:
+    """Give every group of `mesh` the run's timeout. DeviceMesh makes its sub-groups (any dimension smaller than
+    the world) with torch's default of 30 min for gloo, 10 for NCCL, whatever init_process_group was given: one
+    stopped rank of a dp x tp job then hung its peers that long. init_device_mesh takes a timeout only inside
+    backend-specific options objects, so it is set on the groups once made (torch's own _set_pg_timeout)."""
+    for group in mesh.get_all_groups():
+        if group is not dist.group.WORLD:  # the default group has the run's timeout already
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+    return mesh

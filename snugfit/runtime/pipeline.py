@@ -138,15 +138,14 @@ def prune_to_rank(model: Decoder, plan: Plan, pp_rank: int) -> list[int]:
 class PipelineEngine(Engine):
     """`Engine` (step, clipping, host offload, checkpoints) over this rank's stages, run by the plan's schedule."""
 
-    def __init__(self, model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv, timeout_s: float = 300.0,
-                 weights: Weights | None = None):
+    def __init__(self, model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv, weights: Weights | None = None):
         if plan.schedule not in ("1f1b", "interleaved", "bpipe"):
             raise PlanError(f"plan.schedule {plan.schedule!r} is not a pipeline schedule")
         if model.cfg.tie_embeddings:
             raise PlanError("tied embeddings cannot be split across pipeline stages; set model.tie_embeddings=false")
-        dims = ParallelDims.of(plan, env.device.type, env.rank)
+        dims = ParallelDims.of(plan, env)
         self.pp_rank, self.dp_rank = dims.pp_rank, dims.dp_rank
-        self.pp_group, self.evict_group = dims.pipeline_groups(timeout_s, bpipe=plan.schedule == "bpipe")
+        self.pp_group, self.evict_group = dims.pipeline_groups(env.timeout_s, bpipe=plan.schedule == "bpipe")
         self.stages = prune_to_rank(model, plan, self.pp_rank)
         tp_mesh = dims.tp_mesh if plan.tp > 1 else None
         if tp_mesh is not None:
@@ -167,7 +166,7 @@ class PipelineEngine(Engine):
         self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len // plan.tp, model.cfg.dim, device=env.device,
                                   dtype=DTYPES[plan.compute_dtype])  # what stages send each other
         self.divisors: list[float] = []  # this step's, per microbatch (`loss_divisors`)
-        self.comms = StageComms(self.pp_group, self.pp_rank, plan.pp, timeout_s)
+        self.comms = StageComms(self.pp_group, self.pp_rank, plan.pp, env.timeout_s)
         self.is_last = self.stages[-1] == n - 1
         self.schedule = self._make_schedule()
 
@@ -274,6 +273,7 @@ class PipelineEngine(Engine):
 
 
 def build_pipeline_engine(model: Decoder, plan: Plan, optim: OptimConfig, env: DistEnv,
-                          timeout_s: float = 300.0, weights: Weights | None = None) -> PipelineEngine:
-    """Cut `model` into this rank's stages and return the engine that runs the plan's schedule."""
-    return PipelineEngine(model, plan, optim, env, timeout_s, weights)
+                          weights: Weights | None = None) -> PipelineEngine:
+    """Cut `model` into this rank's stages and return the engine that runs the plan's schedule; its transfers wait
+    at most env.timeout_s."""
+    return PipelineEngine(model, plan, optim, env, weights)

@@ -19,6 +19,7 @@ import shutil
 import threading
 import warnings
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -104,7 +105,11 @@ class Checkpoints:
         multi = self.env.world_size > 1
         # The background write and commit talk on their own gloo group: the training's collectives on the
         # default group go on meanwhile, and two threads must never share a group's order of operations.
-        group = cached_group(("checkpoint",), lambda: dist.new_group(backend="gloo")) if multi else None
+        # Its timeout is the run's: DCP's writer thread is joined at exit, so a peer gone mid-commit would otherwise
+        # hold this rank (and torchrun) for gloo's default 30 min.
+        timeout = timedelta(seconds=self.env.timeout_s)
+        group = (cached_group(("checkpoint", self.env.timeout_s), lambda: dist.new_group(backend="gloo", timeout=timeout))
+                 if multi else None)
         try:
             self._write_small(tmp, step, trainer_state)
             with dcp_quiet():
