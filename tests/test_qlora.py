@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
@@ -119,3 +120,44 @@ def test_a_qlora_run_exports_merged_bf16_weights_transformers_loads(tmp_path):
         got = tuned(tokens, labels=tokens).loss.item()  # transformers shifts: the same 32 targets
     # the merged weight W + BA is rounded to bf16 once: a loss within 1% of the 4-bit model's
     assert got == pytest.approx(want, rel=1e-2)
+
+
+class _CountOps(TorchDispatchMode):
+    """Operators that make tensors, as the profile's recorder counts them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(out))
+        return out
+
+
+def test_the_profile_charges_what_torchao_dispatches_for_each_nf4_linear():
+    """NF4_LINEAR_OPS is what linear_nf4 adds to a plain linear, forward and backward, at two shapes; a profile
+    with NF4 base weights carries it for each of a block's seven linears."""
+    import torch.nn.functional as F
+
+    from snugfit.model.decoder import ModelConfig
+    from snugfit.model.quantize import quantize
+    from snugfit.profile.profile import profile_model
+    from snugfit.profile.types import NF4_LINEAR_OPS
+
+    for shape in ((128, 512), (512, 1024)):
+        weight = torch.randn(*shape, dtype=torch.bfloat16)
+        counts = []
+        for w in (weight, quantize(weight)):
+            x = torch.randn(2, 8, shape[1], dtype=torch.bfloat16, requires_grad=True)
+            with _CountOps() as fwd:
+                y = F.linear(x, w)
+            with _CountOps() as bwd:
+                y.backward(torch.ones_like(y))
+            counts.append((fwd.ops, bwd.ops))
+        assert (counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]) == NF4_LINEAR_OPS, shape
+    cfg = ModelConfig(arch="llama", dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=16)
+    kw = dict(micro_batch_size=1, seq_len=16, dtype="bfloat16", lora_rank=4, use_cache=False)
+    plain, nf4 = (profile_model(cfg, quantize_base=q, **kw) for q in ("none", "nf4"))
+    for a, b in zip(plain.blocks, nf4.blocks):
+        assert (b.fwd_ops - a.fwd_ops, b.bwd_ops - a.bwd_ops) == (7 * NF4_LINEAR_OPS[0], 7 * NF4_LINEAR_OPS[1])

@@ -34,7 +34,7 @@ from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.recompute import recompute
 from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
-from snugfit.profile.types import DTYPE_BYTES, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
+from snugfit.profile.types import DTYPE_BYTES, NF4_LINEAR_OPS, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
 
 
 # -- building --
@@ -180,16 +180,20 @@ def profile_model(
 
 
 def count_quantized(prof: ModelProfile, net: nn.Module) -> None:
-    """Mark the weights NF4 will hold, block by block, and charge their dequantization (read 4-bit, write the
-    compute dtype) to each forward and backward as memory traffic, which recomputation repeats."""
+    """Mark the weights NF4 will hold, block by block, and charge their dequantization to each forward and
+    backward, which recomputation repeats: memory traffic (read 4-bit, write the compute dtype) and its operators
+    (NF4_LINEAR_OPS per linear; the meta-device recording never runs torchao's)."""
     from snugfit.model.quantize import quantizable
 
     c = DTYPE_BYTES[prof.dtype]
     for piece, block in zip(prof.blocks, net.blocks.values()):
-        piece.quantized = sum(m.weight.numel() for m in quantizable(block).values())
+        linears = quantizable(block).values()
+        piece.quantized = sum(m.weight.numel() for m in linears)
         moved = nf4_bytes(piece.quantized) + piece.quantized * c
         piece.fwd_mem_bytes += moved
         piece.bwd_mem_bytes += moved
+        piece.fwd_ops += NF4_LINEAR_OPS[0] * len(linears)
+        piece.bwd_ops += NF4_LINEAR_OPS[1] * len(linears)
 
 
 SPAN = 4  # measured times are taken at the profile's micro-batch and at SPAN times it

@@ -12,12 +12,19 @@ from pathlib import Path
 # 11: no memory traffic for ops that make no tensor (fake tensors' metadata queries) or are views (_unsafe_view);
 # the GPU kernels' RMSNorm one pass each way
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
-PROFILE_VERSION = 12
+PROFILE_VERSION = 13
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 NF4_BLOCK = 64  # weights per absmax scale (QLoRA's)
 NF4_SCALER_BLOCK = 256  # scales per block of their own 8-bit quantization (QLoRA's double quantization)
+
+
+# Operators one NF4 linear dispatches beyond a plain one (forward, backward), counted through torchao 0.18's
+# linear_nf4 at any shape (tests/test_qlora.py recounts them): its dequantization unpacks the 4-bit codes, looks
+# them up, rescales by the double-quantized scales and reshapes, once in forward and again for the input's
+# gradient. Each is a kernel launch and a host dispatch; a GPU plan whose blocks are dispatch-bound pays them.
+NF4_LINEAR_OPS = (25, 24)
 
 
 def nf4_bytes(n: int) -> int:
