@@ -106,8 +106,42 @@ def _run(env, name: str) -> dict:
     rank_batch = batch.chunk(plan.dp)[env.rank % plan.dp]
     eval_loss = engine.eval_loss(rank_batch)
     result = engine.train_step(rank_batch)
+    stats = engine.stage_stats()
+    engine._update, engine.track_memory = update, False  # a step whose memory nobody counts
+    engine.train_step(rank_batch)
     return {"loss": result.loss, "eval": eval_loss, "ref_loss": ref_loss, "checked": checked, "bad": bad,
-            "stats": engine.stage_stats(), "names": sorted(engine.state_dict()["model"])}
+            "stats": stats, "uncounted": engine.stage_stats(), "names": sorted(engine.state_dict()["model"])}
+
+
+def _gathers_per_step(env) -> dict[str, int]:
+    """FSDP2 all-gathers on this rank in one step of a pp 2 x dp 2 ZeRO-2 pipeline of 4 microbatches, by schedule:
+    what the time model's gather_every says. Counted at FSDP2's foreach_all_gather (a private name; torch has
+    no public count)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
+
+    from snugfit.runtime.build import build_engine
+
+    real, calls, out = param_group.foreach_all_gather, [], {}
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    param_group.foreach_all_gather = counted
+    try:
+        for schedule in ("1f1b", "bpipe"):
+            plan = Plan.uniform(4, pp=2, dp=2, schedule=schedule, block=BlockPlan(zero=2), root=BlockPlan(zero=2),
+                                num_microbatches=4, seq_len=16)
+            engine = build_engine(Decoder(_cfg(4, 64)), plan, OptimConfig(), env)
+            batch = torch.randint(0, 64, (4, 17))  # this rank's 4 microbatches of 1
+            engine.train_step(batch)  # the first step also infers shapes
+            calls.clear()
+            engine.train_step(batch)
+            out[schedule] = len(calls)
+            del engine
+    finally:
+        param_group.foreach_all_gather = real
+    return out
 
 
 def _four_rank_checks(env) -> dict:
@@ -116,13 +150,19 @@ def _four_rank_checks(env) -> dict:
         start = time.monotonic()
         out[name] = _run(env, name)
         out[name]["seconds"] = time.monotonic() - start
+    out["gathers"] = _gathers_per_step(env)
     return out
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
     results = run_ranks(_four_rank_checks, 4)
-    return {name: [r[name] for r in results] for name in CONFIGS}
+    return {name: [r[name] for r in results] for name in [*CONFIGS, "gathers"]}
+
+
+def test_zero2_units_gather_once_a_step_under_1f1b_and_each_microbatch_under_bpipe(four_ranks):
+    """Each stage: 2 blocks and its root, 3 units; 4 microbatches (timing.gather_every)."""
+    assert four_ranks["gathers"] == [{"1f1b": 3, "bpipe": 12}] * 4
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -140,6 +180,9 @@ def test_matches_single_process(four_ranks, name):
 
 def test_1f1b_stage_s_holds_p_minus_s_microbatches(four_ranks):
     assert [r["stats"]["peak_microbatches"] for r in four_ranks["1f1b"]] == [4, 3, 2, 1]
+    # a step whose memory is not counted records no saved tensor, except under BPipe, which moves them
+    assert [r["uncounted"]["peak_microbatches"] for r in four_ranks["1f1b"]] == [0, 0, 0, 0]
+    assert four_ranks["bpipe"][0]["uncounted"]["evictions"] > 0
 
 
 def test_bpipe_keeps_bound_and_balances_memory(four_ranks):

@@ -215,6 +215,7 @@ class PipelineEngine(Engine):
         self.acts.reset(external=(batch, inputs))
         self.memory.reset_peak()
         self.acts.observer = self.memory.fold_activations if self.track_memory else None
+        self.acts.recording = self.track_memory or self.plan.schedule == "bpipe"  # BPipe evicts what it records
         if self.host is not None:
             self.host.wait()  # the root unit waits in a Decoder.forward hook, and stages never call Decoder.forward
         for c in self.chunks:
