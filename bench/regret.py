@@ -9,7 +9,9 @@ launch per world size (plans build_engine refuses are reported and skipped), in 
 shuffled passes. Prints the Spearman correlation of predicted vs measured step time over the
 grid (target >= 0.9), and chosen / best measured (target <= 1.03) from a final in which the
 chosen plan and the fastest measured ones are timed again, interleaved. Re-measures this
-machine's hardware profile first, as the measurements see the machine as it is now.
+machine's hardware profile first, as the measurements see the machine as it is now, and plans
+as `snugfit train --nproc N` does: the hardware measured at the machine's thread count (each rank
+then runs one thread, which the time model charges), the model profiled on the meta device.
 Usage: .venv/bin/python bench/regret.py [--worlds 2 4] [--passes 3] [--reuse-hardware]
 """
 
@@ -125,11 +127,11 @@ def main() -> int:
     ap.add_argument("--budget-fraction", type=float, default=0.8, help="of the replicated plan's peak")
     ap.add_argument("--reuse-hardware", action="store_true", help="keep the cached hardware profile")
     args = ap.parse_args()
-    torch.set_num_threads(1)
     if not args.reuse_hardware or load_local() is None:
         profile_hardware()  # the predictions use this machine as it is now, like the measurements
-    prof = profile_model(CFG, micro_batch_size=1, seq_len=SEQ, measure_on="cpu", clock=time.process_time,
-                         use_cache=False)  # measured now, as the hardware and the steps are
+    # What the user's run plans with (train.autoplan): piece times from the measured rates, not timed
+    # pieces. Timed at one thread they would be charged the one-thread slowdown twice.
+    prof = profile_model(CFG, micro_batch_size=1, seq_len=SEQ, kernels="cpu", use_cache=False)
     ok = True
     for world in args.worlds:
         cluster = parse_cluster(f"{world}xcpu")

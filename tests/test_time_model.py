@@ -3,11 +3,11 @@
 import pytest
 
 from snugfit.hardware import get_link, parse_cluster
-from snugfit.plan.estimate import estimate
+from snugfit.plan.estimate import estimate, stage_times
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.simulate import simulate
 from snugfit.plan.kernels import attention_rates
-from snugfit.plan.timing import local_ranks, piece_compute, ring_time
+from snugfit.plan.timing import gather_every, local_ranks, piece_compute, ring_time
 from tests.test_memory_model import _plan, synthetic_profile
 
 
@@ -384,3 +384,27 @@ def test_cpu_attention_runs_at_its_measured_rate_and_the_linear_layers_at_the_ma
     memory = block.fwd_mem_bytes / cpu.mem_bytes_per_s()
     assert fwd == pytest.approx(gemm / 0.2e12 + attention / 0.04e12 + memory)
     assert bwd > fwd and piece_compute(block, replace(cpu, attention_tflops=[]), "float32", None)[0] < fwd
+
+
+def test_zero2_units_gather_once_a_step_in_torchs_pipelining_schedules_and_each_microbatch_elsewhere():
+    """PipelineStage keeps FSDP2 units unsharded until the last backward; BPipe and the engine reshard after
+    each one (the gathers are counted on the runtime in test_pipeline.py)."""
+    assert gather_every("1f1b", 2, 4) == gather_every("interleaved", 2, 4) == 4
+    assert gather_every("bpipe", 2, 4) == gather_every("none", 1, 4) == 1
+    prof = _measured(synthetic_profile(dtype="float32"))
+
+    def exposed(cluster, schedule: str, zero: int) -> float:
+        plan = Plan.uniform(8, pp=2, dp=2, schedule=schedule, block=BlockPlan(zero=zero), root=BlockPlan(zero=zero),
+                            seq_len=1024, num_microbatches=4)
+        _, kind, times = stage_times(plan, prof, cluster)
+        return times[kind[0]][0].comm_exposed
+
+    cpu = _cpu_cluster(4)
+    cpu.nodes[0].host.cores = 4  # no crowding: the stages' costs differ by their gathers only
+    # a ZeRO-2 unit: one gather and three microbatches of hooks alone (a replicated unit's cost)
+    assert exposed(cpu, "1f1b", 2) == pytest.approx((exposed(cpu, "bpipe", 2) + 3 * exposed(cpu, "bpipe", 0)) / 4)
+    assert exposed(cpu, "1f1b", 2) < exposed(cpu, "bpipe", 2)
+    for zero in (0, 3):  # nothing to keep, or resharded after every forward all the same
+        assert exposed(cpu, "1f1b", zero) == pytest.approx(exposed(cpu, "bpipe", zero))
+    gpus = parse_cluster("4xA100-80GB-PCIe")
+    assert exposed(gpus, "1f1b", 2) < exposed(gpus, "bpipe", 2)

@@ -7,7 +7,8 @@ from snugfit.plan.memory import StagePiece, device_bytes, host_bytes, rank_memor
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
-    StageTime, TensorParallel, cpu_tp_time, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
+    StageTime, TensorParallel, cpu_tp_time, gather_every, grad_reduce_exposed, optimizer_time, stage_time,
+    transfer_time,
 )
 from snugfit.profile.types import ModelProfile
 
@@ -120,7 +121,8 @@ def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float =
         times[rank] = {
             k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.dp,
                           dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped,
-                          pipelined=plan.pp > 1, busy=busy, tensor=_tensor_parallel(plan, prof, cluster, rank))
+                          pipelined=plan.pp > 1, busy=busy, tensor=_tensor_parallel(plan, prof, cluster, rank),
+                          gathers=gather_every(plan.schedule, plan.pp, plan.num_microbatches))
             for k, sps in stages_of[pp_rank].items()
         }
     return stages_of, kind, times

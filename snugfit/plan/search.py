@@ -30,7 +30,7 @@ from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_b
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
 from snugfit.plan.simulate import simulate
-from snugfit.plan.timing import TensorParallel, cpu_stage_time, cpu_tp_time
+from snugfit.plan.timing import TensorParallel, cpu_stage_time, cpu_tp_time, gather_every
 from snugfit.plan.verify import best_first
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
@@ -75,21 +75,23 @@ class Searcher:
         busy = 1.0
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
             busy = _working_share(cand.pp, cand.m, cand.v)  # crowded CPU ranks: a pipeline's working share
-        at = (first, cand.dp, cand.tp, cand.mbs, busy)
+        gathers = gather_every(cand.schedule, cand.pp, cand.m)
+        at = (first, cand.dp, cand.tp, cand.mbs, busy, gathers)
         if at in self._costs_at:
             return self._costs_at[at]
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
         # is named by all its fields (one across nodes has the bandwidth and node count of the group it serves)
         dp_link = astuple(self.cluster.link_for(list(range(first, first + cand.dp * cand.tp, cand.tp))))
         tp_link = astuple(self.cluster.link_for(list(range(first, first + cand.tp))))
-        key = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp, cand.mbs, busy)
+        key = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp, cand.mbs, busy,
+               gathers)
         if key not in self._costs:
             prof = self.profile(cand)
             tensor = None
             if cand.tp > 1:
                 tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))),
                                         prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
-            self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor)
+            self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor, gathers)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
 

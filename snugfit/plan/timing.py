@@ -248,16 +248,26 @@ def cpu_share(node: Node, busy: float = 1.0) -> float:
     return local_ranks(node, busy)[1] * one_thread
 
 
+def gather_every(schedule: str, pp: int, m: int) -> int:
+    """Microbatches one all-gather of a ZeRO-1/2 unit serves in a step. torch's pipelining stages keep FSDP2 units
+    unsharded from the first forward to the last backward (PipelineStage turns reshard_after_backward off until
+    the last microbatch): one gather per step. The engine and BPipe let FSDP2 reshard after every backward, so
+    each microbatch gathers again (4 ranks as pp 2 x dp 2, 4 microbatches: 3 gathers on a stage of 3 units
+    under 1F1B, 12 under BPipe)."""
+    return m if pp > 1 and schedule in ("1f1b", "interleaved") else 1
+
+
 def stage_time(
     pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
     measured_on: str | None, wrapped: bool = True, pipelined: bool = False, busy: float = 1.0,
     tensor: TensorParallel | None = None, computed: dict[tuple, tuple[float, float]] | None = None,
+    gathers: int = 1,
 ) -> StageTime:
     """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped); pipelined: they are a stage
     of a pipeline (pp > 1); busy: the share of the node's ranks working at once (`local_ranks`); tensor: the
     pieces are one tensor-parallel rank's (ModelProfile.split) and talk over this group; computed: piece_compute's
     results by piece name and host share, kept across calls on the same pieces and node (the search costs every
-    option)."""
+    option); gathers: the microbatches one gather of a ZeRO-1/2 unit serves (`gather_every`)."""
     gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     on_cpu, share = gpu.name == "cpu", cpu_share(node, busy)
@@ -286,6 +296,8 @@ def stage_time(
             gather = collective_time("all_gather", sp.n_params * c, dp, dp_link)
             if d.offload_params:
                 gather += transfer_time(sp.n_params * c / dp, pcie)
+            if d.zero < 3:
+                gather /= gathers
             comm_b = gather if d.zero == 3 and p.name.startswith("block") else 0.0
             if first_gather:  # nothing to hide the first gather behind
                 st.comm_exposed += gather
@@ -297,7 +309,7 @@ def stage_time(
             st.offload_exposed += 2 * move if on_cpu else max(0.0, move - f) + max(0.0, move - b)
         st.reduce_bytes.append(sp.n_trainable * g if dp > 1 else 0.0)
     if wrapped and on_cpu:
-        st.comm_exposed += cpu_fsdp_time(pieces, node, dtype, dp, busy=busy)
+        st.comm_exposed += cpu_fsdp_time(pieces, node, dtype, dp, busy=busy, gathers=gathers)
         st.update = cpu_fsdp_time(pieces, node, dtype, dp, "update")
     if pipelined and on_cpu:
         st.pipe = cpu_stage_time(node)
@@ -333,18 +345,26 @@ def fsdp_units(pieces: list[StagePiece], nbytes: list[float]) -> list[tuple[floa
 
 
 def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int, cost: str = "",
-                  busy: float = 1.0) -> float:
+                  busy: float = 1.0, gathers: int = 1) -> float:
     """FSDP2's copies, hooks and gathers per microbatch on CPU ranks, from the costs profile_hardware measured:
     every unit (each block, and the stage's root: embedding/norm/head) as runtime/sharding.py wraps it —
-    replicated (zero 0, or one data-parallel rank) or sharded and gathered in forward, zero-3 blocks again in
-    backward. `cost`: instead, that one measured cost summed over the units."""
+    replicated (zero 0, or one data-parallel rank) or sharded and gathered in forward (zero-1/2 units once per
+    `gathers` microbatches, hooks only on the others), zero-3 blocks again in backward. `cost`: instead, that one
+    measured cost summed over the units."""
     costs, share = local_ranks(node, busy, group=dp)
     if not costs:
         return 0.0
     units = fsdp_units(pieces, [wrapped_params(sp, dp) * DTYPE_BYTES[dtype] for sp in pieces])
     if cost:
         return sum(_line(costs[cost], nbytes) for nbytes, _, _ in units) * share / costs["contention"][0]
-    total = sum(_line(costs["gather" if zero and dp > 1 else "replicate"], nbytes) for nbytes, zero, _ in units)
+
+    def forward(nbytes: float, zero: int) -> float:
+        if not zero or dp == 1:
+            return _line(costs["replicate"], nbytes)
+        every = 1 if zero == 3 else gathers
+        return (_line(costs["gather"], nbytes) + (every - 1) * _line(costs["replicate"], nbytes)) / every
+
+    total = sum(forward(nbytes, zero) for nbytes, zero, _ in units)
     total += sum(_line(costs["regather"], nbytes) for nbytes, zero, block in units if block and zero == 3 and dp > 1)
     # measured among ranks already running side by side: only more ranks than measured slow it further
     return total * share / costs["contention"][0]
