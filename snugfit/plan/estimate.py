@@ -122,7 +122,7 @@ def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float =
             k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.dp,
                           dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped,
                           pipelined=plan.pp > 1, busy=busy, tensor=_tensor_parallel(plan, prof, cluster, rank),
-                          gathers=gather_every(plan.schedule, plan.pp, plan.num_microbatches))
+                          gathers=gather_every(plan.pp, plan.num_microbatches))
             for k, sps in stages_of[pp_rank].items()
         }
     return stages_of, kind, times

@@ -75,7 +75,7 @@ class Searcher:
         busy = 1.0
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
             busy = _working_share(cand.pp, cand.m, cand.v)  # crowded CPU ranks: a pipeline's working share
-        gathers = gather_every(cand.schedule, cand.pp, cand.m)
+        gathers = gather_every(cand.pp, cand.m)
         at = (first, cand.dp, cand.tp, cand.mbs, busy, gathers)
         if at in self._costs_at:
             return self._costs_at[at]

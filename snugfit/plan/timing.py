@@ -248,13 +248,12 @@ def cpu_share(node: Node, busy: float = 1.0) -> float:
     return local_ranks(node, busy)[1] * one_thread
 
 
-def gather_every(schedule: str, pp: int, m: int) -> int:
-    """Microbatches one all-gather of a ZeRO-1/2 unit serves in a step. torch's pipelining stages keep FSDP2 units
-    unsharded from the first forward to the last backward (PipelineStage turns reshard_after_backward off until
-    the last microbatch): one gather per step. The engine and BPipe let FSDP2 reshard after every backward, so
-    each microbatch gathers again (4 ranks as pp 2 x dp 2, 4 microbatches: 3 gathers on a stage of 3 units
-    under 1F1B, 12 under BPipe)."""
-    return m if pp > 1 and schedule in ("1f1b", "interleaved") else 1
+def gather_every(pp: int, m: int) -> int:
+    """Microbatches one all-gather of a ZeRO-1/2 unit serves in a step. Pipeline stages keep FSDP2 units unsharded
+    from the first forward to the last backward (torch's PipelineStage and BPipe turn reshard_after_backward off
+    until the last microbatch): one gather per step (4 ranks as pp 2 x dp 2, 4 microbatches: 3 gathers on a stage
+    of 3 units). The engine lets FSDP2 reshard after every backward, so each microbatch gathers again."""
+    return m if pp > 1 else 1
 
 
 def stage_time(

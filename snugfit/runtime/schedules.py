@@ -280,8 +280,10 @@ class BPipeSchedule:
 
     def backward(self, mb: int, micro) -> None:
         x, y = self.inputs.pop(mb), self.outputs.pop(mb)
-        if isinstance(self.chunk, FSDPModule):  # reduce over dp once, in the step's last backward
-            self.chunk.set_requires_gradient_sync(mb == len(micro) - 1)
+        if isinstance(self.chunk, FSDPModule):  # as PipelineStage does: reduce over dp and reshard once, in the
+            last = mb == len(micro) - 1           # step's last backward (a ZeRO-1/2 unit is gathered once a step)
+            self.chunk.set_requires_gradient_sync(last)
+            self.chunk.set_reshard_after_backward(last)
         if self.last:
             self.comms.post_sends()
             torch.autograd.backward(y)
