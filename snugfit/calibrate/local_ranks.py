@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,6 +24,32 @@ from snugfit.runtime.spawn import free_port
 
 FSDP_UNITS = 4  # blocks timed for FSDP2's own costs
 FSDP_WIDTHS = (32, 256)  # two block widths: a line through them gives a fixed and a per-byte cost
+FSDP_ROUNDS = 11  # rounds in which every variant below runs once
+FSDP_VARIANTS = {  # the decoder's wrappings whose differences are FSDP2's costs (make_step's arguments)
+    "plain": {}, "plain_update": {"update": True},
+    "replicated": {"wrap": "replicate"}, "synced": {"wrap": "replicate", "sync": True},
+    "updated": {"wrap": "replicate", "sync": True, "update": True},
+    "kept": {"wrap": "shard"}, "regathered": {"wrap": "shard", "reshard": True},
+    "reduced": {"wrap": "shard", "sync": True},
+}
+
+
+def _interleaved(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each step in each round, the steps run once per round in an order shuffled alike on every
+    rank (they are collectives). Differences taken within a round are paired: timed one variant after the other,
+    a drift of the machine's speed between them read as FSDP2's cost (2-3x between measurements minutes apart)."""
+    for step in steps.values():
+        step()  # warm-up
+    torch.distributed.barrier()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    for r in range(rounds):
+        random.Random(r).shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _fsdp_costs(world: int) -> dict[str, list[float]]:
@@ -47,9 +75,9 @@ def _fsdp_costs(world: int) -> dict[str, list[float]]:
     meshes = {"replicate": mesh, "shard": mesh["dp"]}
     units = FSDP_UNITS + 1  # the blocks and the root
 
-    def step_time(cfg: ModelConfig, wrap: str | None = None, reshard: bool = False, sync: bool = False,
-                  update: bool = False) -> float:
-        """Seconds per unit of a forward and backward (and, with `update`, the runtime's update after it)."""
+    def make_step(cfg: ModelConfig, wrap: str | None = None, reshard: bool = False, sync: bool = False,
+                  update: bool = False) -> Callable[[], None]:
+        """A forward and backward (and, with `update`, the runtime's update after it) of a decoder so wrapped."""
         torch.manual_seed(0)
         model = Decoder(cfg)
         if wrap is not None:
@@ -67,22 +95,27 @@ def _fsdp_costs(world: int) -> dict[str, list[float]]:
                 global_grad_norm([(p, p.grad) for p in params], torch.device("cpu")).item()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        step()
-        torch.distributed.barrier()
-        return typical_time(step, 9) / units
+        return step
 
     points: dict[str, list[tuple[float, float]]] = {}
     for width in FSDP_WIDTHS:
         cfg = ModelConfig(dim=width, n_layers=FSDP_UNITS, n_heads=4, vocab_size=64, max_seq_len=16)
         nbytes = 4 * sum(p.numel() for p in Decoder(cfg).blocks["0"].parameters())
-        plain, kept = step_time(cfg), step_time(cfg, "shard")
-        replicated = step_time(cfg, "replicate")
-        synced = step_time(cfg, "replicate", sync=True)
-        plain_update = step_time(cfg, update=True) - plain  # the time model's fused AdamW rate covers this
-        for name, t in (("replicate", replicated - plain), ("gather", kept - plain),
-                        ("regather", step_time(cfg, "shard", reshard=True) - kept),
-                        ("allreduce", synced - replicated), ("reduce", step_time(cfg, "shard", sync=True) - kept),
-                        ("update", step_time(cfg, "replicate", sync=True, update=True) - synced - plain_update)):
+        steps = {name: make_step(cfg, **kw) for name, kw in FSDP_VARIANTS.items()}
+        times = _interleaved(steps, FSDP_ROUNDS)
+
+        def extra(a: str, b: str, *less: str) -> float:
+            """Seconds per unit that variant a adds to b (less what each pair in `less` adds), the median over
+            rounds of the difference within each round: a drift of the machine's speed hits both alike."""
+            diffs = [times[a][i] - times[b][i] - sum(times[x][i] - times[y][i] for x, y in zip(less[::2], less[1::2]))
+                     for i in range(FSDP_ROUNDS)]
+            return statistics.median(diffs) / units
+
+        for name, t in (("replicate", extra("replicated", "plain")), ("gather", extra("kept", "plain")),
+                        ("regather", extra("regathered", "kept")), ("allreduce", extra("synced", "replicated")),
+                        ("reduce", extra("reduced", "kept")),
+                        # beyond what a plain fused AdamW adds: the time model's AdamW rate covers that
+                        ("update", extra("updated", "synced", "plain_update", "plain"))):
             points.setdefault(name, []).append((nbytes, max(t, 0.0)))
     out = {}
     for name, ((b1, t1), (b2, t2)) in points.items():

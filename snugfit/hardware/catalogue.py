@@ -238,7 +238,7 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-MEASUREMENT_VERSION = 5  # 5: the pipeline stage cost without saved-tensor accounting on uncounted steps
+MEASUREMENT_VERSION = 5  # 5: the pipeline stage cost without saved-tensor accounting; FSDP2 costs timed interleaved
 
 
 @dataclass
