@@ -232,7 +232,7 @@ def test_a_profile_without_the_one_thread_figure_is_measured_again(tmp_path, mon
 def test_cpu_ranks_compute_at_one_thread_each():
     from dataclasses import replace
 
-    from snugfit.plan.timing import cpu_share
+    from snugfit.plan.cpu_ranks import cpu_share
 
     node = parse_cluster("2xcpu").nodes[0]
     node = replace(node, host=replace(node.host, cores=2, fsdp={}, thread_slowdown=1.8))

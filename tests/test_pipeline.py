@@ -114,9 +114,7 @@ def _run(env, name: str) -> dict:
 
 
 def _gathers_per_step(env) -> dict[str, int]:
-    """FSDP2 all-gathers on this rank in one step of a pp 2 x dp 2 ZeRO-2 pipeline of 4 microbatches, by schedule:
-    what the time model's gather_every says (torch's PipelineStage and BPipe alike). Counted at FSDP2's foreach_all_gather (a private name; torch has
-    no public count)."""
+    """FSDP2's all-gathers in a step of pp 2 x dp 2, ZeRO-2, 4 microbatches (at its private foreach_all_gather)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 
     from snugfit.runtime.build import build_engine
@@ -138,7 +136,7 @@ def _gathers_per_step(env) -> dict[str, int]:
             calls.clear()
             engine.train_step(batch)
             out[schedule] = len(calls)
-            del engine
+            del engine  # one pipeline engine at a time: live ones would share the gloo pairs
     finally:
         param_group.foreach_all_gather = real
     return out
@@ -161,8 +159,7 @@ def four_ranks():
 
 
 def test_zero2_units_gather_once_a_step_under_1f1b_and_bpipe(four_ranks):
-    """Each stage: 2 blocks and its root, 3 units, each gathered once for 4 microbatches (timing.gather_every)."""
-    assert four_ranks["gathers"] == [{"1f1b": 3, "bpipe": 3}] * 4
+    assert four_ranks["gathers"] == [{"1f1b": 3, "bpipe": 3}] * 4  # a stage's 2 blocks and root, 4 microbatches
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -180,9 +177,8 @@ def test_matches_single_process(four_ranks, name):
 
 def test_1f1b_stage_s_holds_p_minus_s_microbatches(four_ranks):
     assert [r["stats"]["peak_microbatches"] for r in four_ranks["1f1b"]] == [4, 3, 2, 1]
-    # a step whose memory is not counted records no saved tensor, except under BPipe, which moves them
-    assert [r["uncounted"]["peak_microbatches"] for r in four_ranks["1f1b"]] == [0, 0, 0, 0]
-    assert four_ranks["bpipe"][0]["uncounted"]["evictions"] > 0
+    assert [r["uncounted"]["peak_microbatches"] for r in four_ranks["1f1b"]] == [0] * 4  # an uncounted step: none
+    assert four_ranks["bpipe"][0]["uncounted"]["evictions"] > 0  # recorded all the same under BPipe, which moves them
 
 
 def test_bpipe_keeps_bound_and_balances_memory(four_ranks):
@@ -256,7 +252,8 @@ def _dead_peer(env) -> dict:
     engines = {}
     for schedule in ("bpipe", "1f1b"):
         plan = Plan.uniform(2, pp=2, schedule=schedule, micro_batch_size=1, num_microbatches=2, seq_len=SEQ)
-        engines[schedule] = build_pipeline_engine(Decoder(_cfg(2, 64)), plan, OptimConfig(), replace(env, timeout_s=DEAD_PEER_TIMEOUT_S))
+        engines[schedule] = build_pipeline_engine(Decoder(_cfg(2, 64)), plan, OptimConfig(),
+                                                  replace(env, timeout_s=DEAD_PEER_TIMEOUT_S))
     if env.rank == 1:
         return {}  # built its stages, then leaves without stepping
     out = {}

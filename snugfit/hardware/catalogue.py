@@ -41,7 +41,7 @@ class GPU:
     # copy-out and collectives it launches): about 2.6 ms on an H200's host with torch 2.11 (docs/gpu.md: snugfit's
     # engine spent 0.17 s of host time per step of 17 units x 2 microbatches where plain PyTorch, the same
     # operators without FSDP2, spent 0.08 s). One measurement, used for every card. CPU ranks: profile_hardware
-    # measures FSDP2's costs instead (plan.timing.cpu_fsdp_time).
+    # measures FSDP2's costs instead (plan.cpu_ranks.cpu_fsdp_time).
     unit_overhead_s: float = 2.6e-3
     # [forward, backward] TFLOP/s of attention where profile_hardware measured it (CPU ranks; calibrate.hardware.
     # attention_tflops); [] elsewhere: GPUs use flash attention's published rates (plan.kernels)

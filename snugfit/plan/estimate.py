@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from snugfit.hardware.cluster import Cluster
+from snugfit.plan.cpu_ranks import cpu_tp_time
 from snugfit.plan.memory import StagePiece, device_bytes, host_bytes, rank_memory, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
-    StageTime, TensorParallel, cpu_tp_time, gather_every, grad_reduce_exposed, optimizer_time, stage_time,
-    transfer_time,
+    StageTime, TensorParallel, gather_every, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
 )
 from snugfit.profile.types import ModelProfile
 

@@ -22,6 +22,7 @@ from dataclasses import astuple, replace
 
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
+from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE, tensor_parallel_problem
 from snugfit.plan.knapsack import (
     INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve,
@@ -30,7 +31,7 @@ from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_b
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
 from snugfit.plan.simulate import simulate
-from snugfit.plan.timing import TensorParallel, cpu_stage_time, cpu_tp_time, gather_every
+from snugfit.plan.timing import TensorParallel, gather_every
 from snugfit.plan.verify import best_first
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 

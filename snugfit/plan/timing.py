@@ -10,8 +10,9 @@ link's measured bus bandwidth, and for all-reduces across nodes the faster of a 
 a tree (log2 of the nodes in latency).
 
 As the runtime (FSDP2) communicates: every microbatch gathers each sharded unit in
-forward (zero 1-3: FSDP2 reshards after backward) and zero-3 blocks again in
-backward (the root unit stays gathered); gradients (trainable ones only) are
+forward (zero 1-3: FSDP2 reshards after backward; pipeline stages only after the
+step's last one, so theirs are gathered once a step: `gather_every`) and zero-3 blocks
+again in backward (the root unit stays gathered); gradients (trainable ones only) are
 reduced once, in the last microbatch's backward (sync is off before it).
 What overlaps: gathers with the previous block's compute (prefetch), gradient
 reduction with the last microbatch's backward, activation offload with the
@@ -19,12 +20,8 @@ block's compute, the host optimizer with the last backward; the rest is exposed.
 A hidden collective is not free on a GPU: NCCL's kernels hold one SM per channel, so
 the compute beside it runs on fewer SMs (`overlap_exposed`).
 
-Where the device is this machine's CPU (gloo ranks), nothing overlaps: collectives
-and compute share the same cores. Ranks slow each other's compute, and FSDP2's
-gathers, copies, hooks and gradient reduction cost what profile_hardware measured
-among as many local ranks (Host.fsdp: a fixed and a per-byte part, replicated and sharded
-units apart, measured for 2 ranks and for twice the cores): on small models that is most
-of a multi-rank step.
+Where the device is this machine's CPU (gloo ranks), nothing overlaps, and what the ranks cost each other is
+measured (plan.cpu_ranks).
 """
 
 from __future__ import annotations
@@ -34,8 +31,9 @@ from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU, Host, Link
 from snugfit.hardware.cluster import Node
+from snugfit.plan.cpu_ranks import cpu_fsdp_time, cpu_share, cpu_stage_time, fsdp_units, line_cost, local_ranks
 from snugfit.plan.kernels import attention_rates, gemm_seconds
-from snugfit.plan.memory import StagePiece, host_saved, wrapped_params
+from snugfit.plan.memory import StagePiece, host_saved
 from snugfit.profile.types import DTYPE_BYTES, PieceProfile
 
 ADAM_BYTES_PER_PARAM = 32  # fused AdamW on device: read p, g, m, v (+ master), write p, m, v
@@ -217,37 +215,6 @@ class StageTime:
         return self.bwd + self.recompute + self.tp_bwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
 
-def local_ranks(node: Node, busy: float = 1.0, group: int | None = None) -> tuple[dict[str, list[float]], float]:
-    """(FSDP2 costs, how many times slower each rank runs) for the node's CPU ranks, from the measurement
-    at the nearest rank count at or below theirs, slowed in proportion where they are more.
-
-    busy: the share of the ranks working at any moment (below 1 where pipeline ranks wait on each other):
-    the measured slowdown had all of them working, and ranks beyond the cores only slow the others while
-    they work. group: the ranks FSDP2's collectives run among (the data-parallel group), when fewer than
-    the node's: its costs come from the measurement among as many ranks (a ring of that many), and the
-    crowding of the node's other ranks is in the slowdown, which callers divide by the measurement's own.
-    Without a measurement: no FSDP2 costs, and ranks beyond the cores share them evenly.
-    """
-    measured = {int(k): v for k, v in node.host.fsdp.items()}
-    if node.count == 1 or not measured:
-        return {}, max(1.0, busy * node.count / node.host.cores)
-    world = max([w for w in measured if w <= node.count], default=min(measured))
-    more = max(1.0, node.count / world) if node.count > node.host.cores else 1.0
-    members = max([w for w in measured if w <= min(group or node.count, node.count)], default=min(measured))
-    return measured[members], max(1.0, busy * measured[world]["contention"][0] * more)
-
-
-def cpu_share(node: Node, busy: float = 1.0) -> float:
-    """How many times slower each rank computes because the node's ranks share its CPU (1 on GPUs):
-    shared caches and memory bandwidth, the division of the cores among more ranks than cores, and, for more
-    than one rank, their running one thread each (torchrun's OMP_NUM_THREADS=1) where the device's rates were
-    measured with every core."""
-    if node.gpu.name != "cpu":
-        return 1.0
-    one_thread = (node.host.thread_slowdown or 1.0) if node.count > 1 else 1.0
-    return local_ranks(node, busy)[1] * one_thread
-
-
 def gather_every(pp: int, m: int) -> int:
     """Microbatches one all-gather of a ZeRO-1/2 unit serves in a step. Pipeline stages keep FSDP2 units unsharded
     from the first forward to the last backward (torch's PipelineStage and BPipe turn reshard_after_backward off
@@ -315,60 +282,6 @@ def stage_time(
     return st
 
 
-def cpu_tp_time(node: Node) -> float:
-    """What tensor parallelism adds per piece and microbatch on CPU ranks beyond split compute and its
-    collectives' bytes (DTensor's dispatch; profile_hardware measured it), 0 elsewhere."""
-    if node.gpu.name != "cpu":
-        return 0.0
-    costs, share = local_ranks(node)
-    return costs["tp"][0] * share / costs["contention"][0] if costs else 0.0
-
-
-def cpu_stage_time(node: Node) -> float:
-    """What the pipeline runtime itself costs per stage and microbatch on CPU ranks, as profile_hardware measured
-    (in a pipeline, so with its ranks as busy as a pipeline's)."""
-    costs, share = local_ranks(node)
-    return costs["stage"][0] * share / costs["contention"][0] if costs else 0.0
-
-
-def _line(cost: list[float], nbytes: float) -> float:
-    return cost[0] + cost[1] * nbytes
-
-
-def fsdp_units(pieces: list[StagePiece], nbytes: list[float]) -> list[tuple[float, int, bool]]:
-    """(bytes, zero, is a block) per FSDP2 unit of a stage, given bytes per piece: each block is its own unit,
-    the root pieces (embedding, final norm, head) are one."""
-    units = [(b, sp.decision.zero, True) for sp, b in zip(pieces, nbytes) if sp.is_block]
-    root = [(b, sp.decision.zero) for sp, b in zip(pieces, nbytes) if not sp.is_block]
-    return units + ([(sum(b for b, _ in root), root[0][1], False)] if root else [])
-
-
-def cpu_fsdp_time(pieces: list[StagePiece], node: Node, dtype: str, dp: int, cost: str = "",
-                  busy: float = 1.0, gathers: int = 1) -> float:
-    """FSDP2's copies, hooks and gathers per microbatch on CPU ranks, from the costs profile_hardware measured:
-    every unit (each block, and the stage's root: embedding/norm/head) as runtime/sharding.py wraps it —
-    replicated (zero 0, or one data-parallel rank) or sharded and gathered in forward (zero-1/2 units once per
-    `gathers` microbatches, hooks only on the others), zero-3 blocks again in backward. `cost`: instead, that one
-    measured cost summed over the units."""
-    costs, share = local_ranks(node, busy, group=dp)
-    if not costs:
-        return 0.0
-    units = fsdp_units(pieces, [wrapped_params(sp, dp) * DTYPE_BYTES[dtype] for sp in pieces])
-    if cost:
-        return sum(_line(costs[cost], nbytes) for nbytes, _, _ in units) * share / costs["contention"][0]
-
-    def forward(nbytes: float, zero: int) -> float:
-        if not zero or dp == 1:
-            return _line(costs["replicate"], nbytes)
-        every = 1 if zero == 3 else gathers
-        return (_line(costs["gather"], nbytes) + (every - 1) * _line(costs["replicate"], nbytes)) / every
-
-    total = sum(forward(nbytes, zero) for nbytes, zero, _ in units)
-    total += sum(_line(costs["regather"], nbytes) for nbytes, zero, block in units if block and zero == 3 and dp > 1)
-    # measured among ranks already running side by side: only more ranks than measured slow it further
-    return total * share / costs["contention"][0]
-
-
 def reduce_time(sp: StagePiece, nbytes: float, dp: int, link: Link) -> float:
     """One piece's end-of-step gradient reduction: all-reduce when replicated, else reduce-scatter (FSDP2)."""
     return collective_time("all_reduce" if sp.decision.zero == 0 else "reduce_scatter", nbytes, dp, link)
@@ -384,7 +297,7 @@ def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: in
         return 0.0
     costs, share = local_ranks(cpu, group=dp) if cpu is not None else ({}, 1.0)
     if costs:
-        return sum(_line(costs["reduce" if zero else "allreduce"], nbytes) for st, pieces in stages
+        return sum(line_cost(costs["reduce" if zero else "allreduce"], nbytes) for st, pieces in stages
                    for nbytes, zero, _ in fsdp_units(pieces, st.reduce_bytes)) * share / costs["contention"][0]
     times = [reduce_time(sp, nbytes, dp, link) for st, pieces in stages for nbytes, sp in zip(st.reduce_bytes, pieces)]
     if cpu is not None:  # CPU ranks not measured: the link's cost, nothing overlaps
