@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from snugfit.calibrate.timers import best_time, typical_time
+from snugfit.calibrate.timers import best_time, interleaved_times, typical_time
 from snugfit.hardware.catalogue import Host, Link
 from snugfit.runtime.spawn import free_port
 
@@ -32,24 +31,6 @@ FSDP_VARIANTS = {  # the decoder's wrappings whose differences are FSDP2's costs
     "kept": {"wrap": "shard"}, "regathered": {"wrap": "shard", "reshard": True},
     "reduced": {"wrap": "shard", "sync": True},
 }
-
-
-def _interleaved(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each step in each round, the steps run once per round in an order shuffled alike on every
-    rank (they are collectives). Differences taken within a round are paired: timed one variant after the other,
-    a drift of the machine's speed between them read as FSDP2's cost (2-3x between measurements minutes apart)."""
-    for step in steps.values():
-        step()  # warm-up
-    torch.distributed.barrier()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    for r in range(rounds):
-        random.Random(r).shuffle(order)
-        for name in order:
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def _fsdp_costs(world: int) -> dict[str, list[float]]:
@@ -102,21 +83,18 @@ def _fsdp_costs(world: int) -> dict[str, list[float]]:
         cfg = ModelConfig(dim=width, n_layers=FSDP_UNITS, n_heads=4, vocab_size=64, max_seq_len=16)
         nbytes = 4 * sum(p.numel() for p in Decoder(cfg).blocks["0"].parameters())
         steps = {name: make_step(cfg, **kw) for name, kw in FSDP_VARIANTS.items()}
-        times = _interleaved(steps, FSDP_ROUNDS)
+        times = interleaved_times(steps, FSDP_ROUNDS, torch.distributed.barrier)
 
-        def extra(a: str, b: str, *less: str) -> float:
-            """Seconds per unit that variant a adds to b (less what each pair in `less` adds), the median over
-            rounds of the difference within each round: a drift of the machine's speed hits both alike."""
-            diffs = [times[a][i] - times[b][i] - sum(times[x][i] - times[y][i] for x, y in zip(less[::2], less[1::2]))
-                     for i in range(FSDP_ROUNDS)]
-            return statistics.median(diffs) / units
+        def added(a: str, b: str) -> list[float]:
+            """What variant a adds to b in each round: a drift of the machine's speed hits both alike."""
+            return [x - y for x, y in zip(times[a], times[b])]
 
-        for name, t in (("replicate", extra("replicated", "plain")), ("gather", extra("kept", "plain")),
-                        ("regather", extra("regathered", "kept")), ("allreduce", extra("synced", "replicated")),
-                        ("reduce", extra("reduced", "kept")),
-                        # beyond what a plain fused AdamW adds: the time model's AdamW rate covers that
-                        ("update", extra("updated", "synced", "plain_update", "plain"))):
-            points.setdefault(name, []).append((nbytes, max(t, 0.0)))
+        # the runtime's update beyond what a plain fused AdamW adds: the time model's AdamW rate covers that
+        update = [x - y for x, y in zip(added("updated", "synced"), added("plain_update", "plain"))]
+        for name, diffs in (("replicate", added("replicated", "plain")), ("gather", added("kept", "plain")),
+                            ("regather", added("regathered", "kept")), ("allreduce", added("synced", "replicated")),
+                            ("reduce", added("reduced", "kept")), ("update", update)):
+            points.setdefault(name, []).append((nbytes, max(statistics.median(diffs) / units, 0.0)))
     out = {}
     for name, ((b1, t1), (b2, t2)) in points.items():
         per_byte = max((t2 - t1) / (b2 - b1), 0.0)
@@ -157,8 +135,7 @@ PIPE_EXTRA_MICROBATCHES = 6  # two 1F1B steps, with as many microbatches as stag
 
 def _pipeline_stage_cost(world: int, replicate: list[float]) -> float:
     """Seconds per microbatch and pipeline stage that the pipeline runtime adds on CPU ranks beyond compute and
-    FSDP2 (PipelineStage's bookkeeping, point-to-point transfers that spend both ranks' cores, per-microbatch
-    activation accounting): the slope over microbatches of a 1F1B step through `world` one-block stages of a
+    FSDP2 (PipelineStage's bookkeeping, point-to-point transfers that spend both ranks' cores): the slope over microbatches of a 1F1B step through `world` one-block stages of a
     tiny decoder, less what the time model already charges a stage per microbatch (its two FSDP2 units as
     `replicate`, and its compute). Measured through the runtime itself: those costs are its own."""
     from snugfit.model.decoder import Decoder, ModelConfig

@@ -1,9 +1,11 @@
-"""Timing a probe: its best or its typical (median) time after a warm-up call."""
+"""Timing a probe: its best or its typical (median) time after a warm-up call, or several probes interleaved."""
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
+from collections.abc import Callable
 
 
 def best_time(fn, repeats: int) -> float:
@@ -27,3 +29,23 @@ def typical_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved_times(steps: dict[str, Callable[[], None]], rounds: int,
+                      warmed: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds of each step in each round, the steps run once per round in an order shuffled alike on every
+    rank (they may be collectives). Differences taken within a round are paired: timed one after the other,
+    minutes apart, a drift of the machine's speed between two steps reads as their difference (FSDP2's costs
+    read 2-3x apart so). `warmed` runs after each step's warm-up call (a barrier between ranks)."""
+    for step in steps.values():
+        step()
+    warmed()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    for r in range(rounds):
+        random.Random(r).shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times

@@ -238,7 +238,7 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-MEASUREMENT_VERSION = 5  # 5: the pipeline stage cost without saved-tensor accounting; FSDP2 costs timed interleaved
+MEASUREMENT_VERSION = 5
 
 
 @dataclass
@@ -250,7 +250,8 @@ class LocalHardware:
     links: dict[str, Link] = field(default_factory=dict)
     # what was measured how; older measurements are taken again. 2: op_overhead_s per operator of a real model's
     # step (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate and
-    # selective checkpointing's cost per operator; 4: the one-thread slowdown timed past the thread pool's start
+    # selective checkpointing's cost per operator; 4: the one-thread slowdown timed past the thread pool's start;
+    # 5: the pipeline stage cost without saved-tensor accounting, FSDP2's costs timed interleaved
     version: int = MEASUREMENT_VERSION
 
     def to_dict(self) -> dict:
