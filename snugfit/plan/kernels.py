@@ -5,7 +5,7 @@ usual choice for large bf16/fp16 GEMMs) and runs them on the SMs in waves. A
 GEMM whose tiles fill 1.1 waves takes as long as two full ones (wave
 quantization), and a dimension that is not a tile multiple computes the padding
 (tile quantization). Each wave costs one tile's FLOPs at the SM's share of the
-peak, times the best fraction large GEMMs reach (`GEMM_CEILING`); a kernel
+peak, times the best fraction large GEMMs reach on its architecture (`gemm_ceiling`); a kernel
 launch costs at least `LAUNCH_S`. A GPU whose rates profile-hardware measured
 (matmul_efficiency 1) is at its ceiling already.
 
@@ -26,6 +26,9 @@ TILE_K = 32  # the K step of one tile's main loop
 # the fraction of the dense peak cuBLAS reaches on large, well-shaped GEMMs (tensor cores: power and clock
 # limits; fp32 without TF32: the CUDA cores' FMA pipes); what the catalogue's flat matmul_efficiency undercounts
 GEMM_CEILING = {"bfloat16": 0.8, "float16": 0.8, "tf32": 0.75, "float32": 0.9}
+# Hopper's, measured: an H200 (the H100 SXM's die, clocks and 700 W) ran 4096^3 at 716-733 TFLOPS in bf16, 691-713
+# in fp16 and 50.8 in fp32 (docs/gpu.md, runs 1 and 2), 0.97 of a ceiling on this tile model's 8 waves over 132 SMs
+GEMM_CEILING_BY_ARCH = {"hopper": {"bfloat16": 0.75, "float16": 0.73, "float32": 0.78}}
 LAUNCH_S = 4e-6
 
 # FlashAttention-2's (forward, backward) share of the dense fp16/bf16 peak, causal, sequences of 2k-8k tokens, the
@@ -45,10 +48,15 @@ FLASH_ATTENTION = {
 FLASH_DTYPES = ("bfloat16", "float16")
 
 
+def gemm_ceiling(arch: str, dtype: str) -> float | None:
+    """The fraction of the dense `dtype` peak large GEMMs reach on `arch`; None where no figure is known."""
+    return GEMM_CEILING_BY_ARCH.get(arch, {}).get(dtype, GEMM_CEILING.get(dtype))
+
+
 def sm_rate(gpu: GPU, dtype: str) -> float:
     """FLOP/s one SM reaches on a large, well-shaped GEMM of `dtype` (requires gpu.sms)."""
     dtype, peak = gpu.peak_flops(dtype)
-    ceiling = 1.0 if gpu.matmul_efficiency >= 1.0 else GEMM_CEILING.get(dtype, gpu.matmul_efficiency)
+    ceiling = 1.0 if gpu.matmul_efficiency >= 1.0 else gemm_ceiling(gpu.arch, dtype) or gpu.matmul_efficiency
     return peak * ceiling / gpu.sms
 
 
@@ -92,7 +100,7 @@ def gemm_cache_clear() -> None:
 def attention_rates(gpu: GPU, dtype: str, head_dim: int) -> tuple[float, float]:
     """(forward, backward) FLOP/s of attention at this head dim: flash attention's share of the peak where it is
     known (head dims between 64 and 128 interpolated, others at the nearer end), else the flat matmul rate. On a
-    card profile-hardware measured, the share is taken of its measured matmul rate, which is at GEMM_CEILING."""
+    card profile-hardware measured, the share is taken of its measured matmul rate, which is at gemm_ceiling."""
     return _attention_rates(gpu.arch, dtype, head_dim, *gpu.peak_flops(dtype), gpu.matmul_efficiency)
 
 
@@ -105,5 +113,5 @@ def _attention_rates(arch: str, dtype: str, head_dim: int, peak_dtype: str, peak
     t = min(max((head_dim - 64) / 64, 0.0), 1.0)
     forward, backward = (lo + t * (hi - lo) for lo, hi in zip(table[64], table[128]))
     if efficiency >= 1.0:
-        peak /= GEMM_CEILING[peak_dtype]
+        peak /= gemm_ceiling(arch, peak_dtype)
     return peak * forward, peak * backward
