@@ -1,4 +1,4 @@
-"""The memory model against what the runtime holds, per rank, for plans run on CPU in 1 and 2 processes.
+"""The memory model against what the runtime holds, per rank, for plans run on CPU in 1, 2 and 4 processes.
 
 The runtime's MemoryTracker counts the tensors it holds (parameters, gradients,
 optimizer states, saved activations, gathered copies), not transients, so each
@@ -69,7 +69,13 @@ TWO = {
     "tp2_zero3": (_plan(1, BlockPlan(zero=3), m=2, tp=2), ""),
 }
 # a pipeline stage counts a saved DTensor by its local shard (its own untyped_storage() reports the global size)
-FOUR = {"tp2_pp2": (_plan(1, m=4, pp=2, tp=2, schedule="1f1b"), "")}
+FOUR = {
+    "tp2_pp2": (_plan(1, m=4, pp=2, tp=2, schedule="1f1b"), ""),
+    # pipeline stages keep ZeRO-1/2 units unsharded until the step's last backward; a zero-3 block's copy is
+    # held while it runs, and the stage tracker must see it then
+    "pp2_dp2_zero2": (_plan(2, BlockPlan(zero=2), BlockPlan(zero=2), m=4, pp=2, schedule="1f1b"), ""),
+    "pp2_dp2_zero3_bpipe": (_plan(2, BlockPlan(zero=3), BlockPlan(zero=3), m=4, pp=2, schedule="bpipe"), ""),
+}
 
 
 @functools.cache

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from snugfit.model.recompute import recompute
-from snugfit.runtime.memory import local
+from snugfit.runtime.memory import MemoryTracker, local
 
 class _HostCopy:
     """One saved tensor in host memory; `fetch` starts the copy back, `get` waits for it."""
@@ -235,12 +235,14 @@ class StageActivations:
         }
         self._external: set[int] = set()
         self._entries: dict[int, list] = {}  # storage id -> [key, nbytes, references, weakref to storage]
+        self._key_bytes: dict[object, int] = {}  # microbatch key -> bytes of its entries
         self._evicted: dict[object, int] = {}  # key -> bytes sent away
         self._accepted: dict[object, torch.Tensor] = {}  # partner's microbatches held here
         self._in_flight = 0  # bytes of evict buffers whose send has not finished
-        # called with the resident bytes after each microbatch's forward: the engine's MemoryTracker, on the
-        # steps it counts (its own saved-tensor hooks would not see the stages' activations)
-        self.observer: Callable[[int], None] | None = None
+        # the engine's MemoryTracker on the steps it counts (its own saved-tensor hooks would not see the stages'
+        # activations): told the resident bytes after each microbatch's forward, and whenever a tensor is saved or
+        # used, which is when FSDP2's gathered copies are held
+        self.tracker: MemoryTracker | None = None
         self._lock = threading.RLock()  # a partner's microbatches arrive on a helper thread
         # off on steps whose accounting nobody reads (no BPipe moves, memory not counted): the hooks cost a Python
         # call and a finalizer per saved tensor (1F1B steps at pp 4 of a dim-128 decoder: 25-28% of the step on CPU)
@@ -258,12 +260,11 @@ class StageActivations:
 
     # -- accounting --
     def resident_keys(self) -> set:
-        own = {e[0] for e in self._entries.values() if e[2] > 0} - set(self._evicted)
-        return own | set(self._accepted)
+        return (set(self._key_bytes) - set(self._evicted)) | set(self._accepted)
 
     def own_bytes(self) -> int:
         """This stage's own saved bytes still here, evict sends not yet finished included."""
-        return sum(e[1] for e in self._entries.values() if e[0] not in self._evicted) + self._in_flight
+        return sum(v for k, v in self._key_bytes.items() if k not in self._evicted) + self._in_flight
 
     def resident_bytes(self) -> int:
         return self.own_bytes() + sum(t.numel() for t in self._accepted.values())
@@ -272,8 +273,14 @@ class StageActivations:
         with self._lock:
             self._fold_locked()
             resident = self.resident_bytes()
-        if self.observer is not None:
-            self.observer(resident)
+        if self.tracker is not None:
+            self.tracker.fold_activations(resident)
+
+    def _moved(self) -> None:
+        if self.tracker is not None:
+            with self._lock:
+                resident = self.resident_bytes()
+            self.tracker.fold_moving(resident)
 
     def _fold_locked(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
@@ -302,14 +309,19 @@ class StageActivations:
                 if entry is None:
                     storage = local(t).untyped_storage()
                     entry = self._entries[sid] = [key, storage.nbytes(), 0, weakref.ref(storage)]
+                    self._key_bytes[key] = self._key_bytes.get(key, 0) + entry[1]
                 entry[2] += 1
             # Autograd holds the handle exactly as long as it needs the tensor; its death is the release.
             handle = _Saved(t)
             weakref.finalize(handle, self._release, sid)
+            self._moved()
             return handle
 
         def unpack(saved):
-            return saved.tensor if isinstance(saved, _Saved) else saved
+            if not isinstance(saved, _Saved):
+                return saved
+            self._moved()  # backward: catches gathered and prefetched units
+            return saved.tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
@@ -322,6 +334,9 @@ class StageActivations:
                 entry[2] -= 1
                 if entry[2] == 0:
                     del self._entries[sid]
+                    left = self._key_bytes.pop(entry[0], 0) - entry[1]
+                    if left:
+                        self._key_bytes[entry[0]] = left
 
     # -- BPipe moves --
     def _storages(self, key) -> list[torch.UntypedStorage]:

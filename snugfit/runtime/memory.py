@@ -27,7 +27,10 @@ once) are invisible here: CPUs have no allocator statistics to catch them.
 Parameters, gradients, optimizer and buffers are read from the tensors when
 `sample()` is called (the engine samples at phase boundaries); activations and
 buffers are also updated whenever a tensor is saved (forward) or used (backward),
-so the activation peak is exact and the buffer peak sees backward prefetch.
+so the activation peak is exact and the buffer peak sees a zero-3 unit's copy while
+it runs and backward prefetch. Pipeline stages count their activations themselves
+(runtime.activations.StageActivations) and report them the same way: `fold_activations`
+after each microbatch's forward, `fold_moving` for every tensor saved or used.
 """
 
 from __future__ import annotations
@@ -124,7 +127,10 @@ class MemoryTracker:
         }
         self._saved: dict[int, list[int]] = {}  # storage ptr -> [nbytes, references]
         self._live_activations = 0
-        self._static: dict[str, int] = dict.fromkeys(KEYS, 0)
+        self._module_buffers = list(model.buffers())
+        self._hold(dict.fromkeys(KEYS, 0))
+        self._resting: set[int] = set()  # storages of the parameters at rest, as last read
+        self._buffers_state: list | None = None  # which units were unsharded when buffers were last counted
         self._peak: dict[str, int] = {}
         self.reset_peak()
 
@@ -144,7 +150,7 @@ class MemoryTracker:
         live = [fp._unsharded_param for g in self._groups if g.is_unsharded for fp in g.fsdp_params]
         # a prefetched unit's all-gather output exists from the launch, before the unit counts as unsharded
         pending = [g._all_gather_result.all_gather_output for g in self._groups if g._all_gather_result is not None]
-        return tensor_bytes(live + pending, seen) + tensor_bytes(self.model.buffers(), seen)
+        return tensor_bytes(live + pending, seen) + tensor_bytes(self._module_buffers, seen)
 
     def _measure_static(self) -> dict[str, int]:
         out = dict.fromkeys(KEYS, 0)
@@ -155,12 +161,13 @@ class MemoryTracker:
                 out[f"{self._place(p)}.gradients"] += tensor_bytes([p.grad], seen)
         for g in self._groups:  # unsharded gradients kept while gradient sync is off
             for fp in g.fsdp_params:
-                held = [fp.unsharded_accumulated_grad, getattr(fp._unsharded_param, "grad", None)]
+                held = [fp.unsharded_accumulated_grad, getattr(getattr(fp, "_unsharded_param", None), "grad", None)]
                 out["device.gradients"] += tensor_bytes([t for t in held if t is not None], seen)
         for opt in self.optimizers:
             for p, state in opt.state.items():
                 tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
                 out[f"{self._place(p)}.optimizer"] += tensor_bytes(tensors, seen)
+        self._module_buffers = list(self.model.buffers())  # read again here: a move to a device replaces them
         out["device.buffers"] = self._buffers()
         for source in self.sources:
             for k, v in source().items():
@@ -176,7 +183,7 @@ class MemoryTracker:
     def sample(self) -> dict[str, int]:
         """Take a snapshot and fold it into the peaks (the engine calls this at phase boundaries)."""
         snap = self.snapshot()
-        self._static = snap
+        self._hold(snap)
         self._fold(snap)
         return snap
 
@@ -185,10 +192,28 @@ class MemoryTracker:
         return dict(self._peak)
 
     def fold_activations(self, nbytes: int) -> None:
-        """Fold in what is held now with `nbytes` of activations counted elsewhere (pipeline stages)."""
+        """Fold in what is held now with `nbytes` of activations counted elsewhere (pipeline stages, after each
+        microbatch's forward), and keep the held part for `fold_moving`."""
         snap = self._measure_static()
+        self._resting = {storage_key(p) for p in self._params()}
+        self._buffers_state = None
+        self._hold(snap)
         snap["device.activations"] = nbytes
         self._fold(_with_totals(snap))
+
+    def fold_moving(self, nbytes: int) -> None:
+        """Fold in `nbytes` of saved activations beside the gathered copies held now, the rest as last measured.
+        It runs for every tensor saved or used for backward, which is when a zero-3 unit's copy is held (it is
+        resharded again before the next phase boundary), so it only updates the three peaks that can move."""
+        buffers, peak = self._buffers_now(), self._peak
+        peak["device.activations"] = max(peak["device.activations"], nbytes)
+        peak["device.buffers"] = max(peak["device.buffers"], buffers)
+        peak["device.total"] = max(peak["device.total"], self._held + nbytes + buffers)
+
+    def _hold(self, snap: dict[str, int]) -> None:
+        """Keep `snap` as what is held between phase boundaries; `_held`: its device bytes that do not move."""
+        self._static = snap
+        self._held = sum(snap[f"device.{c}"] for c in CATEGORIES if c not in ("activations", "buffers"))
 
     def reset_peak(self) -> None:
         self._peak = dict.fromkeys((*KEYS, "device.total", "host.total"), 0)
@@ -202,9 +227,9 @@ class MemoryTracker:
     @contextmanager
     def track_activations(self) -> Iterator[None]:
         """Count tensors saved for backward while inside (wrap forward; the count falls as backward frees them)."""
-        resting = {storage_key(p) for p in self._params()}
-        static = resting | {storage_key(b) for b in self.model.buffers()}
-        self._buffers_state: list | None = None
+        self._resting = {storage_key(p) for p in self._params()}
+        static = self._resting | {storage_key(b) for b in self.model.buffers()}
+        self._buffers_state = None
 
         def pack(t: torch.Tensor) -> torch.Tensor | _Saved:
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
@@ -218,13 +243,13 @@ class MemoryTracker:
             entry[1] += 1
             saved = _Saved(t)  # autograd holds this until it frees the saved tensor
             weakref.finalize(saved, self._release, key)
-            self._on_activation_change(resting)
+            self.fold_moving(self._live_activations)
             return saved
 
         def unpack(x: torch.Tensor | _Saved) -> torch.Tensor:
             if not isinstance(x, _Saved):
                 return x
-            self._on_activation_change(resting)  # backward: catches gathered and prefetched units
+            self.fold_moving(self._live_activations)  # backward: catches gathered and prefetched units
             return x.tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -239,19 +264,13 @@ class MemoryTracker:
             self._live_activations -= entry[0]
             del self._saved[key]
 
-    def _on_activation_change(self, resting: set[int]) -> None:
-        snap = dict(self._static)
-        snap["device.activations"] = self._live_activations
-        snap["device.buffers"] = self._buffers_now(resting)
-        self._fold(_with_totals(snap))
-
-    def _buffers_now(self, resting: set[int]) -> int:
+    def _buffers_now(self) -> int:
         """_buffers, counted again only when a unit gathered or freed its parameters: it runs for every saved
         tensor, and counting walks every parameter (a tracked step of a 16-block model took 12x an untracked one
         on CPU, 5.8x on an H200 for a 1.1B model)."""
         state = [(g.is_unsharded, g._all_gather_result is not None) for g in self._groups]
         if state != self._buffers_state:
-            self._buffers_state, self._buffers_bytes = state, self._buffers(resting)
+            self._buffers_state, self._buffers_bytes = state, self._buffers(self._resting)
         return self._buffers_bytes
 
     @property

@@ -212,10 +212,10 @@ class PipelineEngine(Engine):
         micro = split_batch(batch, self.plan)
         self.divisors = loss_divisors(batch, self.plan, self.dp_group, self.device)
         inputs, targets = (torch.cat(t) for t in zip(*micro))  # pipelining takes whole inputs, BPipe `micro`
-        self.acts.reset(external=(batch, inputs))
-        self.memory.reset_peak()
-        self.acts.observer = self.memory.fold_activations if self.track_memory else None
+        self.acts.tracker = self.memory if self.track_memory else None
         self.acts.recording = self.track_memory or self.plan.schedule == "bpipe"  # BPipe evicts what it records
+        self.acts.reset(external=(batch, inputs))  # the tracker reads what is held as the step starts
+        self.memory.reset_peak()
         if self.host is not None:
             self.host.wait()  # the root unit waits in a Decoder.forward hook, and stages never call Decoder.forward
         for c in self.chunks:
