@@ -38,9 +38,10 @@ CONFIGS = {
     # pp x dp, sharded inside stages (zero 3, parameter offload on odd blocks), on instruction batches
     "pp2xdp2-zero3": (4, dict(pp=2, dp=2, schedule="1f1b", block=BlockPlan(zero=3)), KEEP, 64,
                       dict(offload_params=[1, 3], instruct=True)),
-    # BPipe with recompute on ZeRO-2 blocks whose optimizer lives on host
+    # BPipe with recomputation on ZeRO-2 blocks whose optimizer lives on host: selective checkpointing's cached
+    # matmul outputs are evicted and brought back with the rest
     "pp2xdp2-bpipe-zero2-offload": (4, dict(pp=2, dp=2, schedule="bpipe", block=BlockPlan(zero=2, offload_optimizer=True)),
-                                    ["recompute", "keep"], 64, dict(evict_bound=1)),
+                                    ["selective", "recompute"], 64, dict(evict_bound=1)),
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
@@ -28,8 +29,14 @@ SAVED_OPS = {
 }
 
 
-def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _keep_matmuls(kept: list[torch.Tensor], ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing's policy; the outputs it keeps in the forward are appended to `kept` (where torch
+    passes them: `op_output`, torch 2.13)."""
+    if op not in SAVED_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:
+        kept.extend(t for t in tree_leaves(getattr(ctx, "op_output", None)) if isinstance(t, torch.Tensor))
+    return CheckpointPolicy.MUST_SAVE
 
 
 class _KeepInput(torch.autograd.Function):
@@ -51,12 +58,32 @@ class _KeepInput(torch.autograd.Function):
         return grad
 
 
+class _KeepAlongside(torch.autograd.Function):
+    """Identity on `out` that saves `kept` for backward: the tensors selective checkpointing keeps in its own
+    cache, which saved-tensor hooks around the block never see, shown to them (the memory tracker, a pipeline
+    stage's accounting and BPipe's evictions) as _KeepInput shows the input. Same storages, so no extra bytes;
+    they count as released when the block's backward starts, a little before the recomputation drops them."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*kept)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad, *([None] * len(ctx.saved_tensors)))
+
+
 def _recompute(forward: Callable, selective: bool, x: torch.Tensor, *args: Any) -> torch.Tensor:
-    if torch.is_grad_enabled() and x.requires_grad:
+    tracked = torch.is_grad_enabled() and x.requires_grad
+    if tracked:
         x = _KeepInput.apply(x)
-    context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
-    kw = {"context_fn": context} if context else {}
-    return checkpoint(forward, x, *args, use_reentrant=False, **kw)
+    if not selective:
+        return checkpoint(forward, x, *args, use_reentrant=False)
+    kept: list[torch.Tensor] = []
+    context = functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep_matmuls, kept))
+    out = checkpoint(forward, x, *args, use_reentrant=False, context_fn=context)
+    return _KeepAlongside.apply(out, *kept) if tracked and kept else out
 
 
 def recompute(block: nn.Module, selective: bool) -> nn.Module:
