@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from snugfit.errors import SnugfitError
-from snugfit.hardware import GPUS, Host, LocalHardware, get_gpu, load_cluster_toml, load_local, parse_cluster
+from snugfit.hardware import (GPU, GPUS, Cluster, Host, LocalHardware, get_gpu, get_link, load_cluster_toml, load_local,
+                              parse_cluster)
 from snugfit.hardware.catalogue import FSDP_COSTS
 from snugfit.hardware.cluster import make_node
 
@@ -52,6 +53,19 @@ def test_toml_roundtrip(tmp_path):
     back = load_cluster_toml(path)
     assert back.to_dict() | {"spec": ""} == cl.to_dict() | {"spec": ""}
     assert parse_cluster(str(path)).world_size == 4
+
+
+def test_a_measured_card_keeps_its_figures_through_a_cluster_file(tmp_path):
+    """profile-hardware --toml, then plan --cluster: the card's SM count and generation (GEMMs by tile and wave,
+    attention as its generation runs it) and its measured host costs survive; they were dropped, and a measured
+    H200 was planned at one flat rate for every GEMM and for attention."""
+    card = GPU("NVIDIA H200", 140 * 2**30, {"float32": 50.8, "bfloat16": 711.8}, 3953.9, 5, matmul_efficiency=1.0,
+               mem_efficiency=1.0, op_overhead_s=13.6e-6, sac_overhead_s=21e-6, sms=132, arch="hopper",
+               attention_tflops=[255.0, 250.0])
+    cl = Cluster([make_node(card.name, 1, custom={card.name: card})], get_link("pcie5"), "")
+    path = tmp_path / "measured.toml"
+    path.write_text(cl.to_toml())
+    assert load_cluster_toml(path).gpu_of(0) == card
 
 
 def test_profile_hardware_measures_this_machine(tmp_path):

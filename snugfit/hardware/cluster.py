@@ -70,9 +70,10 @@ class Cluster:
             tflops = ", ".join(f"{k} = {v:g}" for k, v in gpu.tflops.items())
             lines += ["[[gpu]]", f'name = "{gpu.name}"', f"memory_gib = {gpu.memory_bytes / 2**30:g}",
                       f"tflops = {{ {tflops} }}", f"hbm_gbps = {gpu.hbm_gbps:g}", f"pcie_gen = {gpu.pcie_gen}",
-                      f"matmul_efficiency = {gpu.matmul_efficiency:g}", f"mem_efficiency = {gpu.mem_efficiency:g}",
                       *([f'nvlink = "{gpu.nvlink}"'] if gpu.nvlink else []),
-                      *(["p2p = false"] if not gpu.p2p else []), ""]
+                      *(["p2p = false"] if not gpu.p2p else []),
+                      *(f"{k} = {_toml_value(getattr(gpu, k))}" for k in GPU_FIGURES
+                        if k in ("matmul_efficiency", "mem_efficiency") or getattr(gpu, k) != _GPU_DEFAULTS[k]), ""]
         for n in self.nodes:
             # links only where they differ from the GPU's own: a CPU node's offload link is a memcpy at its memory
             # bandwidth, which has no catalogue name to write
@@ -123,7 +124,8 @@ def parse_cluster(spec: str, inter: str | None = None) -> Cluster:
 def load_cluster_toml(path: str | Path) -> Cluster:
     """TOML: top-level `inter`; [host] (ram_gib, cores, adam_params_per_s) for every node; [[gpu]] tables defining
     GPUs the catalogue lacks (name, memory_gib, tflops = {float32 = .., bfloat16 = ..}, hbm_gbps, pcie_gen, and
-    optionally nvlink, p2p = false for cards without PCIe peer access, matmul_efficiency, mem_efficiency); then
+    optionally nvlink, p2p = false for cards without PCIe peer access, and the GPU_FIGURES profile-hardware
+    measures: matmul_efficiency, mem_efficiency, sms, arch, op_overhead_s, sac_overhead_s, attention_tflops); then
     [[node]] tables with gpu, count and optional intra, pcie, host_ram_gib, host_adam_params_per_s."""
     try:
         import tomllib
@@ -160,10 +162,27 @@ def _gpu_table(t: dict, path) -> GPU:
                            "tflops = { float32 = .., bfloat16 = .. }, hbm_gbps and pcie_gen")
     gpu = GPU(str(t["name"]), int(float(t["memory_gib"]) * 2**30), {k: float(v) for k, v in t["tflops"].items()},
               float(t["hbm_gbps"]), int(t["pcie_gen"]), t.get("nvlink") or None, p2p=bool(t.get("p2p", True)))
-    for key in ("matmul_efficiency", "mem_efficiency"):
+    for key in GPU_FIGURES:
         if key in t:
-            setattr(gpu, key, float(t[key]))
+            default = _GPU_DEFAULTS[key]
+            setattr(gpu, key, [float(v) for v in t[key]] if isinstance(default, list) else type(default)(t[key]))
     return gpu
+
+
+# what profile-hardware measures of a card beyond its [[gpu]] table's required figures, written to and read from
+# cluster files so that plans for a measured card time its GEMMs by tile and wave (sms), its attention as its
+# generation runs it (arch), and its host costs as measured
+GPU_FIGURES = ("matmul_efficiency", "mem_efficiency", "sms", "arch", "op_overhead_s", "sac_overhead_s",
+               "attention_tflops")
+_GPU_DEFAULTS = {k: getattr(GPU("", 0, {}, 0.0, 0), k) for k in GPU_FIGURES}
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list):
+        return "[" + ", ".join(f"{x:g}" for x in v) + "]"
+    return f"{v:g}"
 
 
 def with_host_ram(cluster: Cluster, ram_bytes: int) -> Cluster:
