@@ -135,6 +135,7 @@ def test_an_unknown_card_is_measured_from_its_properties():
     assert set(gpu.tflops) >= {"float32", "float16", "bfloat16"} and all(t > 0 for t in gpu.tflops.values())
     assert gpu.hbm_gbps > 0 and link.gbps > 0
     assert gpu.matmul_efficiency == 1.0  # measured rates are what kernels reach, not a datasheet's
+    assert len(gpu.attention_tflops) == 2 and min(gpu.attention_tflops) > 0  # whatever kernel SDPA picks there
     # its PCIe generation from the measured link: the node's offload link is then a catalogue one (a measured
     # card used to get generation 0, and planning for it failed on 'unknown link pcie0')
     node = make_node(gpu.name, 1, custom={gpu.name: gpu})

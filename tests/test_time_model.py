@@ -145,6 +145,25 @@ def test_gemm_time_counts_tile_and_wave_quantization():
     assert 716e12 <= 2 * n**3 / gemm_time(n, n, n, GPUS["H200"], "bfloat16") <= 733e12
 
 
+def test_measured_attention_replaces_the_published_rates():
+    """A card profile-hardware measured runs attention at its measured rate (head dim 128), carried to other head
+    dims in the published rates' proportions; unmeasured, Hopper takes FlashAttention-2's share of its peak."""
+    from dataclasses import replace
+
+    from snugfit.hardware.catalogue import GPUS
+    from snugfit.plan.kernels import FLASH_ATTENTION, attention_rates
+
+    h100 = GPUS["H100-SXM"]
+    assert attention_rates(h100, "bfloat16", 128) == pytest.approx((0.33 * 989e12, 0.32 * 989e12))
+    measured = replace(h100, attention_tflops=[500.0, 400.0])
+    assert attention_rates(measured, "bfloat16", 128) == pytest.approx((500e12, 400e12))
+    (f64, b64), (f128, b128) = FLASH_ATTENTION["hopper"][64], FLASH_ATTENTION["hopper"][128]
+    assert attention_rates(measured, "bfloat16", 64) == pytest.approx((500e12 * f64 / f128, 400e12 * b64 / b128))
+    assert attention_rates(measured, "float32", 128) == pytest.approx((h100.flops_per_s("float32"),) * 2)
+    unknown = replace(measured, arch="")  # no published rates to scale by: the measured ones as they are
+    assert attention_rates(unknown, "bfloat16", 64) == pytest.approx((500e12, 400e12))
+
+
 def test_linear_layers_are_recorded_and_timed_by_shape_on_gpus():
     """The profile keeps a block's linear layers as GEMM shapes (M = the microbatch's tokens), scaled with the
     micro-batch; on a GPU they are timed by plan.kernels, faster than the flat 60% for large ones."""

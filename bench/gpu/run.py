@@ -44,6 +44,7 @@ from snugfit.model.decoder import Decoder, ModelConfig, rope_table  # noqa: E402
 from snugfit.model.lora import apply_lora  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.explain import summary  # noqa: E402
+from snugfit.plan.kernels import attention_rates  # noqa: E402
 from snugfit.plan.memory import device_bytes  # noqa: E402
 from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.plan.search import Constraints, NoPlanError, search  # noqa: E402
@@ -330,13 +331,15 @@ def hardware_check(env: DistEnv, cluster: Cluster) -> dict:
     measured, pcie = measure_accelerator(name, env.device.type, size=4096 if on_gpu else 256)
     out = {"device": name, "catalogue": listed.name if listed else None,
            "measured": {"tflops": measured.tflops, "hbm_gbps": measured.hbm_gbps, "pcie_gbps": pcie.gbps,
-                        "op_overhead_s": measured.op_overhead_s}}
+                        "op_overhead_s": measured.op_overhead_s, "attention_tflops": measured.attention_tflops}}
     if listed is not None:
         # the catalogue states datasheet peaks; the time model applies its efficiency factors on top
         out["ratio_to_catalogue"] = {
             **{f"tflops_{d}": t / listed.tflops[d] for d, t in measured.tflops.items() if listed.tflops.get(d)},
             "hbm": measured.hbm_gbps / listed.hbm_gbps}
         out["catalogue_efficiency"] = {"matmul": listed.matmul_efficiency, "memory": listed.mem_efficiency}
+        # what the model takes for attention without a measurement: flash attention's published rates (head dim 128)
+        out["published_attention_tflops"] = [r / 1e12 for r in attention_rates(listed, "bfloat16", 128)]
     return out
 
 

@@ -29,16 +29,26 @@ def _matmul_tflops(dtype: torch.dtype, n: int, device: str, sync, repeats: int =
     return 2 * n**3 / best_time(run, repeats) / 1e12
 
 
-def attention_tflops(device: str = "cpu", b: int = 8, heads: int = 6, seq: int = 128, head_dim: int = 32) -> list[float]:
-    """[forward, backward] TFLOP/s of causal SDPA in fp32, its FLOPs counted as the profiler counts them (the
-    forward 2 b h s^2 d, the backward 2.5 times that). On CPU it runs at a fifth of the matmul rate (41 against
-    200 GFLOP/s here), and a block's attention was the 25% its predicted time missed."""
-    q, k, v = (torch.randn(b, heads, seq, head_dim, device=device, requires_grad=True) for _ in range(3))
+def attention_tflops(device: str = "cpu", b: int = 8, heads: int = 6, seq: int = 128, head_dim: int = 32,
+                     dtype: torch.dtype = torch.float32, sync=lambda: None) -> list[float]:
+    """[forward, backward] TFLOP/s of causal SDPA, its FLOPs counted as the profiler counts them (the forward
+    2 b h s^2 d, the backward 2.5 times that), through whichever kernel torch picks for this shape. On CPU it runs
+    at a fifth of the matmul rate (41 against 200 GFLOP/s here), and a block's attention was the 25% its predicted
+    time missed. On a GPU it is what the published flash attention rates stand for until measured: torch 2.11
+    ran cuDNN's kernels on an H200, not the FlashAttention-2 whose rates plan.kernels assumes."""
+    q, k, v = (torch.randn(b, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    forward = best_time(lambda: sdpa(q, k, v, is_causal=True), 5)
-    both = best_time(lambda: sdpa(q, k, v, is_causal=True).sum().backward(), 5)
+
+    def forward():
+        sdpa(q, k, v, is_causal=True)
+        sync()
+
+    def both():
+        sdpa(q, k, v, is_causal=True).sum().backward()
+        sync()
     flops = 2.0 * b * heads * seq * seq * head_dim
-    return [flops / forward / 1e12, 2.5 * flops / max(both - forward, 1e-9) / 1e12]
+    fwd = best_time(forward, 5)
+    return [flops / fwd / 1e12, 2.5 * flops / max(best_time(both, 5) - fwd, 1e-9) / 1e12]
 
 
 def _copy_gbps(nbytes: int, src: str, dst: str, sync) -> float:
@@ -150,8 +160,12 @@ def measure_accelerator(name: str, dev: str | None = None, size: int = 4096) -> 
     link = Link("pcie-local", min(h2d, d2h, duplex), 10e-6)
     pcie_gen = 5 if link.gbps >= 40 else 4 if link.gbps >= 18 else 3  # one direction, pinned: ~50 / ~25 / ~12 GB/s
     per_op, selective = dispatch_costs(dev, sync)
+    # flash attention's kind of shape (head dim 128, as Llama's; FLASH_ATTENTION's reference) in the tensor cores'
+    # dtype; plan.kernels carries it to other head dims by the published rates' proportions
+    attention = attention_tflops(dev, b=2, heads=16, seq=size, head_dim=128, dtype=dtypes[-1], sync=sync)
     gpu = GPU(name, mem, tflops, hbm, pcie_gen, None, matmul_efficiency=1.0, mem_efficiency=1.0,
-              op_overhead_s=per_op, sac_overhead_s=selective, sms=props.multi_processor_count if props else 0,
+              op_overhead_s=per_op, sac_overhead_s=selective, attention_tflops=attention,
+              sms=props.multi_processor_count if props else 0,
               arch=cuda_arch(props.major, props.minor) if props and not torch.version.hip else "")
     return gpu, link
 

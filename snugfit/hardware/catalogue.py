@@ -43,8 +43,9 @@ class GPU:
     # operators without FSDP2, spent 0.08 s). One measurement, used for every card. CPU ranks: profile_hardware
     # measures FSDP2's costs instead (plan.cpu_ranks.cpu_fsdp_time).
     unit_overhead_s: float = 2.6e-3
-    # [forward, backward] TFLOP/s of attention where profile_hardware measured it (CPU ranks; calibrate.hardware.
-    # attention_tflops); [] elsewhere: GPUs use flash attention's published rates (plan.kernels)
+    # [forward, backward] TFLOP/s of causal attention where profile_hardware measured it (calibrate.hardware.
+    # attention_tflops): CPU ranks in fp32; GPUs in bf16 (fp16 without it) at head dim 128 and 4,096 tokens, through
+    # the kernel torch's SDPA picks; [] elsewhere: GPUs use flash attention's published rates (plan.kernels)
     attention_tflops: list[float] = field(default_factory=list)
     # Host time torch's selective checkpointing adds per forward operator and pass: its policy, a Python dispatch
     # mode, sees every operator in the forward and again in the replay. 13 us on this project's 2-core CPU
@@ -238,7 +239,7 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-MEASUREMENT_VERSION = 5
+MEASUREMENT_VERSION = 6
 
 
 @dataclass
@@ -251,7 +252,8 @@ class LocalHardware:
     # what was measured how; older measurements are taken again. 2: op_overhead_s per operator of a real model's
     # step (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate and
     # selective checkpointing's cost per operator; 4: the one-thread slowdown timed past the thread pool's start;
-    # 5: the pipeline stage cost without saved-tensor accounting, FSDP2's costs timed interleaved
+    # 5: the pipeline stage cost without saved-tensor accounting, FSDP2's costs timed interleaved; 6: attention's
+    # rate on GPUs too
     version: int = MEASUREMENT_VERSION
 
     def to_dict(self) -> dict:

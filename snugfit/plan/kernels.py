@@ -1,4 +1,4 @@
-"""GEMM time on a GPU from its shape: tiles, waves and a ceiling per dtype; attention at flash attention's rate.
+"""GEMM time on a GPU from its shape: tiles, waves and a ceiling per dtype; attention at its measured or published rate.
 
 cuBLAS splits C = A B (M x K times K x N) into output tiles (128 x 128 here, its
 usual choice for large bf16/fp16 GEMMs) and runs them on the SMs in waves. A
@@ -9,9 +9,10 @@ peak, times the best fraction large GEMMs reach on its architecture (`gemm_ceili
 launch costs at least `LAUNCH_S`. A GPU whose rates profile-hardware measured
 (matmul_efficiency 1) is at its ceiling already.
 
-Attention (a piece's FLOPs beyond its GEMMs) runs as torch's SDPA runs it in fp16/bf16
-on NVIDIA GPUs from Ampere on: FlashAttention-2, whose achieved share of the peak
-depends on the generation and the head dim (`FLASH_ATTENTION`).
+Attention (a piece's FLOPs beyond its GEMMs) in fp16/bf16 runs at the rate profile-hardware measured on the
+card where it did (whatever kernel torch's SDPA picks: cuDNN's on Hopper with torch 2.11); otherwise at
+FlashAttention-2's published rates on NVIDIA GPUs from Ampere on, whose achieved share of the peak depends on the
+generation and the head dim (`FLASH_ATTENTION`).
 """
 
 from __future__ import annotations
@@ -98,20 +99,28 @@ def gemm_cache_clear() -> None:
 
 
 def attention_rates(gpu: GPU, dtype: str, head_dim: int) -> tuple[float, float]:
-    """(forward, backward) FLOP/s of attention at this head dim: flash attention's share of the peak where it is
-    known (head dims between 64 and 128 interpolated, others at the nearer end), else the flat matmul rate. On a
-    card profile-hardware measured, the share is taken of its measured matmul rate, which is at gemm_ceiling."""
-    return _attention_rates(gpu.arch, dtype, head_dim, *gpu.peak_flops(dtype), gpu.matmul_efficiency)
+    """(forward, backward) FLOP/s of attention at this head dim: where profile-hardware measured the card's attention
+    (head dim 128), that rate; else flash attention's share of the peak where it is known (head dims between 64 and
+    128 interpolated, others at the nearer end; on a card whose matmul rate was measured, a share of that rate, which
+    is at gemm_ceiling); else the flat matmul rate. A measured rate moves to other head dims as the published ones
+    do."""
+    return _attention_rates(gpu.arch, dtype, head_dim, *gpu.peak_flops(dtype), gpu.matmul_efficiency,
+                            tuple(gpu.attention_tflops))
 
 
 @functools.lru_cache(maxsize=1024)  # the search asks thousands of times for a few GPUs and head dims
 def _attention_rates(arch: str, dtype: str, head_dim: int, peak_dtype: str, peak: float,
-                     efficiency: float) -> tuple[float, float]:
-    table = FLASH_ATTENTION.get(arch)
-    if not table or not head_dim or dtype not in FLASH_DTYPES:
+                     efficiency: float, measured: tuple[float, ...]) -> tuple[float, float]:
+    if dtype not in FLASH_DTYPES or not head_dim:
         return peak * efficiency, peak * efficiency  # GPU.flops_per_s
+    table = FLASH_ATTENTION.get(arch)
     t = min(max((head_dim - 64) / 64, 0.0), 1.0)
-    forward, backward = (lo + t * (hi - lo) for lo, hi in zip(table[64], table[128]))
+    shares = [lo + t * (hi - lo) for lo, hi in zip(table[64], table[128])] if table else None
+    if measured:
+        scale = [s / ref for s, ref in zip(shares, table[128])] if table else [1.0, 1.0]
+        return measured[0] * 1e12 * scale[0], measured[1] * 1e12 * scale[1]
+    if not table:
+        return peak * efficiency, peak * efficiency
     if efficiency >= 1.0:
         peak /= gemm_ceiling(arch, peak_dtype)
-    return peak * forward, peak * backward
+    return peak * shares[0], peak * shares[1]

@@ -129,7 +129,7 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
         gf, gb, gf_flops, gb_flops = gemm_seconds(p.gemms, gpu, dtype, p.num_trainable / max(p.num_params, 1))
         af, ab = attention_rates(gpu, dtype, p.head_dim)
         fwd, bwd = gf + max(0.0, p.fwd_flops - gf_flops) / af, gb + max(0.0, p.bwd_flops - gb_flops) / ab
-    elif gpu.attention_tflops and p.head_dim and dtype == "float32":  # CPU: attention (SDPA) at its measured rate
+    elif gpu.name == "cpu" and gpu.attention_tflops and p.head_dim and dtype == "float32":  # SDPA's measured rate
         gf_flops = sum(2.0 * m * n * k for m, n, k in p.gemms)
         gb_flops = gf_flops * (1 + p.num_trainable / max(p.num_params, 1))
         af, ab = (t * 1e12 for t in gpu.attention_tflops)
