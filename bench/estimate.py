@@ -173,7 +173,7 @@ def main() -> int:
     clock = time.process_time
     local = profile_hardware()  # collectives and FSDP2 overheads between two ranks too
     print(f"hardware: fp32 {local.device.tflops['float32'] * 1e3:.1f} GFLOP/s, copy {local.device.hbm_gbps:.1f} GB/s, "
-          f"fused AdamW {local.host.adam_params_per_s / 1e6:.0f} M params/s")
+          f"host optimizer step {local.host.adam_params_per_s / 1e6:.0f} M params/s")
     cluster = parse_cluster("cpu")
     print(f"{'plan (mbs x m ...)':>26} | {'pred s':>8} {'meas s':>8} {'err':>6} | "
           f"{'pred MiB':>9} {'meas MiB':>9} {'err':>6}")

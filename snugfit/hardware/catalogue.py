@@ -95,7 +95,9 @@ FSDP_COSTS = ("replicate", "gather", "regather", "allreduce", "reduce", "update"
 @dataclass
 class Host:
     ram_bytes: int = 256 * GiB
-    adam_params_per_s: float = 1.5e9  # fused CPU AdamW (fp32 master + 2 states), all cores
+    # an optimizer step on host tensors, all cores: AdamW on the fp32 master and 2 states, with the gradient's norm,
+    # the clip and (offload on GPUs) the cast for the copy back; measured by calibrate.hardware.host_step_params_per_s
+    adam_params_per_s: float = 1.5e9
     cores: int = 32
     # What FSDP2 (and pipelining) cost between N local CPU ranks (N = "2", and twice the cores), measured by
     # profile_hardware and used where this host's CPU is the device (plan/timing.py): FSDP_COSTS, each [seconds,
@@ -253,7 +255,7 @@ class LocalHardware:
     # step (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate and
     # selective checkpointing's cost per operator; 4: the one-thread slowdown timed past the thread pool's start;
     # 5: the pipeline stage cost without saved-tensor accounting, FSDP2's costs timed interleaved; 6: attention's
-    # rate on GPUs too
+    # rate on GPUs too, and the host's optimizer step as the runtime runs it, past the CPU's caches
     version: int = MEASUREMENT_VERSION
 
     def to_dict(self) -> dict:
