@@ -28,7 +28,8 @@ TILE_K = 32  # the K step of one tile's main loop
 # limits; fp32 without TF32: the CUDA cores' FMA pipes); what the catalogue's flat matmul_efficiency undercounts
 GEMM_CEILING = {"bfloat16": 0.8, "float16": 0.8, "tf32": 0.75, "float32": 0.9}
 # Hopper's, measured: an H200 (the H100 SXM's die, clocks and 700 W) ran 4096^3 at 716-733 TFLOPS in bf16, 691-713
-# in fp16 and 50.8 in fp32 (docs/gpu.md, runs 1 and 2), 0.97 of a ceiling on this tile model's 8 waves over 132 SMs
+# in fp16 and 50.8 in fp32 (docs/gpu.md, runs 1 and 2); this tile model fills that GEMM's 8 waves over 132 SMs to
+# 0.97, so each ceiling is the measured share of the peak over 0.97
 GEMM_CEILING_BY_ARCH = {"hopper": {"bfloat16": 0.75, "float16": 0.73, "float32": 0.78}}
 LAUNCH_S = 4e-6
 
