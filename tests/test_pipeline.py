@@ -38,8 +38,7 @@ CONFIGS = {
     # pp x dp, sharded inside stages (zero 3, parameter offload on odd blocks), on instruction batches
     "pp2xdp2-zero3": (4, dict(pp=2, dp=2, schedule="1f1b", block=BlockPlan(zero=3)), KEEP, 64,
                       dict(offload_params=[1, 3], instruct=True)),
-    # BPipe with recomputation on ZeRO-2 blocks whose optimizer lives on host: selective checkpointing's cached
-    # matmul outputs are evicted and brought back with the rest
+    # BPipe with recomputation on ZeRO-2 blocks whose optimizer lives on host (selective's kept outputs evicted too)
     "pp2xdp2-bpipe-zero2-offload": (4, dict(pp=2, dp=2, schedule="bpipe", block=BlockPlan(zero=2, offload_optimizer=True)),
                                     ["selective", "recompute"], 64, dict(evict_bound=1)),
 }
@@ -350,7 +349,7 @@ def test_bpipe_partner_receives_evicted_activations_into_device_memory(monkeypat
 def test_eviction_sends_the_saved_storages_themselves_and_frees_them_once_sent():
     """No concatenated copy (it would briefly double the microbatch on the heavy stage): the tensors to send are
     the saved storages; freeing empties every alias; load re-allocates them for the bytes to come back."""
-    from snugfit.runtime.activations import StageActivations
+    from snugfit.runtime.stage_activations import StageActivations
 
     lin = torch.nn.Linear(8, 8)
     acts = StageActivations([lin])

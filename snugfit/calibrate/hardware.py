@@ -192,7 +192,8 @@ def profile_hardware(out: str | Path | None = None, collectives: bool = True) ->
     """Measure this machine and cache the result (default ~/.cache/snugfit/hardware.json)."""
     # offloaded units of a GPU's model run in bf16: their masters are cast for the copy back; a CPU trains in fp32
     staged = torch.bfloat16 if torch.accelerator.is_available() else None
-    host = Host(ram_bytes=host_ram(), adam_params_per_s=host_step_params_per_s(staged=staged), cores=os.cpu_count() or 1)
+    host = Host(ram_bytes=host_ram(), adam_params_per_s=host_step_params_per_s(staged=staged),
+                cores=os.cpu_count() or 1)
     links: dict[str, Link] = {}
     if torch.accelerator.is_available():
         device, links["pcie-local"] = measure_accelerator(f"local-{torch.accelerator.current_accelerator().type}")

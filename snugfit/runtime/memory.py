@@ -29,7 +29,7 @@ Parameters, gradients, optimizer and buffers are read from the tensors when
 buffers are also updated whenever a tensor is saved (forward) or used (backward),
 so the activation peak is exact and the buffer peak sees a zero-3 unit's copy while
 it runs and backward prefetch. Pipeline stages count their activations themselves
-(runtime.activations.StageActivations) and report them the same way: `fold_activations`
+(runtime.stage_activations.StageActivations) and report them the same way: `fold_activations`
 after each microbatch's forward, `fold_moving` for every tensor saved or used.
 """
 
@@ -231,7 +231,7 @@ class MemoryTracker:
         static = self._resting | {storage_key(b) for b in self.model.buffers()}
         self._buffers_state = None
 
-        def pack(t: torch.Tensor) -> torch.Tensor | _Saved:
+        def pack(t: torch.Tensor) -> torch.Tensor | SavedHandle:
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
                 return t
             key = storage_key(t)
@@ -241,13 +241,13 @@ class MemoryTracker:
             if entry[1] == 0:
                 self._live_activations += entry[0]
             entry[1] += 1
-            saved = _Saved(t)  # autograd holds this until it frees the saved tensor
+            saved = SavedHandle(t)  # autograd holds this until it frees the saved tensor
             weakref.finalize(saved, self._release, key)
             self.fold_moving(self._live_activations)
             return saved
 
-        def unpack(x: torch.Tensor | _Saved) -> torch.Tensor:
-            if not isinstance(x, _Saved):
+        def unpack(x: torch.Tensor | SavedHandle) -> torch.Tensor:
+            if not isinstance(x, SavedHandle):
                 return x
             self.fold_moving(self._live_activations)  # backward: catches gathered and prefetched units
             return x.tensor
@@ -278,8 +278,9 @@ class MemoryTracker:
         return self._live_activations
 
 
-class _Saved:
-    """What autograd keeps for a counted tensor: its release (even while the tensor lives on) ends the count."""
+class SavedHandle:
+    """What autograd keeps for a counted tensor: its release ends the count, even while the tensor itself lives on
+    (a reused receive buffer, a storage another microbatch saved too)."""
 
     __slots__ = ("tensor", "__weakref__")
 

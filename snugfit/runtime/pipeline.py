@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from snugfit.model.decoder import Decoder, cross_entropy
 from snugfit.plan import Plan, PlanError
-from snugfit.runtime.activations import StageActivations
+from snugfit.runtime.stage_activations import StageActivations
 from snugfit.runtime.apply import Weights, apply_activations, place, read_weights
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import Engine, OptimConfig, StepResult, loss_divisors, split_batch

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from snugfit.runtime.activations import StageActivations
+from snugfit.runtime.stage_activations import StageActivations
 
 # p2p tags: forward/backward traffic uses 0; evictions are tagged by microbatch so they never mix with it.
 _HEADER, _PAYLOAD, _RETURN = 1 << 16, 2 << 16, 3 << 16
