@@ -31,9 +31,12 @@ def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_ref
         assert r["loss_ok"] and len(r["losses"]) == len(r["reference_losses"]) >= 3, name  # (a)
         assert r["measured_peak_bytes"] > 0 and r["predicted_peak_bytes"] > 0, name  # (b)
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0, name  # (c)
+        assert r["predicted_measured_step_s"] > 0, name  # (c) on the card as (e) measured it
     offload = report["offload_comparison"]  # (d)
     assert set(offload["plans"]) == {"snugfit", "full offload"} and offload["speedup"]["measured"] > 0
-    assert report["hardware"]["measured"]["tflops"]["float32"] > 0  # (e)
+    measured = report["hardware"]["measured"]  # (e)
+    assert measured["tflops"]["float32"] > 0 and measured["host_step_params_per_s"] > 0
+    assert len(measured["attention_tflops"]) == 2
     assert "| replicated | ok" in (tmp_path / "acceptance.md").read_text()
     assert "errors" not in report  # a part that raised is reported there and fails the run
 

@@ -68,6 +68,21 @@ def test_a_measured_card_keeps_its_figures_through_a_cluster_file(tmp_path):
     assert load_cluster_toml(path).gpu_of(0) == card
 
 
+def test_a_card_profile_hardware_measured_here_is_planned_as_measured():
+    """`snugfit train` on a GPU plans with the cached measurement of the card it runs on (rates, attention, host
+    step), under the catalogue's name and NVLink, where the catalogue's datasheet figures were all it used."""
+    from snugfit.hardware.catalogue import measured_card
+
+    card = GPU("local-cuda", 150109880320, {"bfloat16": 711.8}, 3953.9, 5, matmul_efficiency=1.0, sms=132,
+               arch="hopper", attention_tflops=[255.0, 250.0])
+    local = LocalHardware(card, Host(adam_params_per_s=1.1e9))
+    h200 = measured_card("NVIDIA H200", 150109880320, 132, local)
+    assert (h200.name, h200.nvlink, h200.tflops, h200.attention_tflops) == ("H200", "nvlink4", card.tflops, [255, 250])
+    assert measured_card("NVIDIA H100 80GB HBM3", 85520809984, 132, local) is None  # another card
+    assert measured_card("NVIDIA H200", 150109880320, 132, None) is None  # never measured
+    assert measured_card("NVIDIA Mystery 9000", 150109880320, 132, local).name == "NVIDIA Mystery 9000"
+
+
 def test_profile_hardware_measures_this_machine(tmp_path):
     from snugfit.calibrate.hardware import profile_hardware
 

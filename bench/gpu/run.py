@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -37,8 +37,8 @@ import torch.distributed as dist  # noqa: E402
 
 from report import save  # noqa: E402 (bench/gpu)
 
-from snugfit.hardware.catalogue import gpu_for_device  # noqa: E402
-from snugfit.hardware.cluster import Cluster  # noqa: E402
+from snugfit.hardware.catalogue import Host, gpu_for_device  # noqa: E402
+from snugfit.hardware.cluster import Cluster, make_node  # noqa: E402
 from snugfit.model.catalogue import resolve_model  # noqa: E402
 from snugfit.model.decoder import Decoder, ModelConfig, rope_table  # noqa: E402
 from snugfit.model.lora import apply_lora  # noqa: E402
@@ -242,9 +242,11 @@ def free_memory(env: DistEnv) -> None:
         torch.cuda.empty_cache()
 
 
-def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dtype: str, report: dict) -> None:
-    """(a), (b), (c): each technique's losses against the reference, its memory and its time against the models;
-    report["techniques"] grows by one row per technique and is saved after each."""
+def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, measured: Cluster | None, dtype: str,
+                     report: dict) -> None:
+    """(a), (b), (c): each technique's losses against the reference, its memory and its time against the models
+    (on the catalogue's GPU and, where (e) measured it, on the measured one); report["techniques"] grows by one
+    row per technique and is saved after each."""
     on_gpu = env.device.type == "cuda"
     torch.manual_seed(0)
     weights = Decoder(cfg).state_dict()
@@ -257,14 +259,14 @@ def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dty
             rows.append({**row, "skipped": "torchao is not installed (pip install -e \".[qlora]\")"})
             continue
         rows.append(row)
-        row.update(guarded(t.name, lambda: check_technique(t, args, cfg, env, cluster, dtype, weights, batch, mbs),
-                           report))
+        row.update(guarded(t.name, lambda: check_technique(t, args, cfg, env, cluster, measured, dtype, weights,
+                                                           batch, mbs), report))
         free_memory(env)
         save(report, OUT)
 
 
-def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dtype: str,
-                    weights: dict[str, torch.Tensor], batch: torch.Tensor, mbs: int) -> dict:
+def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, measured: Cluster | None,
+                    dtype: str, weights: dict[str, torch.Tensor], batch: torch.Tensor, mbs: int) -> dict:
     """One technique's row: its plan's predictions, its measurements, and its losses against the reference."""
     on_gpu = env.device.type == "cuda"
     plan = Plan.uniform(cfg.n_layers, block=t.block, root=t.root, micro_batch_size=mbs,
@@ -272,8 +274,10 @@ def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster:
     prof = profile_model(cfg, micro_batch_size=mbs, seq_len=args.seq, dtype=plan.compute_dtype,
                          lora_rank=LORA_RANK if t.tune else None, kernels="gpu" if on_gpu else "cpu",
                          quantize_base="nf4" if t.tune == "qlora" else "none")
+    on_measured = estimate(plan, prof, measured).step_time_s if measured is not None else None
     estimate(plan, prof, cluster)
-    row = run_plan(t.name, build(cfg, weights, t.tune), plan, env, batch, args.steps)
+    row = {"predicted_measured_step_s": on_measured,
+           **run_plan(t.name, build(cfg, weights, t.tune), plan, env, batch, args.steps)}
     if "error" not in row:
         ref = reference_losses(build(cfg, weights, t.tune), batch, mbs, len(row["losses"]), env.device)
         rel = max(abs(a / b - 1) for a, b in zip(row["losses"], ref))
@@ -321,17 +325,22 @@ def offload_comparison(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, d
             "plans": rows, "speedup": speedup}
 
 
-def hardware_check(env: DistEnv, cluster: Cluster) -> dict:
-    """(e): this device measured as profile-hardware measures it, against the catalogue's figures for it."""
-    from snugfit.calibrate.hardware import measure_accelerator
+def hardware_check(env: DistEnv) -> tuple[dict, Cluster]:
+    """(e): this device measured as profile-hardware measures it, against the catalogue's figures for it; and the
+    one-GPU cluster of those measurements (the host's optimizer step too), which every plan is also predicted on."""
+    from snugfit.calibrate.hardware import host_ram, host_step_params_per_s, measure_accelerator
 
     on_gpu = env.device.type == "cuda"
     name = torch.cuda.get_device_name(env.device) if on_gpu else "cpu"
     listed = gpu_for_device(name, torch.cuda.get_device_properties(env.device).total_memory) if on_gpu else None
     measured, pcie = measure_accelerator(name, env.device.type, size=4096 if on_gpu else 256)
+    host = Host(ram_bytes=host_ram(), cores=os.cpu_count() or 1,
+                adam_params_per_s=host_step_params_per_s(staged=torch.bfloat16 if on_gpu else None))
     out = {"device": name, "catalogue": listed.name if listed else None,
            "measured": {"tflops": measured.tflops, "hbm_gbps": measured.hbm_gbps, "pcie_gbps": pcie.gbps,
-                        "op_overhead_s": measured.op_overhead_s, "attention_tflops": measured.attention_tflops}}
+                        "op_overhead_s": measured.op_overhead_s, "sac_overhead_s": measured.sac_overhead_s,
+                        "attention_tflops": measured.attention_tflops,
+                        "host_step_params_per_s": host.adam_params_per_s}}
     if listed is not None:
         # the catalogue states datasheet peaks; the time model applies its efficiency factors on top
         out["ratio_to_catalogue"] = {
@@ -340,7 +349,9 @@ def hardware_check(env: DistEnv, cluster: Cluster) -> dict:
         out["catalogue_efficiency"] = {"matmul": listed.matmul_efficiency, "memory": listed.mem_efficiency}
         # what the model takes for attention without a measurement: flash attention's published rates (head dim 128)
         out["published_attention_tflops"] = [r / 1e12 for r in attention_rates(listed, "bfloat16", 128)]
-    return out
+    card = replace(measured, name=f"measured {name}")  # a GPU entry, even for the CPU of --smoke
+    node = make_node(card.name, 1, host=host, custom={card.name: card})
+    return out, Cluster([node], node.intra, card.name)
 
 
 def main() -> int:
@@ -372,11 +383,12 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(env.device) if on_gpu else "cpu", "cluster": cluster.spec,
               "model": cfg.to_dict(), "params": params, "seq_len": args.seq, "global_batch": args.batch,
               "dtype": dtype}
-    check_techniques(args, cfg, env, cluster, dtype, report)
+    checked = guarded("hardware", lambda: hardware_check(env), report)  # first: each plan is predicted on it too
+    report["hardware"], measured = checked if isinstance(checked, tuple) else (checked, None)
+    free_memory(env)
+    check_techniques(args, cfg, env, cluster, measured, dtype, report)
     report["offload_comparison"] = guarded("offload comparison",
                                            lambda: offload_comparison(args, cfg, env, cluster, dtype), report)
-    save(report, OUT)
-    report["hardware"] = guarded("hardware", lambda: hardware_check(env, cluster), report)
     report["elapsed_s"] = time.perf_counter() - t0
     table = save(report, OUT)
     print(table)

@@ -12,7 +12,7 @@ import difflib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
@@ -343,6 +343,18 @@ def gpu_for_device(device_name: str, memory_bytes: int | None = None) -> GPU | N
             continue
         candidates.append((abs(gpu.memory_bytes - memory) if memory else 0, g_form != "SXM", gpu.name))
     return GPUS[min(candidates)[2]] if candidates else None
+
+
+def measured_card(device_name: str, memory_bytes: int, sms: int, local: LocalHardware | None) -> GPU | None:
+    """This card as `snugfit profile-hardware` measured it on this machine (its rates, attention, host costs), under
+    the catalogue's name and links where the catalogue lists it; None when the cached measurement is of no such
+    card (its memory and SM count tell)."""
+    if local is None or (local.device.memory_bytes, local.device.sms) != (memory_bytes, sms):
+        return None
+    listed = gpu_for_device(device_name, memory_bytes)
+    if listed is None:
+        return replace(local.device, name=device_name)
+    return replace(local.device, name=listed.name, nvlink=listed.nvlink, inter=listed.inter, p2p=listed.p2p)
 
 
 def get_link(name: str) -> Link:

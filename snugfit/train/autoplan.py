@@ -22,11 +22,12 @@ MEASURE_WAIT_S = 600  # how long other ranks wait for rank 0's first measurement
 
 
 def local_cluster(env: DistEnv) -> Cluster:
-    """The launched ranks as a cluster: N x this machine's CPU, or this node's GPUs (the catalogue's entry for
-    the card's name, else the card measured here: never refused) on each node, with this host's RAM and cores."""
+    """The launched ranks as a cluster: N x this machine's CPU, or this node's GPUs on each node, with this host:
+    the card and host as `snugfit profile-hardware` measured them here, else the catalogue's entry for the card's
+    name, else the card measured now (never refused)."""
     if env.device.type == "cpu":
         return parse_cluster(f"{env.world_size}xcpu")
-    from snugfit.hardware.catalogue import Host, Link, gpu_for_device
+    from snugfit.hardware.catalogue import Host, Link, gpu_for_device, load_local, measured_card
     from snugfit.calibrate.hardware import host_ram, measure_accelerator
     from snugfit.runtime.dist import disable_p2p_without_peer_access
 
@@ -36,8 +37,14 @@ def local_cluster(env: DistEnv) -> Cluster:
     props = torch.cuda.get_device_properties(env.device) if env.device.type == "cuda" else None
     name = props.name if props else env.device.type
     host = Host(ram_bytes=host_ram(), cores=os.cpu_count() or 1)
+    local = load_local()
+    measured = measured_card(name, props.total_memory, props.multi_processor_count, local) if props else None
     gpu = gpu_for_device(name, props.total_memory if props else None)
-    if gpu is not None:
+    if measured is not None:  # `snugfit profile-hardware` ran here: its figures override the catalogue's
+        log.info("planning with %s and this host as profile-hardware measured them", name)
+        gpu = measured
+        node = make_node(gpu.name, per_node, host=local.host, custom={gpu.name: gpu})
+    elif gpu is not None:
         node = make_node(gpu.name, per_node, host=host)
     else:
         gpu, pcie = measure_accelerator(name)
@@ -86,7 +93,8 @@ def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
 def measure_once(ranks: int, on_cpu: bool = True) -> None:
     """Measure this machine when the planner has no measurement of it yet (cached for later runs).
 
-    Only CPU ranks need it (GPUs come from the catalogue). For more than one rank it
+    Only CPU ranks need it (GPUs come from the catalogue, or from `snugfit profile-hardware`'s measurement of
+    the card where one was taken: local_cluster). For more than one rank it
     also measures collectives and FSDP2's costs between local processes, which it
     must start itself: `snugfit train --nproc N` does that before launching. A rank
     of a job already running cannot (its process group would be inherited), so it
