@@ -84,6 +84,7 @@ class StageActivations:
             self.tracker.fold_activations(resident)
 
     def _moved(self) -> None:
+        """A tensor was saved or used: the tracker sees this stage's activations beside what FSDP2 holds now."""
         if self.tracker is not None:
             with self._lock:
                 resident = self.resident_bytes()
