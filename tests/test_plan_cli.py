@@ -3,6 +3,7 @@
 import argparse
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -108,6 +109,13 @@ def test_a_measured_gpu_machine_becomes_a_cluster_file(tmp_path, monkeypatch):
     assert cluster.world_size == 4 and cluster.gpu_of(0).memory_bytes == 48 * 2**30
     assert cluster.gpu_of(0).flops_per_s("bfloat16") == 150e12  # measured: efficiency 1
     assert cluster.nodes[0].pcie.name == "pcie4"
+    # an SXM card the catalogue lists: its node's GPUs talk over NVLink, which measuring one card does not see
+    sxm = replace(card, memory_bytes=80 * 2**30, sms=132, arch="hopper")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    (tmp_path / "sxm.toml").write_text(hw_cmd.machine_cluster(replace(local, device=sxm)).to_toml())
+    node = parse_cluster(str(tmp_path / "sxm.toml")).nodes[0]
+    assert (node.gpu.name, node.intra.name, node.gpu.sms) == ("NVIDIA H100 80GB HBM3", "nvlink4", 132)
 
 
 def test_a_cpu_machine_becomes_a_cluster_file_that_plans(tmp_path, capsys):
