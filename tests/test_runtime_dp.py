@@ -324,20 +324,28 @@ def test_non_finite_step_is_skipped_on_device_and_host(one_rank):
             torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
 
 
-def test_host_steps_run_behind_the_next_forward(one_rank):
+def test_host_steps_run_behind_the_next_forward_where_a_device_computes(one_rank):
+    """On a CPU device they run in place (nothing to overlap); on an accelerator, queued on the worker thread, each
+    unit's forward waits for its own update. The worker computes what the in-place steps compute."""
     plan = make_plan(1, BlockPlan(zero=0, offload_optimizer=True))
-    engine = build_engine(fresh_model(), plan, OPT, one_rank)
-    batch = batches(plan, 1)[0]
-    engine.train_step(batch)
-    assert all(u.pending is not None for u in engine.host.units)  # queued, not waited for
-    engine.eval_loss(batch)  # each unit's forward waits for its own update
-    assert all(u.pending is None for u in engine.host.units)
+    in_place, queued = (build_engine(fresh_model(), plan, OPT, one_rank) for _ in range(2))
+    assert not in_place.host.overlap
+    queued.host.overlap = True  # as on a GPU
+    for batch in batches(plan, 2):
+        in_place.train_step(batch)
+        queued.train_step(batch)
+        assert all(u.pending is not None for u in queued.host.units)  # queued, not waited for
+        queued.eval_loss(batch)  # each unit's forward waits for its own update
+        assert all(u.pending is None for u in queued.host.units)
+    for name, value in full(in_place.state_dict()["model"]).items():
+        torch.testing.assert_close(full(queued.state_dict()["model"])[name], value, rtol=0, atol=0, msg=name)
 
 
 def test_queued_host_steps_keep_the_rate_of_their_own_step(one_rank):
     """The loop sets step 2's rate while step 1's host updates may still wait on the worker thread."""
     plan = make_plan(1, BlockPlan(zero=0, offload_optimizer=True))
     engine = build_engine(fresh_model(), plan, OPT, one_rank)
+    engine.host.overlap = True  # the worker thread, as on a GPU
     used: list[float] = []
     for u in engine.host.units:
         step = u.optimizer.step

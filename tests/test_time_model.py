@@ -80,6 +80,24 @@ def test_host_optimizer_and_faster_gpus():
     assert estimate(_plan(), prof, parse_cluster("H100")).step_time_s < estimate(_plan(), prof, parse_cluster("T4")).step_time_s
 
 
+def test_the_host_optimizer_hides_behind_a_gpus_backward_but_not_a_cpus():
+    """Offloaded AdamW runs on the host: behind the device's work on a GPU; on a CPU device nothing else runs
+    then (runtime.offload steps it in place), so all of it, the copies too, adds to the step."""
+    from snugfit.hardware import Host
+    from snugfit.hardware.catalogue import GPUS
+    from snugfit.plan.memory import rank_stages
+    from snugfit.plan.timing import optimizer_time
+
+    plan = _plan(block=BlockPlan(offload_optimizer=True), root=BlockPlan(offload_optimizer=True))
+    pieces = [sp for sps in rank_stages(plan, synthetic_profile(), 0).values() for sp in sps]
+    host, link = Host(adam_params_per_s=1e9), get_link("pcie4")
+    kw = dict(host=host, dp=1, dtype="float32", reduce_dtype="float32", pcie=link, ranks_on_host=1)
+    gpu, cpu = GPUS["RTX4090"], parse_cluster("cpu").gpu_of(0)
+    alone = optimizer_time(pieces, gpu=gpu, bwd_last=0.0, **kw)[1]
+    assert alone > 0 and optimizer_time(pieces, gpu=gpu, bwd_last=alone / 2, **kw)[1] == pytest.approx(alone / 2)
+    assert optimizer_time(pieces, gpu=cpu, bwd_last=alone / 2, **kw)[1] == pytest.approx(alone)
+
+
 def test_slowest_data_parallel_member_sets_the_pace():
     prof = synthetic_profile()
     plan = _plan(dp=2)

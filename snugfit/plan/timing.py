@@ -325,4 +325,5 @@ def optimizer_time(
         dev_time = dev_params * ADAM_BYTES_PER_PARAM / gpu.mem_bytes_per_s()
     cpu = host_params / (host.adam_params_per_s / ranks_on_host)
     moves = transfer_time(host_params * g, pcie) + transfer_time(host_params * c, pcie)
-    return dev_time, max(0.0, cpu + moves - bwd_last) if host_params else 0.0
+    hidden = 0.0 if gpu.name == "cpu" else bwd_last  # a CPU device has no other work for the host step to hide behind
+    return dev_time, max(0.0, cpu + moves - hidden) if host_params else 0.0
