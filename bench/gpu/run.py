@@ -336,13 +336,11 @@ def hardware_check(env: DistEnv) -> tuple[dict, Cluster]:
     measured, pcie = measure_accelerator(name, env.device.type, size=4096 if on_gpu else 256)
     host = Host(ram_bytes=host_ram(), cores=os.cpu_count() or 1,
                 adam_params_per_s=host_step_params_per_s(staged=torch.bfloat16 if on_gpu else None))
+    figures = ("tflops", "hbm_gbps", "op_overhead_s", "sac_overhead_s", "attention_tflops")
     out = {"device": name, "catalogue": listed.name if listed else None,
-           "measured": {"tflops": measured.tflops, "hbm_gbps": measured.hbm_gbps, "pcie_gbps": pcie.gbps,
-                        "op_overhead_s": measured.op_overhead_s, "sac_overhead_s": measured.sac_overhead_s,
-                        "attention_tflops": measured.attention_tflops,
+           "measured": {**{k: getattr(measured, k) for k in figures}, "pcie_gbps": pcie.gbps,
                         "host_step_params_per_s": host.adam_params_per_s}}
-    if listed is not None:
-        # the catalogue states datasheet peaks; the time model applies its efficiency factors on top
+    if listed is not None:  # the catalogue states datasheet peaks; the time model applies its efficiencies on top
         out["ratio_to_catalogue"] = {
             **{f"tflops_{d}": t / listed.tflops[d] for d, t in measured.tflops.items() if listed.tflops.get(d)},
             "hbm": measured.hbm_gbps / listed.hbm_gbps}
@@ -390,9 +388,7 @@ def main() -> int:
     report["offload_comparison"] = guarded("offload comparison",
                                            lambda: offload_comparison(args, cfg, env, cluster, dtype), report)
     report["elapsed_s"] = time.perf_counter() - t0
-    table = save(report, OUT)
-    print(table)
-    print(f"wrote {OUT / 'acceptance.json'} and {OUT / 'acceptance.md'}")
+    print(save(report, OUT), f"wrote {OUT / 'acceptance.json'} and {OUT / 'acceptance.md'}", sep="\n")
     dist.destroy_process_group()
     failed = [r["technique"] for r in report["techniques"] if r.get("loss_ok") is False or "error" in r]
     return 1 if failed or report.get("errors") else 0
