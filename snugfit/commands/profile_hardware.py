@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from snugfit.hardware.catalogue import LocalHardware, gpu_for_device
+from snugfit.hardware.catalogue import LocalHardware, measured_card
 from snugfit.hardware.cluster import Cluster
 
 
@@ -41,9 +41,9 @@ def machine_cluster(local: LocalHardware) -> Cluster:
         node = make_node("cpu", 1)
         return Cluster([node], node.intra, "cpu")
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else local.device.name
-    # the card keeps its own name, so the file carries what was measured, and the catalogue's links for it: an SXM
-    # node's GPUs talk over NVLink, which measuring one card does not see
-    listed = gpu_for_device(name, local.device.memory_bytes)
-    gpu = replace(local.device, name=name, **({"nvlink": listed.nvlink, "p2p": listed.p2p} if listed else {}))
+    # with the catalogue's links for the card (an SXM node's GPUs talk over NVLink, which measuring one card does
+    # not see), under its own name, so that the file carries what was measured
+    device = local.device
+    gpu = replace(measured_card(name, device.memory_bytes, device.sms, local), name=name)
     node = make_node(gpu.name, torch.accelerator.device_count(), host=local.host, custom={gpu.name: gpu})
     return Cluster([node], node.intra, name)
