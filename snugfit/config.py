@@ -92,7 +92,7 @@ class ParallelConfig:
     virtual_stages: int | None = None
     num_microbatches: int | None = None
     zero: int | None = None  # 0 | 1 | 2 | 3
-    recompute: str | None = None  # keep | recompute | selective | offload
+    recompute: str | None = None  # keep | recompute | selective | selective_half | offload | recompute_offload
     offload_optimizer: str | None = None  # all | none
     offload_params: bool | None = None
     evict_bound: int | None = None  # BPipe: most microbatches resident per stage

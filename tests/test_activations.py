@@ -1,9 +1,11 @@
 """Activation policies: every policy gives the loss and gradients of "keep", and holds what it says."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.runtime.activations import apply_activation_policy
@@ -29,7 +31,7 @@ def test_policies_match_keep(arch, attention):
     tracker = MemoryTracker(ref)
     loss0, grads0, held0 = _loss_and_grads(ref, tokens, tracker)
     held = {}
-    for policy in ("recompute", "selective", "offload", "recompute_offload"):
+    for policy in ("recompute", "selective", "selective_half", "offload", "recompute_offload"):
         model = copy.deepcopy(ref)
         model.zero_grad(set_to_none=True)
         for block in model.blocks.values():
@@ -41,11 +43,45 @@ def test_policies_match_keep(arch, attention):
         for name in grads0:
             torch.testing.assert_close(grads[name], grads0[name], rtol=1e-5, atol=1e-7, msg=f"{policy} {name}")
         assert set(n for n, _ in model.named_parameters()) == set(grads0)  # names unchanged
-    # Recompute holds block inputs only; offload holds nothing of the blocks on the device.
-    # (selective keeps matmul outputs inside the checkpoint, where saved-tensor hooks cannot see them.)
+    # Recompute holds block inputs only, selective_half some of selective's matmul outputs; offload holds nothing
+    # of the blocks on the device.
+    assert held["recompute"] < held["selective_half"] < held["selective"] < held0
     assert held["recompute"] < held0 / 2
     assert held["offload"] < held["recompute"]
     assert held["recompute_offload"] == held["offload"]  # nothing of the blocks: their checkpoints wait on host
+
+
+class _Gemms(TorchDispatchMode):
+    """Counts the linear layers' GEMMs by the weight they multiply (forward, and the input's gradient)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.names = {p.untyped_storage().data_ptr(): n.removesuffix(".weight") for n, p in model.named_parameters()}
+        self.seen = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.seen[self.names.get(args[-1].untyped_storage().data_ptr())] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_half_replays_every_second_linear_layer():
+    """In backward, selective_half runs again the forward GEMMs of k, o and up, the 2nd, 4th and 6th of a Llama
+    block's q, k, v, o, gate, up, down (what the profile and the time model charge it for); selective none."""
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64)
+    tokens, seen = torch.randint(0, 64, (2, 17)), {}
+    for policy in ("keep", "selective", "selective_half"):
+        torch.manual_seed(0)
+        model = Decoder(cfg)
+        for block in model.blocks.values():
+            apply_activation_policy(block, policy)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        with _Gemms(model) as gemms:
+            loss.backward()
+        seen[policy] = gemms.seen
+    assert seen["selective"] == seen["keep"]
+    assert seen["selective_half"] - seen["keep"] == Counter(f"blocks.{i}.{layer}" for i in range(2)
+                                                            for layer in ("attn.k", "attn.o", "mlp.up"))
 
 
 def test_checkpoint_offload_empties_the_block_input_until_its_backward():
@@ -66,7 +102,7 @@ def test_checkpoint_offload_empties_the_block_input_until_its_backward():
 
 def test_unknown_policy_names_choices():
     block = Decoder(ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64)).blocks["0"]
-    with pytest.raises(ValueError, match="keep, recompute, selective, offload or recompute_offload"):
+    with pytest.raises(ValueError, match="keep, recompute, selective, selective_half, offload, recompute_offload"):
         apply_activation_policy(block, "evict")
 
 

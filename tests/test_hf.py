@@ -67,7 +67,7 @@ def test_pipeline_pieces_compose():
     assert torch.equal(model.head(model.norm(h)), model(x))
 
 
-@pytest.mark.parametrize("policy", ["recompute", "selective", "offload", "recompute_offload"])
+@pytest.mark.parametrize("policy", ["recompute", "selective", "selective_half", "offload", "recompute_offload"])
 def test_runtime_activation_policies_wrap_hf_blocks(policy):
     from snugfit.runtime.activations import apply_activation_policy
 

@@ -45,6 +45,7 @@ ONE = {
     # the matmul outputs selective checkpointing caches out of the saved-tensor hooks' sight, shown to them (a
     # micro-batch large enough for the activations, not the optimizer step's gradients, to set the peak)
     "selective": (_plan(1, BlockPlan(activations="selective"), BlockPlan(), mbs=8), ""),
+    "selective_half": (_plan(1, BlockPlan(activations="selective_half"), BlockPlan(), mbs=8), ""),
     # the checkpoints (block inputs) on host: nothing of the blocks held on the device
     "recompute_offload": (_plan(1, BlockPlan(activations="recompute_offload"), BlockPlan()), ""),
     "accumulate": (_plan(1, m=2), ""),

@@ -92,6 +92,10 @@ def test_policies_order_and_recompute_keeps_only_the_input():
     blk = profile_model(cfg, micro_batch_size=2, seq_len=64, use_cache=False).blocks[0]
     assert blk.saved_bytes["recompute"] == blk.input_bytes == 2 * 64 * 64 * 4
     assert blk.saved_bytes["recompute"] < blk.saved_bytes["selective"] < blk.saved_bytes["keep"]
+    # selective_half drops the outputs of the 2nd, 4th and 6th of q, k, v, o, gate, up, down: k, o and up
+    assert [n for _, n, _ in blk.gemms[1::2]] == [cfg.dim, cfg.dim, cfg.ffn_dim]  # k (no GQA here), o, up
+    dropped = 2 * 64 * (cfg.dim + cfg.dim + cfg.ffn_dim) * 4
+    assert blk.saved_bytes["selective"] - blk.saved_bytes["selective_half"] == dropped
 
 
 def test_flops_agree_with_the_analytic_count():
@@ -125,7 +129,7 @@ def test_measured_times_are_positive():
     prof = profile_model(cfg, micro_batch_size=1, seq_len=32, use_cache=False, measure_on="cpu", repeats=1)
     assert prof.device == "cpu" and all(p.fwd_time_s > 0 and p.bwd_time_s > 0 for p in prof.pieces)
     for block in prof.blocks:  # each recomputation policy measured with its own intercept, within its total
-        assert set(block.recompute_fixed_s) == set(block.recompute_time_s) == {"recompute", "selective"}
+        assert set(block.recompute_fixed_s) == set(block.recompute_time_s) == {"recompute", "selective", "selective_half"}
         assert all(0 <= block.recompute_fixed_s[k] <= block.recompute_time_s[k] for k in block.recompute_time_s)
 
 

@@ -49,7 +49,7 @@ def mixed(dp: int) -> Plan:
     """Every technique in one model, activation recomputation included."""
     return make_plan(dp, root=BlockPlan(zero=2, offload_optimizer=True), blocks=[
         BlockPlan(zero=0, activations="recompute"),
-        BlockPlan(zero=3, offload_optimizer=True),
+        BlockPlan(zero=3, offload_optimizer=True, activations="selective_half"),
         BlockPlan(zero=3, offload_params=True),
     ])
 

@@ -6,8 +6,10 @@ from snugfit.hardware import get_link, parse_cluster
 from snugfit.plan.estimate import estimate
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.simulate import simulate
-from snugfit.plan.kernels import attention_rates
-from snugfit.plan.timing import piece_compute, ring_time
+from snugfit.model.decoder import ModelConfig
+from snugfit.plan.kernels import attention_rates, gemm_seconds
+from snugfit.plan.timing import piece_compute, recompute_time, ring_time
+from snugfit.profile import profile_model
 from tests.test_memory_model import _plan, synthetic_profile
 
 
@@ -59,6 +61,21 @@ def test_recompute_adds_a_forward_selective_less():
          for pol in ("keep", "selective", "recompute")}
     fwd = sum(piece_compute(b, cl.gpu_of(0), "bfloat16", None)[0] for b in prof.blocks)
     assert t["keep"] == 0 and t["recompute"] == pytest.approx(fwd) and 0 < t["selective"] < t["recompute"]
+
+
+def test_selective_half_adds_the_forward_gemms_it_dropped():
+    """On a GPU, selective_half's replay is selective's plus the forward GEMMs of k, o and up (the 2nd, 4th and 6th
+    linear layers, by the tile model); full recomputation costs more than both."""
+    cfg = ModelConfig(arch="llama", dim=2048, n_layers=1, n_heads=16, vocab_size=256, max_seq_len=4096)
+    blk = profile_model(cfg, micro_batch_size=4, seq_len=4096, dtype="bfloat16", use_cache=False,
+                        kernels="cuda").blocks[0]
+    gpu = parse_cluster("A100-80GB").gpu_of(0)
+    fwd = piece_compute(blk, gpu, "bfloat16", None)[0]
+    t = {pol: recompute_time(blk, pol, fwd, gpu, "bfloat16", None) for pol in ("selective", "selective_half")}
+    dropped = gemm_seconds([blk.gemms[i] for i in (1, 3, 5)], gpu, "bfloat16", 0.0)[0]
+    assert dropped > 0.2 * t["selective"]
+    assert t["selective_half"] == pytest.approx(t["selective"] + dropped)
+    assert t["selective_half"] < fwd
 
 
 def test_slow_link_exposes_zero3_communication():

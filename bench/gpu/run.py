@@ -88,6 +88,7 @@ def techniques(on_gpu: bool) -> list[Technique]:
         Technique("parameter offload", BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3, offload_params=True)),
         Technique("recompute", BlockPlan(activations="recompute"), BlockPlan()),
         Technique("selective", BlockPlan(activations="selective"), BlockPlan()),
+        Technique("selective, half the matmuls", BlockPlan(activations="selective_half"), BlockPlan()),
         Technique("activation offload", BlockPlan(activations="offload"), BlockPlan()),
         Technique("LoRA", BlockPlan(), BlockPlan(), tune="lora"),
         Technique("NF4 base (QLoRA)", BlockPlan(), BlockPlan(), tune="qlora"),

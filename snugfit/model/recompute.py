@@ -1,8 +1,9 @@
-"""Activation recomputation of one block: full, or selective (matmul and attention outputs kept).
+"""Activation recomputation of one block: full, or selective (matmul and attention outputs kept, or only every second
+linear layer's).
 
 A model-level transformation, as torch.utils.checkpoint is: the runtime applies it per the plan
 (runtime.activations), and the profiler applies it to measure what each policy saves and costs.
-`recompute(block, selective)` replaces the block's `forward` on the instance (no wrapper module), so parameter
+`recompute(block, policy)` replaces the block's `forward` on the instance (no wrapper module), so parameter
 names -- and checkpoints -- stay the same, and FSDP2's module hooks still run around it.
 """
 
@@ -27,16 +28,36 @@ SAVED_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+# The linear layers' GEMMs (3-D inputs folded to 2-D), which "selective_half" keeps only every second one of.
+GEMM_OPS = {aten.mm.default, aten.addmm.default}
+SELECTIVE_POLICIES = ("selective", "selective_half")
+RECOMPUTE_POLICIES = ("recompute", *SELECTIVE_POLICIES)
 
 
-def _keep_matmuls(kept: list[torch.Tensor], ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing's policy; the outputs it keeps in the forward are appended to `kept` (where torch
-    passes them: `op_output`, torch 2.13)."""
-    if op not in SAVED_OPS:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if not ctx.is_recompute:
-        kept.extend(t for t in tree_leaves(getattr(ctx, "op_output", None)) if isinstance(t, torch.Tensor))
-    return CheckpointPolicy.MUST_SAVE
+def keeps_output(policy: str, op: Any, gemms: int) -> bool:
+    """Whether a selective `policy` keeps `op`'s output; gemms: the GEMMs the block's forward has run, this one
+    included. "selective" keeps every matmul's and attention's output. "selective_half" keeps attention's and the
+    1st, 3rd, ... GEMM's and recomputes the others, as torchtitan's op-level selective checkpointing does: of a
+    Llama block's q, k, v, o, gate, up, down it replays k, o and up, trading about a third of the forward's matmul
+    FLOPs for their outputs' bytes. Shared with the profiler, which charges the bytes this decides."""
+    return op in SAVED_OPS and not (policy == "selective_half" and op in GEMM_OPS and gemms % 2 == 0)
+
+
+class _Policy:
+    """One checkpointed forward's selective policy. It counts GEMMs per pass, so the replay decides as the forward
+    did where torch asks again (before 2.13); the outputs it keeps in the forward are appended to `kept` (where
+    torch passes them: `op_output`, torch 2.13)."""
+
+    def __init__(self, policy: str, kept: list[torch.Tensor]):
+        self.policy, self.kept, self.gemms = policy, kept, {False: 0, True: 0}
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        self.gemms[ctx.is_recompute] += op in GEMM_OPS
+        if not keeps_output(self.policy, op, self.gemms[ctx.is_recompute]):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if not ctx.is_recompute:
+            self.kept.extend(t for t in tree_leaves(getattr(ctx, "op_output", None)) if isinstance(t, torch.Tensor))
+        return CheckpointPolicy.MUST_SAVE
 
 
 class _KeepInput(torch.autograd.Function):
@@ -74,20 +95,22 @@ class _KeepAlongside(torch.autograd.Function):
         return (grad, *([None] * len(ctx.saved_tensors)))
 
 
-def _recompute(forward: Callable, selective: bool, x: torch.Tensor, *args: Any) -> torch.Tensor:
+def _recompute(forward: Callable, policy: str, x: torch.Tensor, *args: Any) -> torch.Tensor:
     tracked = torch.is_grad_enabled() and x.requires_grad
     if tracked:
         x = _KeepInput.apply(x)
-    if not selective:
+    if policy == "recompute":
         return checkpoint(forward, x, *args, use_reentrant=False)
     kept: list[torch.Tensor] = []
-    context = functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep_matmuls, kept))
-    out = checkpoint(forward, x, *args, use_reentrant=False, context_fn=context)
+    out = checkpoint(forward, x, *args, use_reentrant=False,
+                     context_fn=lambda: create_selective_checkpoint_contexts(_Policy(policy, kept)))
     return _KeepAlongside.apply(out, *kept) if tracked and kept else out
 
 
-def recompute(block: nn.Module, selective: bool) -> nn.Module:
-    """Make `block` hold only its input (full) or its matmul and attention outputs too (selective) for backward,
-    recomputing the rest."""
-    block.forward = functools.partial(_recompute, block.forward, selective)
+def recompute(block: nn.Module, policy: str = "recompute") -> nn.Module:
+    """Make `block` hold only its input for backward ("recompute"), or its matmul and attention outputs too (one of
+    SELECTIVE_POLICIES), recomputing the rest."""
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"unknown recompute policy {policy!r}; use one of {RECOMPUTE_POLICIES}")
+    block.forward = functools.partial(_recompute, block.forward, policy)
     return block

@@ -110,7 +110,8 @@ def describe(o: BlockPlan, root: bool = False) -> str:
     parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
     parts += ["optimizer offload"] * o.offload_optimizer + ["parameter offload"] * o.offload_params
     acts = {"keep": "activations kept", "offload": "activations offloaded",
-            "recompute_offload": "recompute, checkpoints offloaded"}.get(o.activations, o.activations)
+            "recompute_offload": "recompute, checkpoints offloaded",
+            "selective_half": "selective, half the matmuls"}.get(o.activations, o.activations)
     return " + ".join(parts + ([] if root else [acts]))
 
 

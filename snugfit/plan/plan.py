@@ -11,8 +11,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicate, 1 shard optimizer states, 2 + gradients, 3 + parameters
+SELECTIVE_POLICIES = ("selective", "selective_half")  # as model.recompute names them (plan/ imports no torch)
 # recompute_offload: full recomputation whose kept block input (the checkpoint) waits on host for the backward
-ACTIVATION_POLICIES = ("keep", "recompute", "selective", "offload", "recompute_offload")
+ACTIVATION_POLICIES = ("keep", "recompute", *SELECTIVE_POLICIES, "offload", "recompute_offload")
 SCHEDULES = ("none", "1f1b", "interleaved", "bpipe")  # "none": pp == 1, plain gradient accumulation
 DTYPES = ("float32", "bfloat16", "float16")
 

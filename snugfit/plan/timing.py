@@ -3,7 +3,7 @@
 Compute: measured piece times (and recomputation overheads) when the profile was
 timed on this very device, else a roofline sum: matmul FLOPs at the device's achievable rate plus the bytes
 moved by memory-bound ops at its achievable bandwidth. Recompute adds a forward
-("selective" only the memory-bound part). Frozen weights cost no weight-gradient
+("selective" only the memory-bound part, "selective_half" that and every second linear layer). Frozen weights cost no weight-gradient
 matmuls: the profile's backward FLOPs were recorded with them frozen. Collectives
 are what NCCL runs over the slowest link of the group (`collective_time`): rings at the
 link's measured bus bandwidth, and for all-reduces across nodes the faster of a ring and
@@ -34,6 +34,7 @@ from snugfit.hardware.cluster import Node
 from snugfit.plan.cpu_ranks import cpu_fsdp_time, cpu_share, cpu_stage_time, fsdp_units, line_cost, local_ranks
 from snugfit.plan.kernels import attention_rates, gemm_seconds
 from snugfit.plan.memory import StagePiece, host_saved
+from snugfit.plan.plan import SELECTIVE_POLICIES
 from snugfit.profile.types import DTYPE_BYTES, PieceProfile
 
 ADAM_BYTES_PER_PARAM = 32  # fused AdamW on device: read p, g, m, v (+ master), write p, m, v
@@ -139,16 +140,20 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
             combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * gpu.op_overhead_s + host_extra[1]))
 
 
-def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, measured_on: str | None) -> float:
+def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, dtype: str, measured_on: str | None) -> float:
     """Extra seconds in backward for recomputing what the policy did not keep."""
     if measured_on == gpu.name and policy in p.recompute_time_s:
         return p.recompute_time_s[policy]
     if policy == "recompute":
         return fwd
-    if policy == "selective":
-        # the memory-bound ops of the forward run again at bandwidth (matmul outputs were kept), but the replay
-        # dispatches every forward operator, each through the policy
-        kernels = p.fwd_mem_bytes / gpu.mem_bytes_per_s()
+    if policy in SELECTIVE_POLICIES:
+        # the memory-bound ops of the forward run again at bandwidth, and the linear layers whose outputs the policy
+        # dropped (selective_half: the 2nd, 4th, ... of the forward's GEMMs; model.recompute.keeps_output); the
+        # replay dispatches every forward operator, each through the policy
+        dropped = p.gemms[1::2] if policy == "selective_half" else []
+        gemms = (gemm_seconds(dropped, gpu, dtype, 0.0)[0] if gpu.name != "cpu" and gpu.sms
+                 else sum(2.0 * m * n * k for m, n, k in dropped) / gpu.flops_per_s(dtype))
+        kernels = p.fwd_mem_bytes / gpu.mem_bytes_per_s() + gemms
         replay = p.fwd_ops * (gpu.op_overhead_s + gpu.sac_overhead_s)
         return kernels + replay if gpu.name == "cpu" else max(kernels, replay)
     return 0.0
@@ -180,7 +185,7 @@ class TensorParallel:
             whole = p.input_bytes * n
             gather = collective_time("all_gather", whole, n, link)
             scatter = collective_time("reduce_scatter", whole, n, link)
-            again = {"recompute": 2 * (gather + scatter), "selective": 2 * gather}.get(policy, 0.0)
+            again = 2 * (gather + scatter) if policy == "recompute" else 2 * gather if policy in SELECTIVE_POLICIES else 0.0
             return 2 * (gather + scatter), 2 * (gather + scatter) + again
         if p.name == "embed":
             whole = p.output_bytes * n
@@ -246,14 +251,14 @@ def stage_time(
         # host time beyond dispatch: FSDP2's per unit, half each way (each block is a unit, the stage's root pieces
         # share one); selective checkpointing's policy on every forward operator
         unit = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and not on_cpu else 0.0
-        extra = (unit + (p.fwd_ops * gpu.sac_overhead_s if policy == "selective" else 0.0), unit)
+        extra = (unit + (p.fwd_ops * gpu.sac_overhead_s if policy in SELECTIVE_POLICIES else 0.0), unit)
         if computed is None or (p.name, extra) not in computed:
             f, b = piece_compute(p, gpu, dtype, measured_on, extra)
             if computed is not None:
                 computed[p.name, extra] = f, b
         else:
             f, b = computed[p.name, extra]
-        rc = recompute_time(p, "recompute" if policy == "recompute_offload" else policy, f, gpu, measured_on)
+        rc = recompute_time(p, "recompute" if policy == "recompute_offload" else policy, f, gpu, dtype, measured_on)
         st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share
         if tensor is not None:
             tf, tb = tensor.times(p, policy)

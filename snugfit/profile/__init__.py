@@ -6,7 +6,7 @@ so profile_model and friends load lazily.
 
 from snugfit.profile.types import ModelProfile, PieceProfile
 
-__all__ = ["SELECTIVE_SAVE_OPS", "ModelParts", "ModelProfile", "PieceProfile", "measure_times", "profile_model"]
+__all__ = ["ModelParts", "ModelProfile", "PieceProfile", "measure_times", "profile_model"]
 
 
 def __getattr__(name: str):
@@ -14,7 +14,7 @@ def __getattr__(name: str):
         from snugfit.profile import profile
 
         return getattr(profile, name)
-    if name in ("SELECTIVE_SAVE_OPS", "ModelParts"):
+    if name == "ModelParts":
         from snugfit.profile import record
 
         return getattr(record, name)

@@ -8,9 +8,10 @@ micro-batch size, so plan/ rescales a profile to other micro-batch sizes.
 Saved-activation policies (bytes a block keeps between its forward and backward):
 - keep:      everything autograd saves.
 - recompute: only the block input (full activation checkpointing).
-- selective: the block input plus the outputs of SELECTIVE_SAVE_OPS (matmuls and
+- selective: the block input plus the outputs of model.recompute.SAVED_OPS (matmuls and
              fused attention); norms, activations, rotary, softmax and masking are
              recomputed.
+- selective_half: as selective, but of the linear layers' outputs only every second one.
 - offload:   what "keep" saves, but moved to host memory (plan/ decides the window).
 """
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, ModelConfig
-from snugfit.model.recompute import recompute
+from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
 from snugfit.profile.types import DTYPE_BYTES, NF4_LINEAR_OPS, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
@@ -82,7 +83,7 @@ def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int],
     saved = {"keep": keep}
     if is_block:
         saved["recompute"] = rec.input_bytes
-        saved["selective"] = min(keep, rec.input_bytes + rec.selective_extra)
+        saved.update({policy: min(keep, rec.input_bytes + extra) for policy, extra in rec.selective_extra.items()})
     return PieceProfile(
         name=name, params=params[0], trainable=params[1], vectors=params[2], input_bytes=rec.input_bytes,
         output_bytes=rec.output_bytes,
@@ -197,30 +198,29 @@ def count_quantized(prof: ModelProfile, net: nn.Module) -> None:
 
 
 SPAN = 4  # measured times are taken at the profile's micro-batch and at SPAN times it
-RECOMPUTED = ("recompute", "selective")  # policies whose extra time is measured against "keep"
 
 
 def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: int = 3,
                   clock: Callable[[], float] = time.perf_counter, lora_rank: int | None = None,
                   frozen: str | None = None) -> None:
     """Fill fwd/bwd_time_s of every piece, and each block's recompute_time_s: the extra
-    seconds of a step with the block under "recompute" / "selective" (checkpointing has
+    seconds of a step with the block under each of RECOMPUTE_POLICIES (checkpointing has
     overheads beyond re-running the forward, large for small blocks).
 
     The variants are timed in rounds, one step of each per round, and a recompute extra is
     the median of its per-round differences: on a shared machine whose speed drifts over
     seconds, variants timed one after another would each see a different machine. The price:
-    three copies of the model (one per policy) are alive at once.
+    four copies of the model (one per policy) are alive at once.
     """
     tune = (lora_rank, frozen)
-    timers = {policy: _PieceTimer(cfg, prof, device, clock, policy, tune) for policy in ("keep", *RECOMPUTED)}
+    timers = {policy: _PieceTimer(cfg, prof, device, clock, policy, tune) for policy in ("keep", *RECOMPUTE_POLICIES)}
     mbs = prof.micro_batch_size
     tokens = {rows: torch.randint(0, cfg.vocab_size, (rows, prof.seq_len), device=device) for rows in (mbs, SPAN * mbs)}
     # "wide": keep at SPAN times the micro-batch, for the intercept of the line through both sizes (the part no
     # batch size changes: dispatch, launches) that lets ModelProfile.scaled() move across the sizes searched
     # (recomputation has its own fixed part: checkpointing's per-operator overheads, large for small blocks)
-    runs = {"keep": ("keep", mbs), "wide": ("keep", SPAN * mbs), **{p: (p, mbs) for p in RECOMPUTED},
-            **{f"{p} wide": (p, SPAN * mbs) for p in RECOMPUTED}}
+    runs = {"keep": ("keep", mbs), "wide": ("keep", SPAN * mbs), **{p: (p, mbs) for p in RECOMPUTE_POLICIES},
+            **{f"{p} wide": (p, SPAN * mbs) for p in RECOMPUTE_POLICIES}}
     samples: dict[str, list[dict[tuple[str, str], float]]] = {name: [] for name in runs}
     try:
         for it in range(repeats + 2):  # two warm-ups
@@ -240,7 +240,7 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
         piece.fwd_fixed_s, piece.bwd_fixed_s = (
             min(max(0.0, (SPAN * keep[(piece.name, ph)] - wide[(piece.name, ph)]) / (SPAN - 1)), keep[(piece.name, ph)])
             for ph in ("fwd", "bwd"))
-    for policy in RECOMPUTED:
+    for policy in RECOMPUTE_POLICIES:
         for piece in prof.blocks:
             narrow, broad = (
                 max(0.0, statistics.median(sum(s.get((piece.name, ph), 0.0) - k.get((piece.name, ph), 0.0)
@@ -264,9 +264,9 @@ class _PieceTimer:
         torch.manual_seed(0)
         self.model = Decoder(cfg).to(device=device, dtype=getattr(torch, prof.dtype))
         fine_tune(self.model, *tune)
-        if policy in ("recompute", "selective"):
+        if policy in RECOMPUTE_POLICIES:
             for block in self.model.blocks.values():
-                recompute(block, selective=policy == "selective")
+                recompute(block, policy)
         parts = model_parts(self.model)
         names = ["embed"] + [f"block.{i}" for i in range(len(parts.blocks))] + ["head"]
         mods = [parts.embed[0], *parts.blocks, parts.last[0]]

@@ -10,7 +10,7 @@ saved-tensors hook sees what autograd keeps. Per piece and phase we record:
 - bytes read + written by the other, memory-bound ops that make a tensor (a roofline's second term),
 - bytes saved for backward, each storage counted once, parameters and buffers skipped,
 - the peak of live tensor bytes above the live bytes at the piece's start,
-- for "selective" recomputation: bytes of the outputs of SELECTIVE_SAVE_OPS.
+- per selective recomputation policy: bytes of the op outputs it keeps (model.recompute.keeps_output).
 """
 
 from __future__ import annotations
@@ -26,11 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from snugfit.model.recompute import SAVED_OPS
-
-# "selective" recomputation keeps the outputs of the ops the runtime's policy saves
-# (matmuls and fused attention) plus the block input; everything else is recomputed.
-SELECTIVE_SAVE_OPS = frozenset(str(op.overloadpacket) for op in SAVED_OPS)
+from snugfit.model.recompute import GEMM_OPS, SELECTIVE_POLICIES, keeps_output
 _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 
@@ -55,7 +51,7 @@ class PieceRecord:
     fwd: PhaseStats = field(default_factory=PhaseStats)
     bwd: PhaseStats = field(default_factory=PhaseStats)
     saved: int = 0
-    selective_extra: int = 0
+    selective_extra: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SELECTIVE_POLICIES, 0))
     input_bytes: int = 0
     output_bytes: int = 0
     head_dim: int = 0  # of the attention it ran
@@ -87,12 +83,14 @@ class StepRecorder(TorchDispatchMode):
         self._tracked: set[int] = set()
         self._saved: set[int] = set()
         self._selective: set[int] = set()
+        self._gemms = 0  # in the current piece's forward, as the selective policies count them
 
     # -- piece boundaries --
     def enter(self, piece: str, phase: str) -> None:
         self._close()
         self.pieces.setdefault(piece, PieceRecord())
         self.current = (piece, phase)
+        self._gemms = 0
         self.base = self.peak = self.live
 
     def _close(self) -> None:
@@ -159,12 +157,15 @@ class StepRecorder(TorchDispatchMode):
             stats.mem_bytes += sum(_tensor_bytes(t) for t in ins + outs)
         for t in outs:
             self._track(t)
-        if phase == "fwd" and name in SELECTIVE_SAVE_OPS:
-            for t in outs:
+        if phase == "fwd":
+            self._gemms += func in GEMM_OPS
+            kept_by = [p for p in SELECTIVE_POLICIES if keeps_output(p, func, self._gemms)]
+            for t in outs if kept_by else ():
                 key = t.untyped_storage()._cdata
                 if key not in self._selective:
                     self._selective.add(key)
-                    rec.selective_extra += t.untyped_storage().nbytes()
+                    for policy in kept_by:
+                        rec.selective_extra[policy] += t.untyped_storage().nbytes()
         self.peak = max(self.peak, self.live)
         return out
 

@@ -12,7 +12,8 @@ from pathlib import Path
 # 11: no memory traffic for ops that make no tensor (fake tensors' metadata queries) or are views (_unsafe_view);
 # the GPU kernels' RMSNorm one pass each way
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
-PROFILE_VERSION = 13
+# 14: "selective_half"'s saved bytes and measured recompute time
+PROFILE_VERSION = 14
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -40,7 +41,7 @@ class PieceProfile:
     params: dict[str, int] = field(default_factory=dict)  # dtype -> element count
     input_bytes: int = 0  # hidden state entering the piece
     output_bytes: int = 0  # hidden state leaving it (sent to the next stage)
-    saved_bytes: dict[str, int] = field(default_factory=dict)  # policy (keep|recompute|selective) -> bytes
+    saved_bytes: dict[str, int] = field(default_factory=dict)  # policy (keep|recompute|selective|selective_half) -> bytes
     fwd_peak_bytes: int = 0  # peak live bytes during forward, above what was live at its start
     bwd_peak_bytes: int = 0  # same for backward (includes this piece's fresh gradients)
     fwd_flops: float = 0.0

@@ -10,6 +10,8 @@ same under every policy, and FSDP2's module hooks still run around it.
 - selective: the same checkpoint with a selective policy that keeps the outputs
   of matrix multiplies and attention (the expensive ops: mm, addmm, bmm, sdpa)
   and recomputes the cheap elementwise/norm ops, which are most of the bytes.
+- selective_half: as selective, but only every second linear layer's output is
+  kept (torchtitan's op-level policy): fewer bytes for a third of the matmuls.
 - offload: saved tensors are copied to host memory in forward (pinned, on a
   side stream, where an accelerator exists) and copied back one block ahead of
   backward: when the gradient reaches a block's output, the copies of the block
@@ -30,7 +32,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from snugfit.model.recompute import recompute
+from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
+from snugfit.plan.plan import ACTIVATION_POLICIES
 
 class _HostCopy:
     """One saved tensor in host memory; `fetch` starts the copy back, `get` waits for it."""
@@ -198,15 +201,15 @@ def apply_activation_policy(block: nn.Module, policy: str) -> nn.Module:
     checkpoint offloaded (in place)."""
     if policy == "keep":
         return block
-    if policy in ("recompute", "selective", "recompute_offload"):
-        recompute(block, selective=policy == "selective")
     if policy == "recompute_offload":
+        recompute(block)
         block.forward = functools.partial(_offload_checkpoint, block.forward)
     elif policy == "offload":
         block.forward = functools.partial(_offload, block.forward)
-    elif policy not in ("recompute", "selective"):
-        raise ValueError(f"unknown activation policy {policy!r}; use keep, recompute, selective, offload or "
-                         "recompute_offload")
+    elif policy in RECOMPUTE_POLICIES:
+        recompute(block, policy)
+    else:
+        raise ValueError(f"unknown activation policy {policy!r}; use one of {', '.join(ACTIVATION_POLICIES)}")
     return block
 
 
