@@ -100,6 +100,18 @@ def test_checkpoint_offload_empties_the_block_input_until_its_backward():
     assert inputs[0].untyped_storage().nbytes() == inputs[0].numel() * inputs[0].element_size()
 
 
+@pytest.mark.parametrize("policy", ["keep", "recompute", "selective", "selective_half", "offload",
+                                    "recompute_offload"])
+def test_block_outputs_are_not_views(policy):
+    """A block is an FSDP2 unit, and FSDP2 warns of a unit that returns a view: an in-place op on it would skip the
+    unit's pre-backward hook. No policy makes the block's output one."""
+    block = Decoder(ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64)).blocks["0"]
+    apply_activation_policy(block, policy)
+    out = block(torch.randn(2, 8, 32, requires_grad=True))
+    assert not out._is_view()
+    out.sum().backward()
+
+
 def test_unknown_policy_names_choices():
     block = Decoder(ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64)).blocks["0"]
     with pytest.raises(ValueError, match="keep, recompute, selective, selective_half, offload, recompute_offload"):

@@ -83,12 +83,14 @@ class _KeepAlongside(torch.autograd.Function):
     """Identity on `out` that saves `kept` for backward: the tensors selective checkpointing keeps in its own
     cache, which saved-tensor hooks around the block never see, shown to them (the memory tracker, a pipeline
     stage's accounting and BPipe's evictions) as _KeepInput shows the input. Same storages, so no extra bytes;
-    they count as released when the block's backward starts, a little before the recomputation drops them."""
+    they count as released when the block's backward starts, a little before the recomputation drops them.
+    It returns `out`'s storage as a new tensor, not a view of it: the block's output is an FSDP2 unit's, and FSDP2
+    warns of units that return views (an in-place op on one would skip the unit's pre-backward hook)."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*kept)
-        return out.view_as(out)
+        return out.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
