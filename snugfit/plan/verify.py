@@ -70,9 +70,10 @@ def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candid
     """Up to `want` verified fitting candidates, fastest by estimate() first. Candidates are verified in
     knapsack-score order, and (at most MAX_EXTRA more) beyond `want` while their score is within SCORE_ERROR
     of the fastest verified time: the knapsack's additive step time (even stage split, bubble from the
-    slowest rank, per-block overlap) approximates estimate()'s. Those whose lower bound beats the fastest are then
-    polished: the knapsack's first solution can leave a fifth of the step on the table (OPT-175B on 1024 A100s, dp
-    512 x tp 2: 11.8 s first, 9.68 s with the room back, where the plan chosen without it took 9.85)."""
+    slowest rank, per-block overlap) approximates estimate()'s. Those that more room could make the fastest are then
+    polished (`_could_beat`): the knapsack's first solution can leave a fifth of the step on the table (OPT-175B on
+    1024 A100s, dp 512 x tp 2: 11.8 s first, 9.68 s with the room back, where the plan chosen without it took
+    9.85)."""
     pending = sorted((x for x in cands if not x.solved), key=lambda x: x.lower)
     found = [x for x in cands if x.fits]
     extra = 0
@@ -93,11 +94,17 @@ def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candid
         if verify(srch, top):
             found.append(top)
     fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
-    for x in sorted(found, key=lambda x: x.lower):  # those that more room could make the fastest: their bound can
-        if not x.polished and x.lower < fastest:  # beat it, however far their first solution is
+    for x in sorted(found, key=lambda x: x.plan.predicted.step_time_s):  # fastest first, then those more room
+        if not x.polished and _could_beat(x, fastest):  # could still make the fastest
             polish(srch, x, fastest)
             fastest = min(fastest, x.plan.predicted.step_time_s)
     return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
+
+
+def _could_beat(cand: Candidate, fastest: float) -> bool:
+    """Whether more room could make the candidate's plan the fastest, however far its first solution is: room
+    moves its knapsack score at most down to its lower bound, and estimate()'s time at most as far."""
+    return cand.plan.predicted.step_time_s - (cand.score - cand.lower) < fastest
 
 
 def _estimate(srch: Searcher, plan: Plan) -> Prediction:
