@@ -1,7 +1,7 @@
 """How long the plan search takes (profiles cached, so only the search is timed).
 
-Targets: <= 0.2 s for a 7B model on 4 GPUs, <= 1 s for a 70B model on 64 GPUs. Prints the
-best of --repeats runs in wall-clock and in process CPU seconds (the CPU figure ignores
+Targets: <= 0.2 s for a 7B model on 4 GPUs, <= 1 s for a 70B model on 64 GPUs, <= 5 s for a 175B model on
+1024 GPUs. Prints the best of --repeats runs in wall-clock and in process CPU seconds (the CPU figure ignores
 other jobs on a shared machine), with how many candidates were solved and verified.
 Usage: .venv/bin/python bench/plan_latency.py [--alternatives 0] [--repeats 3]
 """
@@ -25,6 +25,8 @@ from snugfit.profile.profile import profile_model  # noqa: E402
 CASES = [  # model, cluster, global batch, sequence, target seconds
     ("llama-2-7b", "4xRTX4090", 32, 2048, 0.2),
     ("llama-2-70b", "8x8xH100-80GB", 512, 4096, 1.0),
+    # 1024 ranks: every estimate() walks them (docs/scale.md row 5)
+    ("docs/configs/opt-175b-untied.json", "128x8xA100-80GB", 1024, 2048, 5.0),
 ]
 
 

@@ -37,6 +37,11 @@ def test_links_follow_the_topology():
     assert parse_cluster("4xRTX4090").nodes[0].intra.name == "pcie4-host"  # no peer-to-peer on GeForce Ada
     mixed = parse_cluster("2xRTX4090+2xRTX3090")
     assert mixed.gpu_of(1).name == "RTX4090" and mixed.gpu_of(2).name == "RTX3090"
+    uneven = parse_cluster("3xRTX4090+1xRTX3090+2xA10")
+    assert [uneven.node_of(r) for r in range(6)] == [0, 0, 0, 1, 2, 2]
+    for rank in (-1, 6):
+        with pytest.raises(SnugfitError, match="outside a cluster of 6 GPUs"):
+            uneven.node_of(rank)
 
 
 def test_unknown_names_suggest_close_matches():

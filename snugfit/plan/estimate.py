@@ -76,11 +76,11 @@ def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
     """
     first: dict[tuple, int] = {}
     out = {}
+    layout, nodes = plan.layout, [repr(n) for n in cluster.nodes]
+    dp_links = [repr(cluster.link_for(_dp_group(plan, s))) for s in range(plan.pp)]
     for rank in range(plan.world_size):
-        pp_rank = plan.layout.coords(rank)[0]
-        node = cluster.nodes[cluster.node_of(rank)]
-        key = (pp_rank, repr(node), repr(cluster.link_for(_dp_group(plan, pp_rank))),
-               repr(cluster.link_for(_tp_group(plan, rank))))
+        pp_rank = layout.coords(rank)[0]
+        key = (pp_rank, nodes[cluster.node_of(rank)], dp_links[pp_rank], repr(cluster.link_for(_tp_group(plan, rank))))
         out[rank] = first.setdefault(key, rank)
     return out
 
