@@ -9,7 +9,7 @@ import pytest
 from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate
 from snugfit.plan.explain import advise, explain_bpipe, format_result
-from snugfit.plan.knapsack import BUCKETS, Cost, knapsack, split
+from snugfit.plan.knapsack import BUCKETS, Cost, fine_resolution, knapsack, split
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.search import Constraints, NoPlanError, Searcher, budget_for, search
 from snugfit.profile.types import ModelProfile, PieceProfile
@@ -146,6 +146,19 @@ def test_local_cpu_cluster_plan_validates(world, tiny_profile):
     res = search(tiny_profile, cluster, global_batch=4, memory_budget=64 * 2**20)
     res.best.validate(n_blocks=len(tiny_profile.blocks), world_size=world)
     assert res.best.predicted.fits
+
+
+def test_fine_resolution_keeps_the_room_rounding_loses_on_many_blocks():
+    """80 blocks whose options differ by a fraction of a bucket: at BUCKETS each rounds up by most of one, so the
+    knapsack takes the slow option for 32 blocks that all fit the fast one; at fine_resolution(80) it finds that."""
+    fast, slow = Cost(110, 0, 0, 0, 1.0, 0.0), Cost(60, 0, 0, 0, 2.0, 0.0)  # bytes; one bucket of 128 is 100
+    exact = 80 * fast.t_mb  # 80 x 110 bytes fit the 12,800
+    coarse = knapsack(None, [fast, slow], [0, 0], [], resident=1, m=1, cap=12800.0, n_max=80, buffers=())
+    fine = knapsack(None, [fast, slow], [0, 0], [], resident=1, m=1, cap=12800.0, n_max=80, buffers=(),
+                    buckets=fine_resolution(80))
+    assert coarse.best[80] == 48 * fast.t_mb + 32 * slow.t_mb  # weights 2 and 1 buckets: 48 fast at most
+    assert fine.best[80] == exact and fine_resolution(80) == 640
+    assert sorted(fine.choices(80)[1]) == [0] * 80
 
 
 def test_knapsack_matches_brute_force():

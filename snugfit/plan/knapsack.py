@@ -28,7 +28,15 @@ from snugfit.plan.timing import TensorParallel, grad_reduce_exposed, optimizer_t
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
 BUCKETS = 128  # memory resolution (rounded up: conservative by < blocks / BUCKETS of a stage's budget)
+FINE_BUCKETS_PER_BLOCK = 8  # `fine_resolution`: rounding within an eighth of a stage's budget
 INF = float("inf")
+
+
+def fine_resolution(blocks: int) -> int:
+    """Buckets that keep the rounding within 1 / FINE_BUCKETS_PER_BLOCK of a stage's budget however many blocks it
+    holds: at BUCKETS, 80 blocks whose options differ by a fraction of a bucket each lose up to 80/128 of it.
+    Costlier in proportion, so the search solves at BUCKETS and re-solves only the plans it polishes so."""
+    return max(BUCKETS, FINE_BUCKETS_PER_BLOCK * blocks)
 
 
 @dataclass
@@ -211,11 +219,12 @@ class Table:
     sols: list  # n -> (items, weights, per-layer argmin arrays, root solution) or None
     blocks: list[Cost]
     root: list[Cost] | None
+    buckets: int = BUCKETS
 
     def choices(self, n: int) -> tuple[int | None, list[int]]:
         """(root option index, block option indices) of the n-block solution."""
         items, w, args, root_sol = self.sols[n]
-        b, out = BUCKETS, []
+        b, out = self.buckets, []
         for k in range(n - 1, -1, -1):
             j = int(args[k][b])
             out.append(items[j][2])
@@ -237,12 +246,12 @@ class _Layer:
     and reused for every block added (the search adds thousands of layers).
     """
 
-    def __init__(self, items: list[tuple[float, float, int]], w: list[int]):
-        src = np.arange(BUCKETS + 1)[None, :] - np.asarray(w)[:, None]
+    def __init__(self, items: list[tuple[float, float, int]], w: list[int], buckets: int):
+        src = np.arange(buckets + 1)[None, :] - np.asarray(w)[:, None]
         self.src = np.maximum(src, 0)
         # out-of-range sources cost infinity: added as a penalty row to the item times
         self.t = np.where(src >= 0, np.array([it[1] for it in items])[:, None], INF)
-        self.cols = np.arange(BUCKETS + 1)
+        self.cols = np.arange(buckets + 1)
 
     def __call__(self, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cand = f[self.src] + self.t
@@ -256,7 +265,8 @@ def buffer_bytes(buffers: tuple[float, ...], mask: int) -> float:
 
 
 def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root_kinds: list[int], *,
-             resident: float, m: int, cap: float, n_max: int, buffers: tuple[float, ...]) -> Table:
+             resident: float, m: int, cap: float, n_max: int, buffers: tuple[float, ...],
+             buckets: int = BUCKETS) -> Table:
     """Fastest (root +) n identical blocks within cap, for n = 1..n_max.
 
     kinds[i]: bit j set if option i needs once-per-stage buffer j (`buffers[j]`: the ZeRO-3 prefetch copies,
@@ -271,30 +281,30 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root
         c = cap - buffer_bytes(buffers, mask)
         if c <= 0:
             continue
-        unit = c / BUCKETS
+        unit = c / buckets
         items = pareto([(b.mem(resident, m), b.time(m), i) for i, b in enumerate(blocks) if kinds[i] & ~mask == 0])
         items = [it for it in items if it[0] <= c]
         if not items:
             continue
         w = [math.ceil(x / unit) for x, _, _ in items]
-        f, root_sol = np.zeros(BUCKETS + 1), None
+        f, root_sol = np.zeros(buckets + 1), None
         if root is not None:
             ritems = pareto([(r.mem(resident, m), r.time(m), i) for i, r in enumerate(root)
                              if root_kinds[i] & ~mask == 0])
             ritems = [it for it in ritems if it[0] <= c]
             if not ritems:
                 continue
-            f, arg = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems])(f)
+            f, arg = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems], buckets)(f)
             root_sol = (arg, ritems)
-        args, layer = [], _Layer(items, w)
+        args, layer = [], _Layer(items, w, buckets)
         for n in range(1, n_max + 1):
             f, arg = layer(f)
             args.append(arg)
-            if not math.isfinite(f[BUCKETS]):
+            if not math.isfinite(f[buckets]):
                 break
-            if f[BUCKETS] < best[n]:
-                best[n], sols[n] = float(f[BUCKETS]), (items, w, list(args), root_sol)
-    return Table(best, sols, blocks, root)
+            if f[buckets] < best[n]:
+                best[n], sols[n] = float(f[buckets]), (items, w, list(args), root_sol)
+    return Table(best, sols, blocks, root, buckets)
 
 
 def split(best: list[list[float]], n: int, v: int) -> list[int] | None:

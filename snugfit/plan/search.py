@@ -25,7 +25,8 @@ from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE, tensor_parallel_problem
 from snugfit.plan.knapsack import (
-    INF, StageCosts, buffer_bytes, knapsack, resident_microbatches, split, usable, with_reserve,
+    BUCKETS, INF, StageCosts, buffer_bytes, fine_resolution, knapsack, resident_microbatches, split, usable,
+    with_reserve,
 )
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.plan import BlockPlan, Plan
@@ -188,10 +189,11 @@ class Searcher:
             return 0.0
         return buffer_bytes(self._buffers(cand), kind)
 
-    def solve(self, cand: Candidate, slack: float = 0.0) -> None:
-        """Fill cand.plan (None if nothing fits the knapsack) and cand.score."""
+    def solve(self, cand: Candidate, slack: float = 0.0, fine: bool = False) -> None:
+        """Fill cand.plan (None if nothing fits the knapsack) and cand.score; fine: at knapsack.fine_resolution."""
         cand.solved, pp = True, cand.pp
         n_max = self.n if pp == 1 else min(self.n - (pp - 1) * cand.v, math.ceil(3 * self.n / pp) + 1)
+        buckets = fine_resolution(n_max) if fine else BUCKETS
         if sum(self._room(cand, s, slack) for s in range(pp)) < self.n:
             cand.plan, cand.score = None, INF
             return
@@ -208,7 +210,7 @@ class Searcher:
             cap = usable(st.gpu, self.budget) - st.working_peak(blk, roots, opts, ropts, cand.m) - slack
             tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [buffer_kinds(o) for o in opts],
                                    [int(o.zero == 3) for o in ropts], resident=r, m=cand.m, cap=cap, n_max=n_max,
-                                   buffers=self._buffers(cand)))
+                                   buffers=self._buffers(cand), buckets=buckets))
         sizes = split([t.best for t in tables], self.n, cand.v)
         if sizes is None:
             cand.plan, cand.score = None, INF

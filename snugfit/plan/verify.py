@@ -20,12 +20,13 @@ if TYPE_CHECKING:
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
 SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time are verified before giving up
 MAX_EXTRA = 2  # such verifications beyond what was asked for (each is a full estimate())
-POLISH_ROOM = (1, 2)  # multiples of that room tried
+POLISH_ROOM = (0, 1, 2)  # multiples of the room the knapsack could not see, tried by polish()
 
 
-def verify(srch: Searcher, cand: Candidate) -> bool:
-    """estimate() the candidate's plan; on a device overshoot re-solve with it as slack."""
-    slack, tried = 0.0, None
+def verify(srch: Searcher, cand: Candidate, slack: float = 0.0, fine: bool = False) -> bool:
+    """estimate() the candidate's plan (solved with `slack`, `fine`); on a device overshoot re-solve with it as
+    more slack."""
+    tried = None
     for _ in range(RETRIES + 1):
         if cand.plan is None:
             break
@@ -39,32 +40,33 @@ def verify(srch: Searcher, cand: Candidate) -> bool:
                 break
             tried = _layout(cand.plan)
         slack += over * 1.25 + srch.budget / BUCKETS
-        srch.solve(cand, slack)
+        srch.solve(cand, slack, fine)
     cand.fits, cand.plan = False, None
     return False
 
+
 def polish(srch: Searcher, cand: Candidate, fastest: float) -> None:
-    """Give a verified candidate back the room the knapsack could not see: it rounds memory up and puts the
-    largest piece's working peak on every stage, so a plan estimate() says fits can leave a few percent free
-    that a faster assignment would use. Re-solve with that room (then twice it, while what comes back fits)
-    and keep the fastest that estimate() says fits. A re-solve is estimated only when its knapsack score
-    beats the plan it would replace and the fastest verified time (`fastest`): the score runs below
-    estimate()'s time, so one that does not cannot win."""
+    """Re-solve a verified candidate finer and with the room the knapsack could not see, and keep the fastest plan
+    estimate() says fits. The knapsack rounds every block's memory up to a bucket (a stage of 80 blocks can lose
+    most of its budget so) and puts the largest piece's working peak on every stage, so a plan that fits can leave
+    room a faster assignment would use. The re-solves run at knapsack.fine_resolution, with that room 0, 1 and 2
+    times (while what comes back fits). One is estimated only when its knapsack score beats the plan it would
+    replace and the fastest verified time (`fastest`): the score runs below estimate()'s time, so one that does
+    not cannot win; one that overshoots is re-solved with more slack, as verify() does."""
     cand.polished = True
     room = srch.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
-    if room <= srch.budget / BUCKETS:
-        return
     for factor in POLISH_ROOM:
-        trial = replace(cand, plan=None)
-        srch.solve(trial, slack=-factor * room)
-        new, old = trial.plan, cand.plan
-        if new is None or _layout(new) == _layout(old) or trial.score >= min(cand.score, fastest):
-            continue
-        pred = _estimate(srch, new)
-        if not pred.fits:
+        if factor and room <= srch.budget / BUCKETS:
             return
-        if pred.step_time_s < old.predicted.step_time_s:
-            cand.plan, cand.score = new, trial.score
+        trial = replace(cand, plan=None)
+        srch.solve(trial, slack=-factor * room, fine=True)
+        if trial.plan is None or _layout(trial.plan) == _layout(cand.plan) or trial.score >= min(cand.score, fastest):
+            continue
+        if not verify(srch, trial, -factor * room, fine=True):
+            return
+        if trial.plan.predicted.step_time_s < cand.plan.predicted.step_time_s:
+            cand.plan, cand.score = trial.plan, trial.score
+
 
 def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candidate]:
     """Up to `want` verified fitting candidates, fastest by estimate() first. Candidates are verified in
