@@ -23,7 +23,8 @@ def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_ref
     report = _smoke("run.py", "acceptance.json", tmp_path)
     rows = {r["technique"]: r for r in report["techniques"]}
     assert set(rows) == {"replicated", "optimizer offload", "parameter offload", "recompute", "selective",
-                         "selective, half the matmuls", "activation offload", "LoRA", "NF4 base (QLoRA)", "fp16 + loss scaling", "bfloat16"}
+                         "selective, half the matmuls",
+                         "activation offload", "LoRA", "NF4 base (QLoRA)", "fp16 + loss scaling", "bfloat16"}
     for name, r in rows.items():
         if "skipped" in r:
             assert name == "NF4 base (QLoRA)"

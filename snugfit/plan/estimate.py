@@ -80,7 +80,8 @@ def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
     dp_links = [repr(cluster.link_for(_dp_group(plan, s))) for s in range(plan.pp)]
     for rank in range(plan.world_size):
         pp_rank = layout.coords(rank)[0]
-        key = (pp_rank, nodes[cluster.node_of(rank)], dp_links[pp_rank], repr(cluster.link_for(_tp_group(plan, rank))))
+        tp_link = repr(cluster.link_for(_tp_group(plan, rank)))
+        key = (pp_rank, nodes[cluster.node_of(rank)], dp_links[pp_rank], tp_link)
         out[rank] = first.setdefault(key, rank)
     return out
 

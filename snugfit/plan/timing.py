@@ -3,8 +3,8 @@
 Compute: measured piece times (and recomputation overheads) when the profile was
 timed on this very device, else a roofline sum: matmul FLOPs at the device's achievable rate plus the bytes
 moved by memory-bound ops at its achievable bandwidth. Recompute adds a forward
-("selective" only the memory-bound part, "selective_half" that and every second linear layer). Frozen weights cost no weight-gradient
-matmuls: the profile's backward FLOPs were recorded with them frozen. Collectives
+("selective" only the memory-bound part, "selective_half" that and every second linear layer). Frozen weights
+cost no weight-gradient matmuls: the profile's backward FLOPs were recorded with them frozen. Collectives
 are what NCCL runs over the slowest link of the group (`collective_time`): rings at the
 link's measured bus bandwidth, and for all-reduces across nodes the faster of a ring and
 a tree (log2 of the nodes in latency).
@@ -185,7 +185,7 @@ class TensorParallel:
             whole = p.input_bytes * n
             gather = collective_time("all_gather", whole, n, link)
             scatter = collective_time("reduce_scatter", whole, n, link)
-            again = 2 * (gather + scatter) if policy == "recompute" else 2 * gather if policy in SELECTIVE_POLICIES else 0.0
+            again = 2 * (gather + scatter) if policy == "recompute" else 2 * gather * (policy in SELECTIVE_POLICIES)
             return 2 * (gather + scatter), 2 * (gather + scatter) + again
         if p.name == "embed":
             whole = p.output_bytes * n

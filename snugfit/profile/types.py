@@ -41,7 +41,7 @@ class PieceProfile:
     params: dict[str, int] = field(default_factory=dict)  # dtype -> element count
     input_bytes: int = 0  # hidden state entering the piece
     output_bytes: int = 0  # hidden state leaving it (sent to the next stage)
-    saved_bytes: dict[str, int] = field(default_factory=dict)  # policy (keep|recompute|selective|selective_half) -> bytes
+    saved_bytes: dict[str, int] = field(default_factory=dict)  # activation policy (plan.ACTIVATION_POLICIES) -> bytes
     fwd_peak_bytes: int = 0  # peak live bytes during forward, above what was live at its start
     bwd_peak_bytes: int = 0  # same for backward (includes this piece's fresh gradients)
     fwd_flops: float = 0.0
