@@ -307,3 +307,20 @@ def test_the_best_plan_does_not_depend_on_how_many_alternatives_are_shown():
     best = {n: search(prof, parse_cluster("4xA100-40GB"), global_batch=8, alternatives=n).best for n in (0, 3)}
     assert best[0].predicted.step_time_s == best[3].predicted.step_time_s
     assert best[0].to_dict() == best[3].to_dict()
+
+
+def test_the_search_gives_back_the_cyclic_collector_even_when_nothing_fits():
+    """The search runs without Python's cyclic garbage collector (speed); it must hand it back, also when it
+    raises, and leave it off for a caller that had it off."""
+    import gc
+
+    prof = synth(8, 1024)
+    with pytest.raises(NoPlanError):
+        search(prof, parse_cluster("4xRTX4090"), global_batch=8, memory_budget=2**20)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        search(prof, parse_cluster("4xRTX4090"), global_batch=8)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
