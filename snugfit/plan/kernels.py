@@ -112,16 +112,14 @@ def attention_rates(gpu: GPU, dtype: str, head_dim: int) -> tuple[float, float]:
 @functools.lru_cache(maxsize=1024)  # the search asks thousands of times for a few GPUs and head dims
 def _attention_rates(arch: str, dtype: str, head_dim: int, peak_dtype: str, peak: float,
                      efficiency: float, measured: tuple[float, ...]) -> tuple[float, float]:
-    if dtype not in FLASH_DTYPES or not head_dim:
-        return peak * efficiency, peak * efficiency  # GPU.flops_per_s
     table = FLASH_ATTENTION.get(arch)
+    if dtype not in FLASH_DTYPES or not head_dim or not (table or measured):
+        return peak * efficiency, peak * efficiency  # GPU.flops_per_s
     t = min(max((head_dim - 64) / 64, 0.0), 1.0)
     shares = [lo + t * (hi - lo) for lo, hi in zip(table[64], table[128])] if table else None
     if measured:
         scale = [s / ref for s, ref in zip(shares, table[128])] if table else [1.0, 1.0]
         return measured[0] * 1e12 * scale[0], measured[1] * 1e12 * scale[1]
-    if not table:
-        return peak * efficiency, peak * efficiency
     if efficiency >= 1.0:
         peak /= gemm_ceiling(arch, peak_dtype)
     return peak * shares[0], peak * shares[1]

@@ -39,10 +39,9 @@ def local_cluster(env: DistEnv) -> Cluster:
     host = Host(ram_bytes=host_ram(), cores=os.cpu_count() or 1)
     local = load_local()
     measured = measured_card(name, props.total_memory, props.multi_processor_count, local) if props else None
-    gpu = gpu_for_device(name, props.total_memory if props else None)
+    gpu = measured or gpu_for_device(name, props.total_memory if props else None)
     if measured is not None:  # `snugfit profile-hardware` ran here: its figures override the catalogue's
         log.info("planning with %s and this host as profile-hardware measured them", name)
-        gpu = measured
         node = make_node(gpu.name, per_node, host=local.host, custom={gpu.name: gpu})
     elif gpu is not None:
         node = make_node(gpu.name, per_node, host=host)
