@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from snugfit.errors import SnugfitError
 from snugfit.model import ModelConfig
+from snugfit.plan.plan import GRAD_REDUCE
 
 try:
     import tomllib
@@ -69,7 +70,7 @@ class FinetuneConfig:
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank, freeze everything else
     lora_alpha: float = 0.0  # adapter scale alpha / rank; 0: alpha = rank
     lora_dropout: float = 0.0
-    lora_targets: str = ""  # comma-separated layer names inside a block; empty: the attention projections
+    lora_targets: str = ""  # comma-separated layer names inside a block, or all-linear; empty: attention projections
     freeze: str = ""  # pieces to freeze: embed, norm, head, blocks, blocks:A-B (comma-separated)
     quantize_base: str = "none"  # none | nf4: frozen block linears stored in 4 bits (QLoRA; extra: qlora)
 
@@ -96,6 +97,7 @@ class ParallelConfig:
     offload_optimizer: str | None = None  # all | none
     offload_params: bool | None = None
     evict_bound: int | None = None  # BPipe: most microbatches resident per stage
+    grad_reduce: str | None = None  # step: reduce gradients once a step | microbatch: every microbatch (holds shards)
 
 
 DEFAULT_MODEL = {"dim": 192, "n_layers": 4, "n_heads": 6, "max_seq_len": 128}  # ~1.9M parameters
@@ -121,6 +123,7 @@ CHOICES = {
     "model.arch": ("llama", "gpt2"),
     "model.attention": ("sdpa", "eager"),
     "finetune.quantize_base": ("none", "nf4"),
+    "parallel.grad_reduce": GRAD_REDUCE,  # or unset: searched
 }
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
             "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes"}
@@ -251,7 +254,7 @@ def config_from_dict(d: dict) -> RunConfig:
 def validate(cfg: RunConfig) -> None:
     for key, (sec, _) in all_keys().items():
         value = getattr(getattr(cfg, sec), key.split(".", 1)[1])
-        if key in CHOICES and value not in CHOICES[key]:
+        if key in CHOICES and value is not None and value not in CHOICES[key]:
             raise SnugfitError(f"{key} must be one of {', '.join(CHOICES[key])}, got {value!r}")
         if key in POSITIVE and value <= 0:
             raise SnugfitError(f"{key} must be positive, got {value}")

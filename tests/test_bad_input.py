@@ -58,6 +58,7 @@ CASES = [
     ("zero-steps", ["--steps", "0"], "train.steps must be positive"),
     ("negative-batch", ["--batch-size", "-4"], "train.batch_size must be positive"),
     ("bad-choice", ["--dtype", "float8"], "train.dtype must be one of"),
+    ("bad-grad-reduce", ["--grad-reduce", "sometimes"], "parallel.grad_reduce must be one of step, microbatch"),
     ("seq-too-long", ["--seq-len", "64"], "exceeds model.max_seq_len"),
     ("heads-not-dividing", ["--n-heads", "3"], "divisible by model.n_heads"),
     ("micro-batch", ["--micro-batch-size", "3"], "multiple of train.micro_batch_size"),

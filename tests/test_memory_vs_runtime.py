@@ -72,6 +72,11 @@ TWO = {
     "tp2": (_plan(1, m=2, tp=2), ""),
     "tp2_recompute": (_plan(1, BlockPlan(activations="recompute"), m=2, tp=2), ""),
     "tp2_zero3": (_plan(1, BlockPlan(zero=3), m=2, tp=2), ""),
+    # gradients reduced every microbatch: only shards accumulate, on host for offloaded units
+    "zero3_reduce_every_microbatch": (_plan(2, BlockPlan(zero=3), BlockPlan(zero=3), m=4, grad_reduce="microbatch"),
+                                      ""),
+    "zero2_offload_optimizer_reduce_every_microbatch": (
+        _plan(2, BlockPlan(zero=2, offload_optimizer=True), BlockPlan(zero=2), m=4, grad_reduce="microbatch"), ""),
 }
 # a pipeline stage counts a saved DTensor by its local shard (its own untyped_storage() reports the global size)
 FOUR = {
@@ -80,6 +85,12 @@ FOUR = {
     # held while it runs, and the stage tracker must see it then
     "pp2_dp2_zero2": (_plan(2, BlockPlan(zero=2), BlockPlan(zero=2), m=4, pp=2, schedule="1f1b"), ""),
     "pp2_dp2_zero3_bpipe": (_plan(2, BlockPlan(zero=3), BlockPlan(zero=3), m=4, pp=2, schedule="bpipe"), ""),
+    "zero3_reduce_every_microbatch": (_plan(4, BlockPlan(zero=3), BlockPlan(zero=3), m=4, grad_reduce="microbatch"),
+                                      ""),
+    "pp2_dp2_zero2_reduce_every_microbatch": (
+        _plan(2, BlockPlan(zero=2), BlockPlan(zero=2), m=4, pp=2, schedule="1f1b", grad_reduce="microbatch"), ""),
+    "pp2_dp2_zero3_bpipe_reduce_every_microbatch": (
+        _plan(2, BlockPlan(zero=3), BlockPlan(zero=3), m=4, pp=2, schedule="bpipe", grad_reduce="microbatch"), ""),
 }
 
 
@@ -115,6 +126,10 @@ def _check(measured: list[dict[str, dict[str, int]]], plans: dict[str, tuple[Pla
             for place in ("device", "host"):
                 want, got = pred.tracked_by_rank[rank][f"{place}.total"], peaks[name][f"{place}.total"]
                 assert got == pytest.approx(want, rel=0.05), f"{name} rank {rank} {place}: {got} vs {want}"
+            if plan.grad_reduce == "microbatch":  # the gradients, too, are the shards the model counts
+                for key in ("device.gradients", "host.gradients"):
+                    want, got = pred.tracked_by_rank[rank].get(key, 0), peaks[name][key]
+                    assert got == pytest.approx(want, rel=0.05), f"{name} rank {rank} {key}: {got} vs {want}"
 
 
 def test_tracked_peak_matches_the_model_in_one_process():

@@ -62,6 +62,7 @@ class PlanOptions:
     dtype: str = "float32"
     reduce_dtype: str = "float32"
     evict_bound: int | None = None
+    grad_reduce: str = "step"
 
 
 def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
@@ -106,7 +107,7 @@ def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
             root=BlockPlan(zero=o.zero, offload_params=o.offload_params, offload_optimizer=n_off == n_blocks > 0
                            and not o.offload_params),
             micro_batch_size=o.micro_batch, num_microbatches=m, seq_len=o.seq, compute_dtype=o.dtype,
-            reduce_dtype=o.reduce_dtype, evict_bound=o.evict_bound,
+            reduce_dtype=o.reduce_dtype, evict_bound=o.evict_bound, grad_reduce=o.grad_reduce,
         )
         for b in plan.blocks[:n_off]:
             b.offload_optimizer = not o.offload_params
@@ -127,6 +128,7 @@ class Target:
     quantize_base: str = "none"
     cache_dir: str | None = None
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
+    lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
 
     def profile(self, micro_batch: int, seq: int, dtype: str) -> ModelProfile:
         """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches)."""
@@ -135,7 +137,8 @@ class Target:
         if isinstance(self.model, ModelConfig) and self.model.max_seq_len < seq:
             self.model.max_seq_len = seq
         return profile_model(self.model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name,
-                             cache_dir=self.cache_dir, lora_rank=self.lora_rank or None, frozen=self.frozen or None,
+                             cache_dir=self.cache_dir, lora_rank=self.lora_rank or None,
+                             lora_targets=self.lora_targets, frozen=self.frozen or None,
                              quantize_base=self.quantize_base, kernels=self.kernels)
 
 
@@ -159,8 +162,9 @@ def format_prediction(plan: Plan, pred: Prediction) -> str:
     gib = 2**30
     lines = [describe_model(plan.model)] if plan.model else []
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
+    every = ", gradients reduced every microbatch" if plan.grad_reduce == "microbatch" else ""
     lines += [f"plan: dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
-             f"{plan.num_microbatches} microbatches, seq {plan.seq_len}, {plan.compute_dtype}; "
+             f"{plan.num_microbatches} microbatches{every}, seq {plan.seq_len}, {plan.compute_dtype}; "
              f"global batch {plan.global_batch}"]
     lines.append("peak memory per rank (GiB):")
     cats = sorted({c for m in pred.memory_by_rank for c in m}, key=lambda c: (c.startswith("host:"), c))
@@ -211,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     named = cfg.model.name
     model = resolve_model(named) if named else cfg.model
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
-                    cfg.finetune.quantize_base, args.profile_cache)
+                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets)
     cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
     target.kernels = "cpu" if all(n.gpu.name == "cpu" for n in cluster.nodes) else "gpu"
     if args.host_ram:
@@ -238,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
             virtual_stages=par.virtual_stages or 1, num_microbatches=par.num_microbatches, global_batch=gb,
             zero=par.zero, recompute=par.recompute, offload_optimizer=par.offload_optimizer,
             offload_params=bool(par.offload_params), dtype=dtype, reduce_dtype=args.reduce_dtype,
-            evict_bound=par.evict_bound), n_blocks, cluster.world_size)
+            evict_bound=par.evict_bound, grad_reduce=par.grad_reduce or "step"), n_blocks, cluster.world_size)
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
     if par.plan == "dp":  # plain data parallelism, as `snugfit train --plan dp` runs it; the micro-batch searched

@@ -33,13 +33,24 @@ LORA_TARGETS = {
     "opt": ("q_proj", "k_proj", "v_proj", "out_proj"),
     "default": ("q_proj", "k_proj", "v_proj", "o_proj"),
 }
+ALL_LINEAR = "all-linear"  # a target: every linear layer of a block (peft's name for it)
+
+
+def parse_targets(text: str) -> tuple[str, ...] | None:
+    """`finetune.lora_targets` ("attn.q, attn.v", "all-linear") as apply_lora takes it; None (the default) when
+    empty. The one parser, so that `snugfit plan` profiles the adapters `snugfit train` builds."""
+    return tuple(t for t in (t.strip() for t in text.split(",")) if t) or None
+
+
+def _is_linear(mod: nn.Module) -> bool:
+    return isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D"
 
 
 def _dims(base: nn.Module) -> tuple[int, int]:
     """(in, out) of a Linear, or of a GPT-2 Conv1D whose weight is stored (in, out)."""
     if isinstance(base, nn.Linear):
         return base.in_features, base.out_features
-    if type(base).__name__ == "Conv1D":
+    if _is_linear(base):
         return base.weight.shape[0], base.weight.shape[1]
     raise SnugfitError(f"LoRA adapts linear layers; {type(base).__name__} is not one")
 
@@ -89,28 +100,32 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
                targets: Iterable[str] | None = None, dropout: float = 0.0, seed: int = 0) -> list[str]:
     """Wrap the target projections of every block in LoRALinear and freeze everything else.
 
-    targets: module-name suffixes inside a block ("q_proj", "attn.q"); default by
-    architecture (LORA_TARGETS). alpha defaults to rank (scale 1). Adapters are
-    initialised from `seed` in block order, so every rank (and every pipeline
-    split) starts from the same adapters. Returns the wrapped module names.
+    targets: module-name suffixes inside a block ("q_proj", "attn.q"), or ALL_LINEAR for
+    every nn.Linear and Conv1D of a block; default by architecture (LORA_TARGETS).
+    alpha defaults to rank (scale 1). Adapters are initialised from `seed` in block
+    order, so every rank (and every pipeline split) starts from the same adapters.
+    Returns the wrapped module names.
     """
     if rank <= 0:
         raise SnugfitError(f"LoRA rank must be a positive integer, got {rank}")
     targets = tuple(targets) if targets is not None else _default_targets(model)
     alpha = float(alpha if alpha is not None else rank)
     model.requires_grad_(False)
-    wrapped, candidates = [], set()
+    wrapped, candidates, matched = [], set(), set()
     for bname, block in model.blocks.items():
         for name, mod in list(block.named_modules()):
-            if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
+            linear = _is_linear(mod)
+            if linear:
                 candidates.add(re.sub(r"^layer\.", "", name))
-            if name and any(name == t or name.endswith("." + t) for t in targets) and not isinstance(mod, LoRALinear):
+            hits = {t for t in targets if name and (name == t or name.endswith("." + t) or linear and t == ALL_LINEAR)}
+            if hits and not isinstance(mod, LoRALinear):
                 parent_name, _, leaf = name.rpartition(".")
                 setattr(block.get_submodule(parent_name), leaf, LoRALinear(mod, rank, alpha, dropout))
                 wrapped.append(f"blocks.{bname}.{name}")
-    if not wrapped and len(model.blocks):
-        raise SnugfitError(f"LoRA targets {list(targets)} match no layer; "
-                           f"linear layers of a block: {sorted(candidates)}")
+                matched |= hits
+    unmatched = [t for t in targets if t not in matched]
+    if unmatched and len(model.blocks):  # a typo among targets would otherwise go unnoticed
+        raise SnugfitError(f"LoRA targets {unmatched} match no layer; linear layers of a block: {sorted(candidates)}")
     init_adapters(model, seed)
     return wrapped
 

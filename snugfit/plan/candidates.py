@@ -1,7 +1,8 @@
 """The search's outer candidates: data, tensor and pipeline degrees, micro-batch size and schedule.
 
-Every (dp, tp, pp, micro-batch, schedule) the launch and the fixed parts allow, with global batch = micro-batch x
-microbatches x dp, data- and tensor-parallel groups only of like GPUs, and tensor parallelism within a node.
+Every (dp, tp, pp, micro-batch, schedule, gradient reduction) the launch and the fixed parts allow, with global
+batch = micro-batch x microbatches x dp, data- and tensor-parallel groups only of like GPUs, and tensor parallelism
+within a node.
 search.py solves each candidate's per-block decisions.
 """
 
@@ -35,6 +36,7 @@ class Candidate:
     fits: bool | None = None  # estimate()'s verdict once verified
     polished: bool = False  # given back the room the knapsack could not see (Searcher.polish)
     tp: int = 1
+    grad_reduce: str = "step"  # plan.GRAD_REDUCE
 
     @property
     def family(self) -> str:
@@ -65,6 +67,14 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
                   and tensor_parallel_problem(prof, t) is None]
 
 
+def grad_reduce_modes(dp: int, m: int, c: Constraints) -> list[str]:
+    """When gradients may be reduced: per microbatch only where it can differ from once a step (accumulation
+    over data-parallel ranks); the same math but for summation order, so searched freely unless fixed."""
+    if c.grad_reduce:
+        return [c.grad_reduce]
+    return ["step", "microbatch"] if dp > 1 and m > 1 else ["step"]
+
+
 def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints) -> list[Candidate]:
     """Every outer candidate the launch and the fixed parts allow (unsolved)."""
     w, n, gb, out = cluster.world_size, len(prof.blocks), global_batch, []
@@ -85,5 +95,6 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                     continue
                 if sched == "interleaved" and (m % pp or n < pp * v):
                     continue
-                out.append(Candidate(dp, pp, mbs, m, sched, v, tp=tp))
+                out += [Candidate(dp, pp, mbs, m, sched, v, tp=tp, grad_reduce=g)
+                        for g in grad_reduce_modes(dp, m, c)]
     return out

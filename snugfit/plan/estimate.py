@@ -8,7 +8,8 @@ from snugfit.plan.memory import StagePiece, device_bytes, host_bytes, rank_memor
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.simulate import SimResult, simulate
 from snugfit.plan.timing import (
-    StageTime, TensorParallel, gather_every, grad_reduce_exposed, optimizer_time, stage_time, transfer_time,
+    StageTime, TensorParallel, gather_every, grad_reduce_exposed, optimizer_time, reductions, stage_time,
+    transfer_time,
 )
 from snugfit.profile.types import ModelProfile
 
@@ -165,13 +166,14 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
         sts = times[rank]
         pieces = [sp for k in sorted(sts) for sp in stages_of[pp_rank][k]]
         bwd_last = sum(st.bwd + st.recompute for st in sts.values())
-        reduce = grad_reduce_exposed([(sts[k], stages_of[pp_rank][k]) for k in sorted(sts)], dp,
-                                     cluster.link_for(_dp_group(plan, pp_rank)), bwd_last,
-                                     cpu=node if node.gpu.name == "cpu" else None)
+        copies = reductions(plan.grad_reduce, m)
+        reduce = copies * grad_reduce_exposed(
+            [(sts[k], stages_of[pp_rank][k]) for k in sorted(sts)], dp, cluster.link_for(_dp_group(plan, pp_rank)),
+            bwd_last, cpu=node if node.gpu.name == "cpu" else None)
         ranks_on_host = cluster.nodes[cluster.node_of(rank)].count
         opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
-                                           ranks_on_host=ranks_on_host, bwd_last=bwd_last)
+                                           ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies)
         phases = {
             "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
             "recompute": m * sum(st.recompute for st in sts.values()),

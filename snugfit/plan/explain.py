@@ -20,7 +20,7 @@ LORA_TRAINABLE = 0.01  # adapters of rank ~16 train about 1% of a block's parame
 FLAGS = {"dp": "--dp", "pp": "--pp", "micro_batch": "--micro-batch", "num_microbatches": "--num-microbatches",
          "schedule": "--schedule", "virtual_stages": "--virtual-stages", "zero": "--zero",
          "activations": "--recompute", "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params",
-         "evict_bound": "--evict-bound"}
+         "evict_bound": "--evict-bound", "grad_reduce": "--grad-reduce"}
 
 
 def summary(plan: Plan) -> str:
@@ -29,8 +29,9 @@ def summary(plan: Plan) -> str:
     blocks = ", ".join(f"{n} x {d}" for d, n in counts.most_common())
     stages = f" stages {plan.stage_blocks}" if plan.pp > 1 else ""
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
+    every = " (gradients reduced every microbatch)" if plan.grad_reduce == "microbatch" else ""
     return (f"dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
-            f"{plan.num_microbatches}; blocks: {blocks}; root: {describe(plan.root, root=True)}")
+            f"{plan.num_microbatches}{every}; blocks: {blocks}; root: {describe(plan.root, root=True)}")
 
 
 def _figures(plan: Plan) -> str:

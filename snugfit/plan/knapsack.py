@@ -44,7 +44,9 @@ class Cost:
     """One piece under one option."""
 
     static: int  # device bytes held all step (parameters, states, gathered copies of a zero 0-2 piece)
-    grads: int  # device gradient bytes at the peak: unsharded (accumulating, or fresh in the first backward)
+    # device gradient bytes at the peak: unsharded (accumulating, or fresh in the first backward); the reduced
+    # shard where every microbatch reduces (grad_reduce "microbatch")
+    grads: int
     grads_reduced: int  # the same with one microbatch: only the reduced shard (sync is on as it is made)
     act: int  # device bytes per resident microbatch
     t_mb: float  # seconds per microbatch (forward, backward, recompute, exposed transfers)
@@ -94,16 +96,19 @@ class StageCosts:
     """Option costs on one kind of rank (its node's GPU, dp, micro-batch), cached per piece and option."""
 
     def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str,
-                 busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1):
+                 busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1,
+                 grad_reduce: str = "step"):
         self.node = cluster.nodes[cluster.node_of(rank)]
         self.gpu = self.node.gpu
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
         self.busy = busy  # the share of the node's ranks working at once (cpu_ranks.local_ranks)
         self.tensor = tensor  # prof is then one tensor-parallel rank's (ModelProfile.split)
         self.gathers = gathers  # microbatches one gather of a ZeRO-1/2 unit serves (timing.gather_every)
+        self.grad_reduce = grad_reduce  # plan.GRAD_REDUCE: when gradients are reduced
         tp = tensor.size if tensor else 1
         self.dp_link = cluster.link_for(list(range(rank, rank + dp * tp, tp)))  # plan.RankLayout: tp innermost
-        self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype)
+        self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype,
+                         grad_reduce=grad_reduce)
         self._cache: dict[tuple, Cost] = {}
         self._walks: dict[tuple, float] = {}  # working_peak's
         self._computed: dict[tuple, tuple[float, float]] = {}  # piece_compute's, the same for every option
@@ -116,10 +121,11 @@ class StageCosts:
         (memory.stage_walk counts them once), so they come off, at the piece's leanest option to stay an upper
         bound. Cached: the search asks for it per candidate and stage (`opts`/`ropts` are the search's own
         cached lists, so their identity names them)."""
-        key = (blk.name, tuple(p.name for p in roots), m == 1, id(opts), id(ropts))
+        every = m == 1 or self.grad_reduce == "microbatch"  # every backward syncs (Plan.reduces_every_microbatch)
+        key = (blk.name, tuple(p.name for p in roots), every, id(opts), id(ropts))
         if key not in self._walks:
             sync = (min(self._reduce_held(blk, o) for o in opts)
-                    + (min(self._head_held(roots, ro) for ro in ropts) if m == 1 else 0.0))
+                    + (min(self._head_held(roots, ro) for ro in ropts) if every else 0.0))
             self._walks[key] = max(working(p) - min(self.cost(p, o).act for o in (opts if p is blk else ropts))
                                    + (sync if p is blk else 0) for p in [blk, *roots])
         return self._walks[key]
@@ -134,8 +140,8 @@ class StageCosts:
         return max(0.0, DTYPE_BYTES[self.rdtype] * blk.num_trainable - freed)
 
     def _head_held(self, roots: list[PieceProfile], root: BlockPlan) -> float:
-        """With one microbatch: the head's unsharded gradient where it exceeds the shard the costs count for it
-        (the root is reduced last)."""
+        """Where every backward syncs: the head's unsharded gradient where it exceeds the shard the costs count
+        for it (the root is reduced last)."""
         if self.stub.world_size == 1 and self.dtype == "float32":
             return 0.0
         shard = 0 if root.offload_optimizer or root.offload_params else 4 / (self.dp if root.zero >= 1 else 1)
@@ -146,7 +152,7 @@ class StageCosts:
         unsharded gradients and its reduce-scatter input (memory.rank_memory's last reduce moment)."""
         if self.stub.world_size == 1 and self.dtype == "float32":
             return 0.0
-        own = DTYPE_BYTES[self.rdtype if m > 1 else self.dtype]
+        own = DTYPE_BYTES[self.rdtype if m > 1 and self.grad_reduce == "step" else self.dtype]
         return (own + DTYPE_BYTES[self.rdtype]) * sum(p.num_trainable for p in roots)
 
     def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
@@ -179,6 +185,8 @@ class StageCosts:
             host_bytes += sum(host.values())
             act += device_saved(sp)
             host_act += host_saved(sp)
+        if self.grad_reduce == "microbatch":  # each backward reduces what it made: only the shard accumulates
+            grads = reduced
         unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
@@ -189,9 +197,11 @@ class StageCosts:
         t_mb = one.f_total + one.b_total
         if self.gpu.name != "cpu":
             t_mb = two.f_total + two.b_total - t_mb
+        # a block's host step hides behind its own backward, as estimate() hides the sum behind the whole one
         opt_dev, opt_host = optimizer_time(sps, gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
                                            reduce_dtype=self.rdtype, pcie=self.node.pcie,
-                                           ranks_on_host=self.node.count, bwd_last=0.0)
+                                           ranks_on_host=self.node.count,
+                                           bwd_last=one.bwd + one.recompute if block else 0.0)
         if self.gpu.name == "cpu":  # CPU ranks: what estimate() charges, the measured FSDP2 cost, all exposed
             reduce = grad_reduce_exposed([(one, sps)], self.dp, self.dp_link, 0.0, cpu=self.node)
         else:  # a block's reduction hides behind the next block's backward (estimate() overlaps the sum)
@@ -199,6 +209,8 @@ class StageCosts:
                          for sp in sps)
             if block:
                 reduce = max(0.0, reduce - one.bwd - one.recompute)
+        if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
+            t_mb, reduce = t_mb + reduce, 0.0
         return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act)
 
 

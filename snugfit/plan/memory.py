@@ -16,7 +16,8 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
               unsharded) and the head's unsharded gradient (plan.reduce_memory).
   gradients   accumulating (gradient sync off, microbatches after the first): unsharded,
               g per trainable element, whatever the ZeRO stage; after the reduction: the
-              fp32 shard (/dp for zero >= 1), on host for offloaded units.
+              fp32 shard (/dp for zero >= 1), on host for offloaded units. With grad_reduce
+              "microbatch" every backward reduces, so only the shard accumulates.
   optimizer_states  AdamW: 8 per trainable element, /dp for zero >= 1.
   offload_optimizer: fp32 master shard, its gradient and the states on host (and the
               master cast to the compute dtype, staged for the copy back).
@@ -213,18 +214,20 @@ def stage_walk(pieces: list[StagePiece], backward: bool, fresh_grads: list[int] 
     return best
 
 
-def sync_held(plan: Plan, pieces: list[StagePiece], shard_grads: dict[str, int]) -> list[int]:
-    """FSDP2's buffers during each piece's backward in the backward that syncs (plan.reduce_memory): the
-    reduce-scatter input of the block reduced just before, and with one microbatch the head's unsharded
-    gradient where it exceeds the shard `fresh_grads` counts for it (the root is reduced last)."""
+def sync_held(plan: Plan, pieces: list[StagePiece], shard_grads: dict[str, int], resident: bool) -> list[int]:
+    """FSDP2's buffers during each piece's backward in a backward that syncs (plan.reduce_memory): the
+    reduce-scatter input of the block reduced just before, and where every backward syncs the head's unsharded
+    gradient (the root is reduced last): beyond the shard `fresh_grads` counts for it in the first backward,
+    whole once the shards are `resident` (an earlier microbatch left them)."""
     if plan.runs_unwrapped:
         return [0] * len(pieces)
     out = []
     for i, sp in enumerate(pieces):
         after = pieces[i + 1] if i + 1 < len(pieces) else None
         rs = after.n_trainable * DTYPE_BYTES[plan.reduce_dtype] if after is not None and after.is_block else 0
-        head = sum(max(0, DTYPE_BYTES[plan.compute_dtype] * h.n_trainable - shard_grads[h.piece.name])
-                   for h in pieces[i + 1:] if h.piece.name == "head") if plan.num_microbatches == 1 else 0
+        head = sum(max(0, DTYPE_BYTES[plan.compute_dtype] * h.n_trainable - (0 if resident else
+                                                                              shard_grads[h.piece.name]))
+                   for h in pieces[i + 1:] if h.piece.name == "head") if plan.reduces_every_microbatch else 0
         out.append(rs + head)
     return out
 
@@ -292,9 +295,9 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
     copies += sum(gathered_bytes(plan, sp) for sp in all_pieces if not sp.is_block and sp.decision.zero == 3)
     zero3 = [gathered_bytes(plan, sp) for sp in all_pieces if sp.is_block and sp.decision.zero == 3]
     fresh = {sp.piece.name: accumulating_grad_bytes(plan, sp) for sp in all_pieces}
-    accum = sum(fresh.values()) if plan.num_microbatches > 1 else reduced
-    if plan.num_microbatches == 1:  # the only microbatch syncs: each piece's gradient is reduced as it is made
+    if plan.reduces_every_microbatch:  # each piece's gradient is reduced as it is made: only shards accumulate
         fresh = shard_grads
+    accum = sum(fresh.values())
     offloaded = [host_saved(sp) for sp in all_pieces if host_saved(sp)]
     window = 2 * max(offloaded) if offloaded else 0
     per_mb = {k: sum(device_saved(sp) for sp in sps) for k, sps in stages.items()}
@@ -311,12 +314,13 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
                for sp in all_pieces}
     walks = {}
     for k, sps in stages.items():
-        released, held_sync = [copy_of[sp.piece.name] for sp in sps], sync_held(plan, sps, shard_grads)
+        released = [copy_of[sp.piece.name] for sp in sps]
+        made = [fresh[sp.piece.name] for sp in sps]
         walks[(k, "F", False)] = walks[(k, "F", True)] = stage_walk(sps, False)
-        walks[(k, "B", False)] = stage_walk(sps, True, [fresh[sp.piece.name] for sp in sps], released)
+        walks[(k, "B", False)] = stage_walk(sps, True, made, released)
         walks[(k, "B", True)] = stage_walk(sps, True, None, released)
-        walks[(k, "sync", False)] = stage_walk(sps, True, [fresh[sp.piece.name] for sp in sps], released, held_sync)
-        walks[(k, "sync", True)] = stage_walk(sps, True, None, released, held_sync)
+        walks[(k, "sync", False)] = stage_walk(sps, True, made, released, sync_held(plan, sps, shard_grads, False))
+        walks[(k, "sync", True)] = stage_walk(sps, True, None, released, sync_held(plan, sps, shard_grads, True))
         walks[(k, "tracked")] = tracked_walk(plan, sps)
     gathered = copies + 2 * max(zero3, default=0)
     best_total, best, tracked_best, tracked_at = -1, None, -1, None
@@ -325,7 +329,8 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
     for snap in sim.snapshots[pp_rank]:
         ev = snap.event
         g = accum if grads_resident else 0
-        kind = "sync" if ev.kind == "B" and ev.mb == plan.num_microbatches - 1 else ev.kind
+        syncs = plan.grad_reduce == "microbatch" or ev.mb == plan.num_microbatches - 1
+        kind = "sync" if ev.kind == "B" and syncs else ev.kind
         walk = walks[(ev.stage, kind, grads_resident)]
         held = sum(per_mb[s] * n for s, n in snap.resident.items() if n)
         total = held + walk.saved + walk.working + g + gathered - walk.released + walk.buffers

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from snugfit.errors import SnugfitError
-from snugfit.plan.plan import ACTIVATION_POLICIES, SCHEDULES, BlockPlan
+from snugfit.plan.plan import ACTIVATION_POLICIES, GRAD_REDUCE, SCHEDULES, BlockPlan
 
 POLICY_ALIASES = {"none": "keep", "off": "keep", "full": "recompute"}
 
@@ -29,13 +29,14 @@ class Constraints:
     offload_optimizer: bool | None = None  # True: every block and the root; False: none
     offload_params: bool | None = None
     evict_bound: int | None = None
+    grad_reduce: str | None = None  # plan.GRAD_REDUCE
 
     def fixed(self) -> dict:
         return {k: v for k, v in vars(self).items() if v is not None}
 
 
 FIXED_KEYS = ("dp", "tp", "pp", "schedule", "virtual_stages", "num_microbatches", "zero", "recompute", "offload_optimizer",
-              "offload_params", "evict_bound")  # the run config's [parallel] keys that fix parts of a searched plan
+              "offload_params", "evict_bound", "grad_reduce")  # the run config's [parallel] keys that fix parts of a searched plan
 
 
 def fixed_parts_of(parallel, micro_batch_size: int, world_size: int) -> Constraints:
@@ -56,7 +57,8 @@ def fixed_parts(world_size: int, *, dp: int | None = None, tp: int | None = None
                 micro_batch: int | None = None,
                 num_microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
                 zero: int | None = None, recompute: str | None = None, offload_optimizer: str | None = None,
-                offload_params: bool | None = None, evict_bound: int | None = None) -> Constraints:
+                offload_params: bool | None = None, evict_bound: int | None = None,
+                grad_reduce: str | None = None) -> Constraints:
     """The parts of a plan a user fixed (`snugfit plan` and `snugfit train` options of the same names), checked
     against the launch: one-line errors naming the fix for those that cannot work."""
     for flag, v in (("--dp", dp), ("--tp", tp), ("--pp", pp)):
@@ -76,6 +78,8 @@ def fixed_parts(world_size: int, *, dp: int | None = None, tp: int | None = None
         raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
     if schedule is not None and schedule not in SCHEDULES:
         raise SnugfitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if grad_reduce is not None and grad_reduce not in GRAD_REDUCE:
+        raise SnugfitError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got {grad_reduce!r}")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise SnugfitError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     policy = POLICY_ALIASES.get(recompute, recompute)
@@ -87,7 +91,7 @@ def fixed_parts(world_size: int, *, dp: int | None = None, tp: int | None = None
                            "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
     return Constraints(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, num_microbatches=num_microbatches, schedule=schedule,
                        virtual_stages=virtual_stages, zero=zero, activations=policy, offload_optimizer=offload,
-                       offload_params=offload_params or None, evict_bound=evict_bound)
+                       offload_params=offload_params or None, evict_bound=evict_bound, grad_reduce=grad_reduce)
 
 
 def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan]:

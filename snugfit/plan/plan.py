@@ -16,6 +16,9 @@ SELECTIVE_POLICIES = ("selective", "selective_half")  # as model.recompute names
 ACTIVATION_POLICIES = ("keep", "recompute", *SELECTIVE_POLICIES, "offload", "recompute_offload")
 SCHEDULES = ("none", "1f1b", "interleaved", "bpipe")  # "none": pp == 1, plain gradient accumulation
 DTYPES = ("float32", "bfloat16", "float16")
+# When FSDP2 reduces gradients over data-parallel ranks: once a step, after the last microbatch (the unsharded
+# gradient accumulates through the step), or after every microbatch (only the fp32 shard accumulates)
+GRAD_REDUCE = ("step", "microbatch")
 
 
 class PlanError(ValueError):
@@ -104,6 +107,7 @@ class Plan:
     evict_bound: int | None = None  # BPipe: most microbatches' activations resident on one stage
     compute_dtype: str = "float32"  # dtype of parameters in forward/backward
     reduce_dtype: str = "float32"  # dtype of gradient reduction
+    grad_reduce: str = "step"  # GRAD_REDUCE: reduce once a step, or every microbatch (ZeRO-2/3 then hold shards)
     root: BlockPlan = field(default_factory=BlockPlan)  # embedding, final norm, head
     blocks: list[BlockPlan] = field(default_factory=list)
     predicted: Prediction | None = None
@@ -137,6 +141,12 @@ class Plan:
         units = [self.root, *self.blocks]
         plain = all(u.zero == 0 and not (u.offload_optimizer or u.offload_params) for u in units)
         return self.world_size == 1 and self.compute_dtype == "float32" and plain
+
+    @property
+    def reduces_every_microbatch(self) -> bool:
+        """Every backward reduces gradients as it makes them, so only the reduced shard accumulates: with
+        grad_reduce "microbatch", or with one microbatch, whose backward is the step's only one."""
+        return self.grad_reduce == "microbatch" or self.num_microbatches == 1
 
     def bpipe_bound(self) -> int:
         return self.evict_bound if self.evict_bound is not None else math.ceil((self.pp + 2) / 2)
@@ -214,6 +224,8 @@ class Plan:
             raise PlanError(f"interleaved 1F1B needs num_microbatches divisible by pp ({self.pp})")
         if self.evict_bound is not None and self.schedule != "bpipe":
             raise PlanError("plan.evict_bound is only meaningful with schedule 'bpipe'")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise PlanError(f"plan.grad_reduce must be one of {GRAD_REDUCE}, got {self.grad_reduce!r}")
         for name in ("compute_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"plan.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")

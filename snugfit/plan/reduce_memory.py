@@ -7,8 +7,9 @@ of a unit, the device holds:
   its reduce-scatter input (the reduce dtype, unsharded), both at once;
 - units reduced before: their gradient shards (fp32; nothing when the unit's optimizer or parameters are
   offloaded, whose shards go to host);
-- units not reduced yet: their accumulated gradients (several microbatches), or, with one microbatch, what
-  their backward has already made. That is the root unit's head: its backward runs first but the root is
+- units not reduced yet: their accumulated gradients (several microbatches), or, where every backward reduces
+  (one microbatch, or grad_reduce "microbatch"), what their backward has already made, beside the shards
+  earlier microbatches left them. That is the root unit's head: its backward runs first but the root is
   reduced last, after the embedding's, so the head's unsharded gradient lives through the whole backward.
 Between two copy-ins FSDP2 keeps the last reduce-scatter input alive (one buffer: its
 `reduce_scatter_max_input_buffers`), until the next unit's reduce.
@@ -51,7 +52,8 @@ def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[Redu
     if plan.runs_unwrapped:
         return []
     compute, reduce = DTYPE_BYTES[plan.compute_dtype], DTYPE_BYTES[plan.reduce_dtype]
-    accumulated = plan.num_microbatches > 1
+    accumulated = not plan.reduces_every_microbatch
+    left_before = plan.num_microbatches > 1 and not accumulated  # shards that earlier microbatches reduced
     units = _units(stages)
     trainable = [sum(sp.n_trainable for sp in u) for u in units]
     made_first = [sum(sp.n_trainable for sp in u if sp.piece.name == "head") for u in units]  # before the blocks
@@ -70,6 +72,6 @@ def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[Redu
         own = (reduce if accumulated else compute) * trainable[i]
         first = order.index(unit[0].piece.name)
         before = 0 if not unit[0].is_block else sum(saved[n] for n in order[:first])
-        out.append(ReduceMoment(unit[0].piece.name, sum(shard(j) for j in range(i)) + pending + own,
-                                reduce * trainable[i], before))
+        shards = sum(shard(j) for j in range(len(units) if left_before else i))
+        out.append(ReduceMoment(unit[0].piece.name, shards + pending + own, reduce * trainable[i], before))
     return out

@@ -81,7 +81,7 @@ class Searcher:
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
             busy = _working_share(cand.pp, cand.m, cand.v)  # crowded CPU ranks: a pipeline's working share
         gathers = gather_every(cand.pp, cand.m)
-        at = (first, cand.dp, cand.tp, cand.mbs, busy, gathers)
+        at = (first, cand.dp, cand.tp, cand.mbs, busy, gathers, cand.grad_reduce)
         if at in self._costs_at:
             return self._costs_at[at]
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
@@ -89,14 +89,15 @@ class Searcher:
         dp_link = astuple(self.cluster.link_for(list(range(first, first + cand.dp * cand.tp, cand.tp))))
         tp_link = astuple(self.cluster.link_for(list(range(first, first + cand.tp))))
         key = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp, cand.mbs, busy,
-               gathers)
+               gathers, cand.grad_reduce)
         if key not in self._costs:
             prof = self.profile(cand)
             tensor = None
             if cand.tp > 1:
                 tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))),
                                         prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
-            self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor, gathers)
+            self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor, gathers,
+                                          cand.grad_reduce)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
 
@@ -249,7 +250,8 @@ class Searcher:
             cand.score = best[0]
             cand.plan = Plan(world_size=cand.dp * cand.tp, dp=cand.dp, tp=cand.tp, micro_batch_size=cand.mbs,
                              num_microbatches=cand.m, seq_len=self.prof.seq_len, stage_blocks=[self.n],
-                             compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, root=replace(best[2]),
+                             compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, grad_reduce=cand.grad_reduce,
+                             root=replace(best[2]),
                              blocks=[replace(best[1]) for _ in range(self.n)])
 
     def _host_fits(self, cand: Candidate, st: StageCosts, blk, roots, opts: list[BlockPlan],
@@ -284,7 +286,8 @@ class Searcher:
         return Plan(world_size=cand.dp * cand.tp * pp, dp=cand.dp, tp=cand.tp, pp=pp, micro_batch_size=cand.mbs, num_microbatches=cand.m,
                     seq_len=self.prof.seq_len, schedule=cand.schedule, virtual_stages=v, stage_blocks=stage_blocks,
                     evict_bound=self.c.evict_bound if cand.schedule == "bpipe" else None,
-                    compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, root=replace(root), blocks=blocks)
+                    compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, grad_reduce=cand.grad_reduce,
+                    root=replace(root), blocks=blocks)
 
 
 @functools.lru_cache(maxsize=256)

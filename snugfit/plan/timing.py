@@ -13,9 +13,10 @@ As the runtime (FSDP2) communicates: every microbatch gathers each sharded unit 
 forward (zero 1-3: FSDP2 reshards after backward; pipeline stages only after the
 step's last one, so theirs are gathered once a step: `gather_every`) and zero-3 blocks
 again in backward (the root unit stays gathered); gradients (trainable ones only) are
-reduced once, in the last microbatch's backward (sync is off before it).
+reduced once, in the last microbatch's backward (sync is off before it), or with grad_reduce "microbatch" in
+every microbatch's (`reductions`).
 What overlaps: gathers with the previous block's compute (prefetch), gradient
-reduction with the last microbatch's backward, activation offload with the
+reduction with the backward that makes it, activation offload with the
 block's compute, the host optimizer with the last backward; the rest is exposed.
 A hidden collective is not free on a GPU: NCCL's kernels hold one SM per channel, so
 the compute beside it runs on fewer SMs (`overlap_exposed`).
@@ -287,6 +288,11 @@ def stage_time(
     return st
 
 
+def reductions(grad_reduce: str, m: int) -> int:
+    """How many times a step reduces each unit's gradients: once, or after each of its m microbatches."""
+    return m if grad_reduce == "microbatch" else 1
+
+
 def reduce_time(sp: StagePiece, nbytes: float, dp: int, link: Link) -> float:
     """One piece's end-of-step gradient reduction: all-reduce when replicated, else reduce-scatter (FSDP2)."""
     return collective_time("all_reduce" if sp.decision.zero == 0 else "reduce_scatter", nbytes, dp, link)
@@ -294,7 +300,8 @@ def reduce_time(sp: StagePiece, nbytes: float, dp: int, link: Link) -> float:
 
 def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: int, link: Link, bwd_last: float,
                         cpu: Node | None = None) -> float:
-    """End-of-step gradient reduction, hidden behind the last microbatch's backward except the tail.
+    """One gradient reduction of every unit, hidden behind the backward that makes it except the tail
+    (`reductions` says how many a step runs).
 
     cpu: the node of CPU ranks, whose measured FSDP2 reduce cost applies instead, all of it exposed.
     """
@@ -313,9 +320,10 @@ def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: in
 
 def optimizer_time(
     pieces: list[StagePiece], *, gpu: GPU, host: Host, dp: int, dtype: str, reduce_dtype: str, pcie: Link,
-    ranks_on_host: int, bwd_last: float,
+    ranks_on_host: int, bwd_last: float, grad_copies: int = 1,
 ) -> tuple[float, float]:
-    """(device optimizer seconds, exposed host-optimizer seconds) for one rank."""
+    """(device optimizer seconds, exposed host-optimizer seconds) for one rank; grad_copies: how often offloaded
+    units' gradient shards go to host in a step (`reductions`: each reduction sends its shard, added up there)."""
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     dev_params = host_params = 0.0
     for sp in pieces:
@@ -329,6 +337,6 @@ def optimizer_time(
     else:
         dev_time = dev_params * ADAM_BYTES_PER_PARAM / gpu.mem_bytes_per_s()
     cpu = host_params / (host.adam_params_per_s / ranks_on_host)
-    moves = transfer_time(host_params * g, pcie) + transfer_time(host_params * c, pcie)
+    moves = grad_copies * transfer_time(host_params * g, pcie) + transfer_time(host_params * c, pcie)
     hidden = 0.0 if gpu.name == "cpu" else bwd_last  # a CPU device has no other work for the host step to hide behind
     return dev_time, max(0.0, cpu + moves - hidden) if host_params else 0.0

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.model.lora import apply_lora, freeze, parse_targets
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
@@ -52,12 +53,10 @@ def retie(model: nn.Module) -> None:
         head.weight = model.embed.tokens.weight
 
 
-def fine_tune(model: nn.Module, lora_rank: int | None, frozen: str | None) -> None:
+def fine_tune(model: nn.Module, lora_rank: int | None, frozen: str | None, lora_targets: str = "") -> None:
     """LoRA adapters and frozen pieces, as the runtime applies them, so the profile counts trainable parameters."""
-    from snugfit.model.lora import apply_lora, freeze
-
     if lora_rank:
-        apply_lora(model, lora_rank)
+        apply_lora(model, lora_rank, targets=parse_targets(lora_targets))
     if frozen:
         freeze(model, frozen)
 
@@ -133,10 +132,11 @@ def profile_model(
     name: str | None = None, cache_dir: str | Path | None = None, use_cache: bool = True,
     measure_on: str | None = None, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
     lora_rank: int | None = None, frozen: str | None = None, quantize_base: str = "none", kernels: str = "cpu",
+    lora_targets: str = "",
 ) -> ModelProfile:
     """Profile a built-in ModelConfig or a Hugging Face config dict (cached by its inputs).
 
-    lora_rank / frozen: profile the model fine-tuned as the runtime will (model.lora):
+    lora_rank / lora_targets / frozen: profile the model fine-tuned as the runtime will (model.lora):
     frozen parameters have no gradients or optimizer states, and their weight-gradient
     matmuls are absent from the recorded backward. quantize_base="nf4": the frozen block
     linears are stored in 4 bits (`PieceProfile.quantized`) and dequantized for each use.
@@ -152,6 +152,7 @@ def profile_model(
     config = dict(model) if is_hf else model.to_dict()
     key = {"config": config, "mbs": micro_batch_size, "seq": seq_len, "dtype": dtype,
            "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__, "lora": lora_rank,
+           "lora_targets": parse_targets(lora_targets) if lora_rank else None,
            "frozen": frozen, "quantize": quantize_base, "kernels": kernels}
     path = _cache_path(cache_dir, key)
     if use_cache and path.exists():
@@ -166,14 +167,14 @@ def profile_model(
         cfg.max_seq_len = max(cfg.max_seq_len, seq_len)
         with torch.device("meta"):
             net = Decoder(cfg)
-    fine_tune(net, lora_rank, frozen)
+    fine_tune(net, lora_rank, frozen, lora_targets)
     with gpu_kernels(net) if kernels == "gpu" else nullcontext():
         prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
                               seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
     if quantize_base == "nf4":
         count_quantized(prof, net)
     if measure_on and not is_hf:
-        measure_times(prof, cfg, measure_on, repeats, clock, lora_rank, frozen)
+        measure_times(prof, cfg, measure_on, repeats, clock, lora_rank, frozen, lora_targets)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.save(path)
@@ -202,7 +203,7 @@ SPAN = 4  # measured times are taken at the profile's micro-batch and at SPAN ti
 
 def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: int = 3,
                   clock: Callable[[], float] = time.perf_counter, lora_rank: int | None = None,
-                  frozen: str | None = None) -> None:
+                  frozen: str | None = None, lora_targets: str = "") -> None:
     """Fill fwd/bwd_time_s of every piece, and each block's recompute_time_s: the extra
     seconds of a step with the block under each of RECOMPUTE_POLICIES (checkpointing has
     overheads beyond re-running the forward, large for small blocks).
@@ -212,7 +213,7 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
     seconds, variants timed one after another would each see a different machine. The price:
     four copies of the model (one per policy) are alive at once.
     """
-    tune = (lora_rank, frozen)
+    tune = (lora_rank, frozen, lora_targets)
     timers = {policy: _PieceTimer(cfg, prof, device, clock, policy, tune) for policy in ("keep", *RECOMPUTE_POLICIES)}
     mbs = prof.micro_batch_size
     tokens = {rows: torch.randint(0, cfg.vocab_size, (rows, prof.seq_len), device=device) for rows in (mbs, SPAN * mbs)}
@@ -260,7 +261,7 @@ class _PieceTimer:
     """
 
     def __init__(self, cfg: ModelConfig, prof: ModelProfile, device: str, clock: Callable[[], float], policy: str,
-                 tune: tuple[int | None, str | None]):
+                 tune: tuple[int | None, str | None, str]):
         torch.manual_seed(0)
         self.model = Decoder(cfg).to(device=device, dtype=getattr(torch, prof.dtype))
         fine_tune(self.model, *tune)

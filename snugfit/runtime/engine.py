@@ -3,7 +3,8 @@
 The trainer only talks to an engine: `train_step`, `eval_loss`, `set_lr`,
 `state_dict`/`load_state_dict`. How the model was parallelised (see
 `runtime.apply`) is invisible to it, except for three things a data-parallel
-step needs: switching gradient sync off for all but the last microbatch, the
+step needs: switching gradient sync off for all but the last microbatch (which a plan reducing every
+microbatch keeps on: runtime.sharding.reduce_every_microbatch), the
 data-parallel group (target counts, loss averaging, gradient-norm reduction), and the host
 optimizer of partially offloaded units (`runtime.offload`).
 """
@@ -236,7 +237,8 @@ class Engine:
         total = torch.zeros((), device=self.device)
         self.memory.reset_peak()
         for i, (inputs, targets) in enumerate(micro):
-            if isinstance(self.model, FSDPModule):  # reduce gradients once, after the last microbatch
+            # reduce gradients once, after the last microbatch (or every microbatch: sharding.reduce_every_microbatch)
+            if isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
             with vocab_parallel_loss(self.plan):
                 with self._span("F", i), self.memory.track_activations() if self.track_memory else nullcontext():

@@ -18,7 +18,7 @@ parallelism splits its pieces over the tp ranks (stages then send and receive
 their sequence slices), each block follows its BlockPlan (FSDP2 zero 0-3 over this stage's dp ranks,
 parameter or optimizer offload, activation policy) and the StageModule is the
 FSDP2 root unit of its embedding/final norm/head. Gradients are reduced over
-dp on the last microbatch's backward only. Optimizer step, exact clipping
+dp on the last microbatch's backward only, or on every one (plan.grad_reduce "microbatch"). Optimizer step, exact clipping
 (summed over stages and shards), host offload and checkpoints are `Engine`'s.
 
 Every stage forward runs under `StageActivations.microbatch`, so each rank

@@ -78,7 +78,8 @@ def _profile(cfg: RunConfig, micro_batch_size: int, env: DistEnv):
 
     model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
-                         lora_rank=cfg.finetune.lora_rank or None, frozen=cfg.finetune.freeze or None,
+                         lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
+                         frozen=cfg.finetune.freeze or None,
                          quantize_base=cfg.finetune.quantize_base, kernels="cpu" if env.device.type == "cpu" else "gpu")
 
 

@@ -19,7 +19,8 @@ from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
 from snugfit.model.decoder import initial_value, tensor_generator
 from snugfit.model.hf import FolderWeights, load_hf
-from snugfit.model.lora import apply_lora, freeze, init_adapters, plain_name, plain_named_tensors, trainable_summary
+from snugfit.model.lora import (apply_lora, freeze, init_adapters, parse_targets, plain_name, plain_named_tensors,
+                                trainable_summary)
 from snugfit.model.shards import local_shard
 from snugfit.model.quantize import quantize_base
 from snugfit.plan import Plan
@@ -93,8 +94,8 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     if f.freeze:
         freeze(model, f.freeze)
     if f.lora_rank:
-        targets = [t.strip() for t in f.lora_targets.split(",") if t.strip()] or None
-        apply_lora(model, f.lora_rank, f.lora_alpha or None, targets, f.lora_dropout, seed=cfg.train.seed)
+        apply_lora(model, f.lora_rank, f.lora_alpha or None, parse_targets(f.lora_targets), f.lora_dropout,
+                   seed=cfg.train.seed)
     if f.quantize_base == "nf4":
         log.info("quantized %.2fM frozen weights to NF4", quantize_base(model) / 1e6)
     counts = trainable_summary(model)["total"]
