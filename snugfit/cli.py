@@ -10,7 +10,7 @@ import pkgutil
 import sys
 
 import snugfit.commands
-from snugfit.errors import SnugfitError, Stopped
+from snugfit.errors import PeerFailed, SnugfitError, Stopped
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             sys.stderr.write(f"{e}\n")
         return e.exit_status
+    except PeerFailed:  # another rank printed the line
+        return 2
     except SnugfitError as e:
         prefix = f"rank {rank}: " if "RANK" in os.environ and rank else ""
         sys.stderr.write(f"error: {prefix}{e}\n")

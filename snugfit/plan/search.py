@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import astuple, replace
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.candidates import Candidate, outer_candidates
+from snugfit.plan.candidates import Candidate, next_splittable_batch, outer_candidates, unit_of
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE, tensor_parallel_problem
 from snugfit.plan.knapsack import (
@@ -347,9 +347,12 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     cands = srch.candidates()
     res = SearchResult(None, budget_bytes=budget, candidates=len(cands))
     if not cands:
-        fixed = ", ".join(f"{k}={v}" for k, v in c.fixed().items()) or "none"
-        raise NoPlanError(f"global batch {global_batch} is not divisible into micro-batch x microbatches x dp "
-                          f"on {cluster.world_size} GPUs with the fixed parts ({fixed})", res)
+        fixed = ", ".join(f"{k}={v}" for k, v in c.fixed().items())
+        larger = next_splittable_batch(profile, cluster, global_batch, c)
+        fix = f"a global batch of {larger} (--batch-size {larger}) can be" if larger else "drop fixed parts"
+        raise NoPlanError(f"global batch {global_batch} cannot be split into micro-batch x microbatches x dp on "
+                          f"{unit_of(cluster, cluster.world_size)}" + (f" with {fixed}" if fixed else "")
+                          + f" (a pipeline needs at least pp microbatches); {fix}, or launch fewer ranks", res)
     for x in cands:
         x.lower = srch.lower_bound(x)
     found = best_first(srch, cands, 1 + max(alternatives, EXPLORED))

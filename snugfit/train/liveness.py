@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from snugfit.errors import SnugfitError
 
+FAILED_KEY = "snugfit/failed"  # in the job's store (per launch attempt): the rank that failed first
 LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer dead")
 
 
@@ -36,21 +37,37 @@ class Heartbeat:
             out[r] = int(self.store.get(key)) if self.store.check([key]) else -1
         return out
 
-    def explain(self, err: BaseException, step: int, timeout_s: float, checkpoint: str) -> None:
-        """Raise one line naming the rank that stopped answering when `err` is a lost peer; else return."""
+    def explain(self, err: BaseException, step: int, timeout_s: float, checkpoint: str | None) -> None:
+        """Raise one line naming the rank that stopped answering when `err` is a lost peer; else return.
+        checkpoint: the newest committed checkpoint's name, None when there is none yet."""
         if self.store is None or not any(s in str(err).lower() for s in LOST_PEER):
             return
         try:
             steps = self.last_steps()
         except RuntimeError:  # the store went down with the launcher that holds it: that node is gone
+            again = (f"the last checkpoint is {checkpoint}: restart every node with --resume" if checkpoint else
+                     "no checkpoint yet: restart every node from the beginning")
             raise SnugfitError(
                 f"lost the job's store while this rank ran step {step + 1}: the node whose launcher holds it "
-                f"(--rdzv-endpoint) is gone; the last checkpoint is {checkpoint}: restart every node with --resume"
-            ) from None
+                f"(--rdzv-endpoint) is gone; {again}") from None
         behind = min((r for r in steps if r != self.rank), key=lambda r: (steps[r], r))
         timed_out = any(s in str(err).lower() for s in ("timed out", "timeout"))
         silence = f"nothing for {timeout_s:.0f} s" if timed_out else "its connection closed"
+        again = (f"the last checkpoint is {checkpoint}: restart with --resume, or --max-restarts N to do so by itself"
+                 if checkpoint else "no checkpoint yet: restart from the beginning, or with --max-restarts N to do "
+                 "so by itself")
         raise SnugfitError(
             f"rank {behind} stopped answering after step {steps[behind]} ({silence} while this rank ran step "
-            f"{step + 1}); the last checkpoint is {checkpoint}: restart with --resume, or --max-restarts N to do "
-            "so by itself") from None
+            f"{step + 1}); {again}") from None
+
+def first_to_fail(rank: int, world_size: int) -> bool:
+    """Claim the run's failure for this rank in the job's store: True for the first rank that fails, which says
+    why; False for the ranks whose failure followed from it (a rank that left closes their connections), which
+    exit quietly. True where no store can tell: one process, or the store went down with its node."""
+    if not (dist.is_initialized() and world_size > 1):
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.compare_set(FAILED_KEY, "", str(rank)).decode() == str(rank)
+    except RuntimeError:  # DistStoreError, a closed connection
+        return True
