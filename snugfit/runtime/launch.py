@@ -249,11 +249,20 @@ def _run_torchrun(args: list[str], rdzv_endpoint: str | None) -> int:
         by_status: dict[int, list[int]] = {}
         for rank, failure in sorted(e.failures.items()):
             by_status.setdefault(failure.exitcode, []).append(rank)
-        said = "; ".join(f"exit {code} on {_ranks(ranks)}" for code, ranks in by_status.items())
+        said = "; ".join(f"{_status(code)} on {_ranks(ranks)}" for code, ranks in sorted(by_status.items(),
+                                                                                     key=lambda cr: cr[0] < 0))
         log.error("launch failed: %s", said)
         first = min(e.failures.values(), key=lambda f: (f.timestamp, f.exitcode == -signal.SIGTERM))
         return first.exitcode or 1
     return 0
+
+
+def _status(code: int) -> str:
+    """'exit 2', or 'SIGTERM' for a rank a signal ended (torchrun stops the others when one fails)."""
+    try:
+        return f"exit {code}" if code >= 0 else signal.Signals(-code).name
+    except ValueError:
+        return f"exit {code}"
 
 
 def _ranks(ranks: list[int]) -> str:
