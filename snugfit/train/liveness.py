@@ -56,9 +56,10 @@ class Heartbeat:
         again = (f"the last checkpoint is {checkpoint}: restart with --resume, or --max-restarts N to do so by itself"
                  if checkpoint else "no checkpoint yet: restart from the beginning, or with --max-restarts N to do "
                  "so by itself")
+        when = f"after step {steps[behind]}" if steps[behind] >= 0 else "before finishing a step"
         raise SnugfitError(
-            f"rank {behind} stopped answering after step {steps[behind]} ({silence} while this rank ran step "
-            f"{step + 1}); {again}") from None
+            f"rank {behind} stopped answering {when} ({silence} while this rank ran step {step + 1}); {again}"
+        ) from None
 
 def first_to_fail(rank: int, world_size: int) -> bool:
     """Claim the run's failure for this rank in the job's store: True for the first rank that fails, which says
