@@ -89,7 +89,7 @@ def test_ranks_torchrun_starts_itself_search_on_rank_0_and_fail_in_one_line(tmp_
     assert proc.returncode != 0
     assert _error_lines(proc) == ["error: --plan auto: global batch 1 cannot be split into micro-batch x "
                                   "microbatches x dp on 2 ranks (a pipeline needs at least pp microbatches); a "
-                                  "global batch of 2 (--batch-size 2) can be, or launch fewer ranks"], proc.stderr[-2000:]
+                                  "global batch of 2 (--batch-size 2) can be, or use fewer ranks"], proc.stderr[-2000:]
     assert "[rank1]" not in proc.stderr  # torchrun prefixes a rank's traceback with it
 
 

@@ -73,7 +73,7 @@ def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate
         least_bytes, _, option = need(least)
         if least_bytes > budget:
             reason = (f"needs {least_bytes / 2**30:.1f} GiB per GPU even with micro-batch {least.mbs} and every block "
-                      f"{describe(option)}, has {budget / 2**30:.1f}")
+                      f"{describe(option, dp=least.dp)}, has {budget / 2**30:.1f}")
         else:
             t = min(x.score if x.solved else x.lower for x in members)
             reason = (f"slower: at best {t:.3g} s/step (knapsack) vs {best_time:.3g}" if best_time <= t < INF else

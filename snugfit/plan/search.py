@@ -352,7 +352,8 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
         fix = f"a global batch of {larger} (--batch-size {larger}) can be" if larger else "drop fixed parts"
         raise NoPlanError(f"global batch {global_batch} cannot be split into micro-batch x microbatches x dp on "
                           f"{unit_of(cluster, cluster.world_size)}" + (f" with {fixed}" if fixed else "")
-                          + f" (a pipeline needs at least pp microbatches); {fix}, or launch fewer ranks", res)
+                          + f" (a pipeline needs at least pp microbatches); {fix}, or use fewer "
+                          + unit_of(cluster, 0).split()[1], res)
     for x in cands:
         x.lower = srch.lower_bound(x)
     found = best_first(srch, cands, 1 + max(alternatives, EXPLORED))

@@ -2,9 +2,9 @@
 
 Every collective and transfer waits at most `parallel.timeout_s` (runtime/dist.py), so a stopped or lost
 rank already turns into an exception on the others; but gloo's and NCCL's messages name a socket or an
-operation, not the rank. Each rank therefore writes the last step it finished into the job's store (the
-rendezvous store the launcher holds, alive whatever the ranks do) after every step; when a step fails for
-lack of an answer, the rank that is behind is the one that stopped.
+operation, not the rank. Each rank therefore writes the last step it finished into the job's store (the store
+the launcher of rank 0's node holds for the ranks, alive whatever the ranks do) after every step; when a step
+fails for lack of an answer, the rank that is behind is the one that stopped.
 """
 
 from __future__ import annotations
@@ -24,6 +24,18 @@ class Heartbeat:
         self.rank, self.world_size = rank, world_size
         multi = dist.is_initialized() and world_size > 1
         self.store = dist.distributed_c10d._get_default_store() if multi else None  # torch has no public getter
+        self.store_lost = False  # found gone (explain): asking it again only adds c10d's warnings
+
+    def first_to_fail(self) -> bool:
+        """Claim the run's failure for this rank: True for the first rank that fails, which says why; False for
+        the ranks whose failure followed from it (a rank that left closes their connections), which exit quietly.
+        True where no store can tell: one process, or the store went down with its node."""
+        if self.store is None or self.store_lost:
+            return True
+        try:
+            return self.store.compare_set(FAILED_KEY, "", str(self.rank)).decode() == str(self.rank)
+        except RuntimeError:  # DistStoreError, a closed connection
+            return True
 
     def beat(self, step: int) -> None:
         if self.store is not None:
@@ -45,11 +57,12 @@ class Heartbeat:
         try:
             steps = self.last_steps()
         except RuntimeError:  # the store went down with the launcher that holds it: that node is gone
+            self.store_lost = True
             again = (f"the last checkpoint is {checkpoint}: restart every node with --resume" if checkpoint else
                      "no checkpoint yet: restart every node from the beginning")
             raise SnugfitError(
-                f"lost the job's store while this rank ran step {step + 1}: the node whose launcher holds it "
-                f"(--rdzv-endpoint) is gone; {again}") from None
+                f"lost the job's store while this rank ran step {step + 1}: rank 0's node, whose launcher holds it, "
+                f"is gone; {again}") from None
         behind = min((r for r in steps if r != self.rank), key=lambda r: (steps[r], r))
         timed_out = any(s in str(err).lower() for s in ("timed out", "timeout"))
         silence = f"nothing for {timeout_s:.0f} s" if timed_out else "its connection closed"
@@ -60,15 +73,3 @@ class Heartbeat:
         raise SnugfitError(
             f"rank {behind} stopped answering {when} ({silence} while this rank ran step {step + 1}); {again}"
         ) from None
-
-def first_to_fail(rank: int, world_size: int) -> bool:
-    """Claim the run's failure for this rank in the job's store: True for the first rank that fails, which says
-    why; False for the ranks whose failure followed from it (a rank that left closes their connections), which
-    exit quietly. True where no store can tell: one process, or the store went down with its node."""
-    if not (dist.is_initialized() and world_size > 1):
-        return True
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        return store.compare_set(FAILED_KEY, "", str(rank)).decode() == str(rank)
-    except RuntimeError:  # DistStoreError, a closed connection
-        return True

@@ -28,7 +28,7 @@ from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import (
     MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields, resident_bytes, resident_record,
 )
-from snugfit.train.liveness import Heartbeat, first_to_fail
+from snugfit.train.liveness import Heartbeat
 from snugfit.train.preemption import StopRequests
 
 log = logging.getLogger("snugfit")
@@ -120,12 +120,13 @@ def train(cfg: RunConfig) -> TrainResult:
     at_start = resident_bytes()[0]  # before the model: the run's own memory is what grows above it
     stops = StopRequests(cfg.train.save_on_signal, cfg.parallel.timeout_s)  # from the start: a signal during set-up stops after step 1
     env = init_distributed(cfg.parallel.timeout_s)
+    heartbeat = Heartbeat(env.rank, env.world_size)
     try:
-        return _train(cfg, env, stops, at_start)
-    except Stopped:
+        return _train(cfg, env, stops, at_start, heartbeat)
+    except (Stopped, PeerFailed):  # said by rank 0 / by the rank that failed first
         raise
     except Exception as err:  # one line from the rank that failed first; the others, failing for it, say nothing
-        if not first_to_fail(env.rank, env.world_size):
+        if not heartbeat.first_to_fail():
             raise PeerFailed(str(err)) from None
         raise
     finally:
@@ -135,7 +136,8 @@ def train(cfg: RunConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int) -> TrainResult:
+def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
+           heartbeat: Heartbeat) -> TrainResult:
     t = cfg.train
     t.dtype, why = run_dtype(t.dtype, env.device)
     if env.is_main:
@@ -196,7 +198,6 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int) -> 
     window: list[float] = []  # train_step seconds since the last log line
     bad_in_a_row, skipped_total, overflow_total = 0, 0, 0
     profile_checked = False  # the first measured steps against the prediction from this machine's profile
-    heartbeat = Heartbeat(env.rank, env.world_size)
     try:
         for step in range(start, t.steps):
             done = step + 1
@@ -360,7 +361,8 @@ def _report(cfg: RunConfig, out: Path, result: TrainResult, checkpoints: Checkpo
     last = result.val_losses.get(result.last_step)
     if first is not None and last is not None:
         log.info("validation loss %.4f -> %.4f (%.0f%% lower)", first, last, 100 * (1 - last / first))
-    log.info("peak resident memory per process (MiB): %s", " ".join(f"{b / 2**20:.0f}" for b in end["peak_resident_bytes"]))
+    log.info("peak resident memory per process (MiB): %s",
+             " ".join(f"{b / 2**20:.0f}" for b in end["peak_resident_bytes"]))
     log.info("metrics: %s", out / "metrics.jsonl")
     if plot:
         log.info("loss curve: %s", plot)
