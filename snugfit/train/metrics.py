@@ -36,8 +36,11 @@ class MetricsLog:
 
 
 def _summary_writer(folder: Path):
+    from snugfit.quiet import quiet_imports
+
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        with quiet_imports():
+            from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise SnugfitError("train.tensorboard needs the tensorboard package: pip install 'snugfit[tensorboard]', "
                            "or set train.tensorboard = false") from None
