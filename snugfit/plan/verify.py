@@ -107,7 +107,7 @@ def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candid
 
 
 def rescue(srch: Searcher, cands: list[Candidate], found: list[Candidate]) -> list[Candidate]:
-    """Candidates that fit in families where the knapsack found nothing that does. Near the memory boundary its
+    """Candidates that fit in families whose every solved member the knapsack turned down. Near the memory boundary its
     over-counting decides: it rounds each block up to a bucket and puts the largest piece's working peak beside
     everything the stage holds, so Llama-3.1-8B QLoRA r32 on one RTX 4090 stopped at 67,072 tokens where
     estimate() fits the same plan up to 71,424 (the over-count is about a GiB there, and a third of a 2 GiB budget
@@ -116,7 +116,8 @@ def rescue(srch: Searcher, cands: list[Candidate], found: list[Candidate]) -> li
     found (RESCUES at most: each is a full estimate()); each that fits is polished with what the knapsack
     over-counted for it given back. The estimated
     peaks are kept (`Candidate.estimated_need`): the report names estimate()'s figure for what does not fit."""
-    fitting = {x.family for x in found}
+    # families the knapsack turned down: some member solved, none with a plan (the others were not reached)
+    turned_down = {x.family for x in cands if x.solved} - {x.family for x in cands if x.plan is not None or x.fits}
     fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
     needs: dict[int, float] = {}
 
@@ -125,7 +126,7 @@ def rescue(srch: Searcher, cands: list[Candidate], found: list[Candidate]) -> li
             needs[id(x)] = srch.need(x)[0]
         return needs[id(x)]
 
-    families = dict.fromkeys(x.family for x in cands if x.family not in fitting)
+    families = dict.fromkeys(x.family for x in cands if x.family in turned_down)
     nearest = [nearest_to_fitting([x for x in cands if x.family == fam], need) for fam in families]
     near = [x for x in nearest if x.lower < fastest and need(x) <= srch.budget * (1 + RESCUE_MARGIN)]
     rescued = []
