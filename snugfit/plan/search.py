@@ -229,15 +229,17 @@ class Searcher:
             return
         tables, opts_of, ropts_of = [], [], []
         for s in range(pp):
-            st, blk, roots, opts, ropts, r = self._stage(cand, s)
-            opts = self._host_fits(cand, st, blk, roots, opts, r)
-            ropts = self._host_fits(cand, st, None, roots, ropts, r)
+            st, blk, roots, every_opt, every_ropt, r = self._stage(cand, s)
+            # the working peak over every option, not only those the host RAM allows: more RAM (more options)
+            # would otherwise leave the knapsack less room for all (and these lists are cached: their ids are keys)
+            cap = usable(st.gpu, self.budget) - st.working_peak(blk, roots, every_opt, every_ropt, cand.m) - slack
+            opts = self._host_fits(cand, st, blk, roots, every_opt, r)
+            ropts = self._host_fits(cand, st, None, roots, every_ropt, r)
             opts_of.append(opts)
             ropts_of.append(ropts)
             rcost = None
             if roots:
                 rcost = [st.root(roots, o) for o in ropts]
-            cap = usable(st.gpu, self.budget) - st.working_peak(blk, roots, opts, ropts, cand.m) - slack
             tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [buffer_kinds(o) for o in opts],
                                    [int(o.zero == 3) for o in ropts], resident=r, m=cand.m, cap=cap, n_max=n_max,
                                    buffers=self._buffers(cand), buckets=buckets))
@@ -257,8 +259,8 @@ class Searcher:
         """Without a pipeline, the fastest plan of one option for every block that fits, counted exactly. The
         knapsack rounds each block's memory up to its resolution, which can lose every plan where the blocks hold
         little beside a large root and working set (long contexts with offloaded checkpoints)."""
-        st, blk, roots, _, _, r = self._stage(cand, 0)
-        walk = st.working_peak(blk, roots, opts, ropts, cand.m)
+        st, blk, roots, every_opt, every_ropt, r = self._stage(cand, 0)
+        walk = st.working_peak(blk, roots, every_opt, every_ropt, cand.m)  # as solve() counts it
         cap = usable(st.gpu, self.budget) - walk - slack
         best = None
         for o in opts:
