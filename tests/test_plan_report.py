@@ -104,3 +104,19 @@ def test_a_tie_is_broken_openly():
     text = format_result(res, cluster)
     assert (f"within rounding of the fastest ({faster.predicted.tokens_per_s:,.0f} tokens/s below); chosen for less "
             "memory") in text
+
+
+def test_the_local_machine_is_planned_with_its_real_ram(monkeypatch):
+    """`snugfit train` (and `snugfit plan --nproc N`) plan the ranks of this machine: its RAM as the system reports
+    it, not assumed, even before `snugfit profile-hardware` measured the rest of it."""
+    import torch
+
+    import snugfit.hardware.cluster as cluster_module
+    from snugfit.hardware.catalogue import host_ram
+    from snugfit.train.autoplan import cluster_here
+
+    monkeypatch.setattr(cluster_module, "load_local", lambda: None)  # nothing measured yet
+    for cluster in (parse_cluster("2xcpu"), cluster_here(torch.device("cpu"), 2, 2)):
+        host = cluster.nodes[0].host
+        assert host.ram_bytes == host_ram() > 0 and not host.ram_assumed
+    assert parse_cluster("2xRTX4090").nodes[0].host.ram_assumed  # a catalogue cluster: 256 GiB, assumed

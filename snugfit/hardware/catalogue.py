@@ -111,6 +111,14 @@ class Host:
     ram_assumed: bool = False
 
 
+def host_ram() -> int:
+    """This machine's physical memory in bytes."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
 def _gpu(name, mem_gb, fp32, tf32, bf16, fp16, hbm, pcie, nvlink=None, inter="eth-25g", p2p=True) -> GPU:
     tflops = {"float32": fp32, "tf32": tf32, "bfloat16": bf16, "float16": fp16}
     return GPU(name, int(mem_gb * GiB), {k: v for k, v in tflops.items() if v}, hbm, pcie, nvlink, inter, p2p=p2p)

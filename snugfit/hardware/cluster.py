@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
-from snugfit.hardware.catalogue import GPUS, GPU, Host, Link, get_gpu, get_link, load_local
+from snugfit.hardware.catalogue import GPUS, GPU, Host, Link, get_gpu, get_link, host_ram, load_local
 
 
 @dataclass
@@ -100,8 +100,7 @@ def make_node(gpu_name: str, count: int, intra: str | None = None, pcie: str | N
     gpu = (custom or {}).get(gpu_name) or get_gpu(gpu_name)
     if gpu.name == "cpu":
         local = load_local()
-        host = host or (local.host if local else Host(ram_bytes=gpu.memory_bytes, adam_params_per_s=1e9, cores=2,
-                                                      ram_assumed=True))
+        host = host or (local.host if local else Host(ram_bytes=host_ram(), adam_params_per_s=1e9, cores=2))
         intra = intra or "gloo-loopback"
         pcie_link = Link("host-memory", gpu.hbm_gbps, 0.0)  # offload on a CPU "device" is a memcpy
         return Node(gpu, count, get_link(intra), get_link(pcie) if pcie else pcie_link, host)

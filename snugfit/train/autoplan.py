@@ -34,8 +34,8 @@ def cluster_here(device: torch.device, world_size: int, per_node: int) -> Cluste
     is unknown and must be measured."""
     if device.type == "cpu":
         return parse_cluster(f"{world_size}xcpu")
-    from snugfit.hardware.catalogue import Host, Link, gpu_for_device, load_local, measured_card
-    from snugfit.calibrate.hardware import host_ram, measure_accelerator
+    from snugfit.hardware.catalogue import Host, Link, gpu_for_device, host_ram, load_local, measured_card
+    from snugfit.calibrate.hardware import measure_accelerator
     from snugfit.runtime.dist import disable_p2p_without_peer_access
 
     nodes = world_size // per_node if world_size % per_node == 0 else 1
