@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 from snugfit.errors import SnugfitError
-from snugfit.quiet import quiet_imports
 from snugfit.profile.types import NF4_BLOCK, NF4_SCALER_BLOCK
+from snugfit.quiet import quiet_imports
 
 
 def _nf4():

@@ -116,6 +116,6 @@ def next_splittable_batch(prof: ModelProfile, cluster: Cluster, global_batch: in
                  if outer_candidates(prof, cluster, b, c)), None)
 
 
-def unit_of(cluster: Cluster, n: int) -> str:
-    """'32 GPUs', or '32 ranks' for CPU ranks."""
-    return f"{n} {'ranks' if all(node.gpu.name == 'cpu' for node in cluster.nodes) else 'GPUs'}"
+def ranks_word(cluster: Cluster) -> str:
+    """What the cluster's ranks are called in messages: 'GPUs', or 'ranks' for CPU ranks."""
+    return "ranks" if all(node.gpu.name == "cpu" for node in cluster.nodes) else "GPUs"

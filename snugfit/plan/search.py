@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import astuple, replace
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.candidates import Candidate, next_splittable_batch, outer_candidates, unit_of
+from snugfit.plan.candidates import Candidate, next_splittable_batch, outer_candidates, ranks_word
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE, tensor_parallel_problem
 from snugfit.plan.knapsack import (
@@ -379,9 +379,9 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
         larger = next_splittable_batch(profile, cluster, global_batch, c)
         fix = f"a global batch of {larger} (--batch-size {larger}) can be" if larger else "drop fixed parts"
         raise NoPlanError(f"global batch {global_batch} cannot be split into micro-batch x microbatches x dp on "
-                          f"{unit_of(cluster, cluster.world_size)}" + (f" with {fixed}" if fixed else "")
-                          + f" (a pipeline needs at least pp microbatches); {fix}, or use fewer "
-                          + unit_of(cluster, 0).split()[1], res)
+                          f"{cluster.world_size} {ranks_word(cluster)}" + (f" with {fixed}" if fixed else "")
+                          + f" (a pipeline needs at least pp microbatches); {fix}, or use fewer {ranks_word(cluster)}",
+                          res)
     for x in cands:
         x.lower = srch.lower_bound(x)
     found = best_first(srch, cands, 1 + max(alternatives, EXPLORED))
