@@ -82,8 +82,9 @@ def train(env: DistEnv, ckpt: str | None) -> dict:
         out[name] = {"losses": losses, "peak": peak}
         if ckpt is not None:
             dcp.save(engine.state_dict(), checkpoint_id=f"{ckpt}/{name}")
-            out[name]["weights"] = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-                                    for n, p in engine.model.named_parameters()}
+            # numpy, not tensors: a spawned rank's tensors come back through shared memory gone with the rank
+            out[name]["weights"] = {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach())
+                                    .float().numpy().copy() for n, p in engine.model.named_parameters()}
     return out
 
 
@@ -122,7 +123,7 @@ def resume_at_one_rank(env: DistEnv, ckpt: str, weights: dict) -> dict:
         dcp.load(state, checkpoint_id=f"{ckpt}/{name}")
         engine.load_state_dict(state)
         for n, p in engine.model.named_parameters():
-            assert torch.equal(local(p).detach(), weights[name][n]), (name, n)
+            assert torch.equal(local(p).detach().float(), torch.from_numpy(weights[name][n])), (name, n)
         out[name] = [engine.train_step(b).loss for b in batches(2, BATCH, seed=2)]
     return out
 

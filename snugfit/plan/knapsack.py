@@ -55,7 +55,9 @@ class Cost:
     t_step: float  # seconds once per step (optimizer, gradient reduction)
     host: int = 0  # host bytes held all step (offloaded parameters, gradients, optimizer states)
     host_act: int = 0  # host bytes per resident microbatch (offloaded activations)
-    at_step: int = 0  # device bytes only around the root's step, the step's last moment (its streamed states)
+    # the root's: what its reduce and step, the backward's last moment, hold beyond `static` (its streamed states, less
+    # its gathered copy, freed before the reduce)
+    at_root: int = 0
 
     def mem(self, resident: float, m: int) -> float:
         return self.static + (self.grads if m > 1 else self.grads_reduced) + resident * self.act
@@ -191,15 +193,15 @@ class StageCosts:
     def _cost(self, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> Cost:
         sps = [StagePiece(p, o, p.num_params) for p in pieces]
         block = sps[0].is_block
-        static = reduced = grads = host_bytes = act = host_act = at_step = 0
+        static = reduced = grads = host_bytes = act = host_act = at_root = 0
         for sp in sps:
             dev, host = param_state(self.stub, sp)
             reduced += dev.pop("gradients", 0)  # the reduced shard: below the unsharded gradients the peak holds
             static += sum(dev.values())
             if not block and o.zero == 3:  # the root's gathered copy stays from forward through backward
                 static += gathered_bytes(self.stub, sp)
-            if not block and o.stream_states:  # the root's states on the device around its step, the last
-                at_step += host.get("optimizer_states", 0)
+            if not block:  # at its reduce FSDP2 has freed its gathered copy; its streamed states come for its step
+                at_root += host.get("optimizer_states", 0) * o.stream_states - gathered_bytes(self.stub, sp)
             grads += accumulating_grad_bytes(self.stub, sp)
             host_bytes += sum(host.values())
             act += device_saved(sp)
@@ -233,7 +235,7 @@ class StageCosts:
         if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
             t_mb, reduce = t_mb + reduce, 0.0
         return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act,
-                    at_step)
+                    at_root)
 
 
 def pareto(items: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:

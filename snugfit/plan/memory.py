@@ -415,9 +415,14 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
             if total > best_total:
                 best_total, best = total, Peak(last_backward_held + m.saved_before + window, grads, at_reduce,
                                                m.reduce_input, 0, m.unit, states)
+        if in_backward:  # the tracker samples each unit's step (FSDP2's reduce buffers are out of its sight)
+            held = {"activations": last_backward_held + m.saved_before, "gradients": moments[-1][0],
+                    "buffers": at_reduce, "optimizer_states": moments[-1][1]}
+            if sum(held.values()) > sum(step.values()):
+                step = held
     cats = dict(static)
     notes: list[str] = []
-    if sum(step.values()) >= best_total + window:
+    if not in_backward and sum(step.values()) >= best_total + window:
         _add(cats, step)
         notes.append(f"rank {rank}: peak at the optimizer step")
     else:

@@ -203,7 +203,7 @@ class Searcher:
                      + sum(st.cost(p, ro).mem(r, cand.m) for p in roots)
                      + share * st.cost(blk, b).mem(r, cand.m) + self._extra(cand, b))
             at_root_reduce = (static + share * st.cost(blk, b).grads_reduced + st.root_reduce(roots, cand.m)
-                              + sum(st.cost(p, ro).at_step for p in roots)
+                              + sum(st.cost(p, ro).at_root for p in roots)
                               + (self._buffers(cand)[0] / 2 if b.zero == 3 else 0))  # one zero-3 block prefetched
             total = max(total, at_root_reduce)
             if with_reserve(st.gpu, total) > worst[0]:
@@ -282,7 +282,7 @@ class Searcher:
                 block, root = st.cost(blk, o), st.root(roots, ro)
                 mem = (self.n * block.mem(r, cand.m) + root.mem(r, cand.m)
                        + buffer_bytes(self._buffers(cand), buffer_kinds(o) | int(ro.zero == 3)))
-                at_root_reduce = (self.n * (block.static + block.grads_reduced) + root.static + root.at_step
+                at_root_reduce = (self.n * (block.static + block.grads_reduced) + root.static + root.at_root
                                   + st.root_reduce(roots, cand.m) + (self._buffers(cand)[0] / 2 if o.zero == 3 else 0))
                 mem = max(mem, at_root_reduce - walk)
                 t = self.n * block.time(cand.m) + root.time(cand.m)

@@ -45,10 +45,6 @@ class PieceProfile:
     saved_bytes: dict[str, int] = field(default_factory=dict)  # activation policy (plan.ACTIVATION_POLICIES) -> bytes
     fwd_peak_bytes: int = 0  # peak live bytes during forward, above what was live at its start
     bwd_peak_bytes: int = 0  # same for backward (includes this piece's fresh gradients)
-    # of which the part no micro-batch size changes (fresh gradients; the chunked loss's logits, one chunk of
-    # tokens at any batch): the intercept of a second recording at twice the micro-batch; -1: not recorded
-    fwd_peak_fixed_bytes: int = -1
-    bwd_peak_fixed_bytes: int = -1
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_mem_bytes: float = 0.0  # bytes moved by memory-bound (non-matmul) ops
@@ -71,6 +67,11 @@ class PieceProfile:
     # elements of each trainable parameter of 2 dimensions or more: whether torchao quantizes a tensor's optimizer
     # states depends on its size (plan.optimizer); the rest of the trainable elements are 1-D
     matrices: list[int] = field(default_factory=list)
+    # of fwd_peak_bytes and bwd_peak_bytes, the part no micro-batch size changes (fresh gradients; the chunked
+    # loss's logits, one chunk of tokens at any batch): the intercept of a second recording at twice the
+    # micro-batch (profile.profile_module); -1: not recorded
+    fwd_peak_fixed_bytes: int = -1
+    bwd_peak_fixed_bytes: int = -1
 
     @property
     def num_trainable(self) -> int:
