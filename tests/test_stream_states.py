@@ -38,29 +38,35 @@ UPDATES = {
 }
 
 
-def plan_for(dp: int, name: str) -> Plan:
+def plan_for(dp: int, name: str, pp: int = 1) -> Plan:
+    """ZeRO-3 over dp; with a pipeline, each rank's two microbatches reduced as they come (the step in backward
+    needs it)."""
     block, root, optimizer = UPDATES[name]
     zero = 3 if dp > 1 else 0
-    return Plan.uniform(CFG.n_layers, dp=dp, block=BlockPlan(**{**vars(block), "zero": zero}),
-                        root=BlockPlan(**{**vars(root), "zero": zero}), micro_batch_size=BATCH // dp, seq_len=SEQ,
-                        optimizer=optimizer)
+    m = 2 if pp > 1 else 1
+    return Plan.uniform(CFG.n_layers, dp=dp, pp=pp, block=BlockPlan(**{**vars(block), "zero": zero}),
+                        root=BlockPlan(**{**vars(root), "zero": zero}), micro_batch_size=BATCH // dp // m,
+                        num_microbatches=m, seq_len=SEQ, optimizer=optimizer,
+                        grad_reduce="microbatch" if pp > 1 else "step")
 
 
-def run(env: DistEnv) -> dict:
+def run(env: DistEnv, pp: int = 1) -> dict:
     """Each update's full weights after STEPS steps, and the tracker's peak of its second step."""
-    dp, out = env.world_size, {}
+    dp, out = env.world_size // pp, {}
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
     for name in UPDATES:
         torch.manual_seed(0)
-        engine = build_engine(Decoder(CFG), plan_for(dp, name), OptimConfig(lr=1e-2, grad_clip=0.0), env)
+        plan = plan_for(dp, name, pp)
+        engine = build_engine(Decoder(CFG), plan, OptimConfig(lr=1e-2, grad_clip=0.0), env)
+        dp_rank = plan.layout.coords(env.rank)[1]
         peak = None
         for step, batch in enumerate(batches):
-            engine.train_step(batch[env.rank * BATCH // dp:(env.rank + 1) * BATCH // dp])
+            engine.train_step(batch[dp_rank * BATCH // dp:(dp_rank + 1) * BATCH // dp])
             peak = engine.memory.peak() if step == 1 else peak
         if engine.host is not None:
             engine.host.wait()
-        state = engine.state_dict()["model"]  # host masters where they are
+        state = engine.state_dict()["model"]  # host masters where they are (a pipeline rank: its stages' only)
         # numpy, not tensors: a spawned rank's tensors come back through shared memory gone with the rank
         out[name] = {"weights": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().numpy()
                                  .copy() for k, v in state.items()}, "peak": peak}
@@ -92,6 +98,17 @@ def test_streamed_states_and_the_step_in_backward_match_host_adamw_at_1_rank():
 
 def test_streamed_states_and_the_step_in_backward_match_host_adamw_at_2_ranks():
     check(run_ranks(run, 2), 2)
+
+
+def test_the_step_in_backward_and_streamed_states_through_a_pipeline_at_4_ranks():
+    """pp 2 x dp 2 (ZeRO-3), 1F1B, every microbatch reduced: each unit steps after its last microbatch's
+    backward, whichever order the schedule runs them in; the weights are host AdamW's."""
+    per_rank = run_ranks(run, 4, 2)
+    for name in UPDATES:
+        for first in (0, 2):  # the first rank of each pipeline rank holds its stage's weights
+            for key, want in per_rank[first]["host"]["weights"].items():
+                got = per_rank[first][name]["weights"][key]
+                assert np.allclose(got, want, rtol=1e-5, atol=1e-6), (name, key, abs(got - want).max())
 
 
 def test_the_search_never_streams_states_on_cpu_ranks():

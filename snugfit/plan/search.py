@@ -393,6 +393,10 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     res = SearchResult(None, budget_bytes=budget, candidates=len(cands))
     if not cands:
         fixed = ", ".join(f"{k}={v}" for k, v in c.fixed().items()) or "none"
+        if optimizer is not None and optimizer.in_backward and c.grad_reduce == "step":
+            raise NoPlanError(f"the step in backward needs one microbatch per step or gradients reduced every "
+                              f"microbatch, and global batch {global_batch} takes several under --grad-reduce step; "
+                              "set --grad-reduce microbatch", res)
         raise NoPlanError(f"global batch {global_batch} is not divisible into micro-batch x microbatches x dp "
                           f"on {cluster.world_size} GPUs with the fixed parts ({fixed})", res)
     for x in cands:

@@ -80,7 +80,8 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
             raise SnugfitError(
                 f"plan {cfg.parallel.plan} updates {o.master_weights} weights with {o.states} states"
                 f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
-                f"{o.master_weights} --optimizer-states {o.states} --optimizer-in-backward {str(o.in_backward).lower()}")
+                f"{o.master_weights} --optimizer-states {o.states} "
+                f"--optimizer-in-backward {str(o.in_backward).lower()}")
         return plan
     if t.batch_size % env.world_size:
         raise SnugfitError(f"train.batch_size ({t.batch_size}) must be divisible by the {env.world_size} ranks")
