@@ -7,10 +7,10 @@ Not written here: torchao's quantized states and stochastic rounding are the rea
 
 Checkpoints hold every state as fp32, laid out as its parameter (a DTensor DCP reshards): quantized and bf16 states
 are dequantized on the way out (on host, one tensor at a time) and quantized again on the way in by copying into the
-live states. Dequantizing and quantizing again gives back the same codes (each block's largest element maps to the
-code of 1.0, so its scale comes back), so a resumed run continues as the uninterrupted one; and a checkpoint loads
-under another world size (torchao quantizes a shard only if it has at least 4096 elements its block divides, so
-the same tensor can be quantized at one size and plain at another) or another optimizer setup.
+live states. Quantizing the saved values again gives back the same scales and codes (`_dense_on_host`), so a run
+resumed at the same world size continues as the uninterrupted one, bit for bit; and a checkpoint loads under another
+world size (torchao quantizes a shard only if it has at least 4096 elements its block divides, so the same tensor
+can be quantized at one size and plain at another) or another optimizer setup.
 """
 
 from __future__ import annotations
@@ -174,10 +174,20 @@ def saved_state(state: dict, p: torch.Tensor, copy: bool = False) -> dict:
 
 
 def _dense_on_host(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of a state on host, laid out as p."""
+    """An fp32 copy of a state on host, laid out as p. Quantizing it again must give back the same scales and codes:
+    a block's scale is its largest magnitude, which maps to the code of 1.0, but a signed lookup table ends at 1.0
+    and not at -1.0, so a block whose largest element was negative holds no element at its scale any more, and would
+    come back with a smaller scale and codes moved. Its most negative element is saved at minus the scale instead
+    (a change under 1%, and the code it quantizes to is its own)."""
     on_host = local(value).to("cpu")  # torchao's states move with their codes and scales
-    dense = on_host.dequantize() if type(on_host) is not torch.Tensor else on_host
-    return _host_dtensor_like(dense.to(torch.float32).clone(), p)
+    if type(on_host) is torch.Tensor:
+        return _host_dtensor_like(on_host.to(torch.float32).clone(), p)
+    dense = on_host.dequantize().to(torch.float32).contiguous()
+    blocks, scale = dense.view(-1, on_host.block_size), on_host.scale.float().view(-1, 1)
+    lowest, low = blocks.min(dim=1, keepdim=True)
+    negative = (blocks.max(dim=1, keepdim=True)[0] < scale) & (lowest < 0)
+    blocks.scatter_(1, low, torch.where(negative, -scale, lowest))
+    return _host_dtensor_like(dense, p)
 
 
 @torch.no_grad()
