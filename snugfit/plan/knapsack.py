@@ -313,6 +313,7 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root
     every = 0
     for k in [*kinds, *root_kinds]:
         every |= k
+
     for mask in [x for x in range(1 << len(buffers)) if x & ~every == 0]:
         c = cap - buffer_bytes(buffers, mask)
         if c <= 0:
@@ -323,13 +324,21 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root
         if not items:
             continue
         w = [math.ceil(x / unit) for x, _, _ in items]
-        f, root_sol = np.zeros(buckets + 1), None
+        f, root_sol, ritems = np.zeros(buckets + 1), None, []
         if root is not None:
             ritems = pareto([(r.mem(resident, m), r.time(m), i) for i, r in enumerate(root)
                              if root_kinds[i] & ~mask == 0])
             ritems = [it for it in ritems if it[0] <= c]
             if not ritems:
                 continue
+        used = 0
+        for it in items:
+            used |= kinds[it[2]]
+        for it in ritems:
+            used |= root_kinds[it[2]]
+        if used != mask:  # a buffer no option worth taking needs: the mask without it does better
+            continue
+        if root is not None:
             f, arg = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems], buckets)(f)
             root_sol = (arg, ritems)
         args, layer = [], _Layer(items, w, buckets)

@@ -108,7 +108,9 @@ def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan
             if (c.offload_optimizer is not None and (mode == "optimizer") != c.offload_optimizer) or \
                     (dp == 1 and c.zero is None and z not in ((3,) if mode == "params" else (0, 3))):
                 continue
-            if mode == "stream" and c.offload_optimizer is False:  # "none": every unit's states on the device
+            # streaming states pays where the device is short of memory, where ZeRO-3 holds the least too (and at
+            # dp 1 costs no communication); "none": every unit's states on the device
+            if mode == "stream" and (c.offload_optimizer is False or z != 3):
                 continue
             out += [BlockPlan(z, mode == "optimizer", mode == "params", a, stream_states=mode == "stream")
                     for a in acts]
