@@ -26,7 +26,7 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
               master cast to the compute dtype, staged for the copy back).
   offload_params (zero 3): shard, gradient shard and states on host.
   stream_states: the states on host; the update runs on the device, which holds two units' states around each
-              unit's step (the one stepping, the next copied in), the `stream_window`.
+              unit's step (the one stepping, the next copied in): `stream_windows`.
 
 Activations: each (stage, microbatch) a rank holds costs the bytes its pieces save
 under their policy (profile.saved_bytes; "offload" and "recompute_offload" keep
