@@ -35,11 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to sys.stdout as it is when a message is logged, not as it was when main() first ran: a caller that
+    swaps it (pytest's capture, between two main() calls in one process) never leaves the logger a closed file."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 def _setup_logging(rank: int) -> None:
     """snugfit's own messages on rank 0; libraries stay quiet."""
     logger = logging.getLogger("snugfit")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("snugfit: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)

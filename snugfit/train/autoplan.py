@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from snugfit.config import RunConfig
+from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import PeerFailed, SnugfitError
 from snugfit.hardware.cluster import Cluster, Node, get_link, make_node, parse_cluster
 from snugfit.plan import Plan, PlanError
@@ -169,12 +169,14 @@ def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Pl
     t = cfg.train
     profile = _profile(cfg, 1, device)
     try:
-        res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0)
+        res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0,
+                     optimizer=optimizer_plan(t))
     except NoPlanError as e:
         if not e.result.candidates:
             raise SnugfitError(f"--plan auto: {e}") from None
         advice = advise(profile, cluster, global_batch=t.batch_size, constraints=fixed, memory_budget=None,
-                        result=e.result)  # the binding limit and the smallest change that lifts it, first
+                        result=e.result, optimizer=optimizer_plan(t))  # the binding limit and the smallest change
+        # that lifts it, first
         raise SnugfitError(f"--plan auto: {e}; {advice[0]}") from None
     try:  # what the ranks will check again: a plan for this model and these ranks
         res.best.validate(n_blocks=len(profile.blocks), world_size=cluster.world_size)

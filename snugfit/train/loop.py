@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from snugfit.config import RunConfig
+from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import PeerFailed, SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
@@ -79,7 +79,8 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         )
     return Plan.uniform(
         model_cfg.n_layers, dp=env.world_size, micro_batch_size=micro, num_microbatches=per_rank // micro,
-        seq_len=t.seq_len, compute_dtype=t.dtype,
+        seq_len=t.seq_len, compute_dtype=t.dtype, optimizer=optimizer_plan(t),
+        grad_reduce="microbatch" if t.optimizer_in_backward else "step",  # the step in backward needs it
     )
 
 
@@ -101,6 +102,13 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
         plan.validate(n_blocks=model_cfg.n_layers, world_size=env.world_size)
     except PlanError as e:
         raise SnugfitError(f"{what}: {e}") from None
+    if plan.optimizer != optimizer_plan(t):
+        o = plan.optimizer
+        raise SnugfitError(
+            f"{what} updates {o.master_weights} weights with {o.states} states"
+            f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
+            f"{o.master_weights} --optimizer-states {o.states} "
+            f"--optimizer-in-backward {str(o.in_backward).lower()}")
     return plan
 
 
