@@ -14,7 +14,7 @@ import torch
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
 from snugfit.runtime.engine import OptimConfig
-from snugfit.runtime.pipeline import build_pipeline_engine
+from snugfit.runtime.build import build_engine
 from snugfit.runtime.spawn import run_ranks
 
 VARIANTS = {"1f1b": ("1f1b", "keep"), "bpipe": ("bpipe", "keep"), "recompute-all": ("1f1b", "recompute")}
@@ -29,7 +29,7 @@ def _bench(env, args):
         plan = Plan.uniform(args.blocks, pp=4, schedule=schedule, block=BlockPlan(activations=policy),
                             micro_batch_size=args.mbs, num_microbatches=args.microbatches, seq_len=args.seq)
         torch.manual_seed(0)
-        engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env)
+        engine = build_engine(Decoder(cfg), plan, OptimConfig(), env)
         batch = torch.randint(0, args.vocab, (args.mbs * args.microbatches, args.seq + 1))
         engine.train_step(batch)  # warm-up (shape inference, allocator)
         start = time.perf_counter()

@@ -12,7 +12,7 @@ from snugfit.plan.simulate import action_order, simulate
 from snugfit.report.timeline import draw_timeline
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.engine import OptimConfig
-from snugfit.runtime.pipeline import build_pipeline_engine
+from snugfit.runtime.build import build_engine
 from tests.distributed import run_ranks
 
 SEQ, MICRO, PP = 8, 4, 2
@@ -33,7 +33,7 @@ def _traced(env, schedule: str) -> StepTrace:
     plan = _plan(schedule)
     cfg = ModelConfig(dim=32, n_layers=CONFIGS[schedule][1], n_heads=4, vocab_size=64, max_seq_len=SEQ)
     torch.manual_seed(0)
-    engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env)
+    engine = build_engine(Decoder(cfg), plan, OptimConfig(), env)
     batch = torch.randint(0, 64, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(1))
     trace = engine.trace = StepTrace()
     dist.barrier()

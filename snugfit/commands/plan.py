@@ -25,8 +25,9 @@ from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import dtype_for_cluster
 from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result, rank_runs
-from snugfit.plan.options import POLICY_ALIASES, fixed_parts, fixed_parts_of, refuse_fixed_parts_beside
-from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, BlockPlan, Plan, PlanError, Prediction
+from snugfit.plan.options import fixed_parts, fixed_parts_of, refuse_fixed_parts_beside
+from snugfit.plan.plan import DTYPES, BlockPlan, Plan, PlanError, Prediction
+from snugfit.plan.policies import ACTIVATION_POLICIES, ALIASES
 from snugfit.plan.search import NoPlanError, search
 from snugfit.profile.types import ModelProfile
 
@@ -52,7 +53,7 @@ class PlanOptions:
     tp: int = 1
     pp: int = 1
     schedule: str | None = None
-    virtual_stages: int = 1
+    virtual_stages: int | None = None  # None: as many as the schedule runs (one, or zbv's two)
     num_microbatches: int | None = None
     global_batch: int | None = None
     zero: int = 0
@@ -86,9 +87,9 @@ def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
         m = o.global_batch // per_step
     else:
         m = o.pp if o.pp > 1 else 1
-    policy = POLICY_ALIASES.get(o.recompute, o.recompute)
+    policy = ALIASES.get(o.recompute, o.recompute)
     if policy not in ACTIVATION_POLICIES:
-        raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {o.recompute!r}")
+        raise SnugfitError(f"--recompute must be one of {', '.join(ACTIVATION_POLICIES)}, got {o.recompute!r}")
     if o.offload_params and o.zero != 3:
         raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
     if o.offload_optimizer in (None, "", "0", "none"):
@@ -239,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if par.plan == "auto" and None not in (par.pp, micro, par.zero, par.recompute):  # whole: evaluate as written
         plan = plan_from_options(PlanOptions(
             seq=seq, micro_batch=micro, dp=par.dp, tp=par.tp or 1, pp=par.pp, schedule=par.schedule,
-            virtual_stages=par.virtual_stages or 1, num_microbatches=par.num_microbatches, global_batch=gb,
+            virtual_stages=par.virtual_stages, num_microbatches=par.num_microbatches, global_batch=gb,
             zero=par.zero, recompute=par.recompute, offload_optimizer=par.offload_optimizer,
             offload_params=bool(par.offload_params), dtype=dtype, reduce_dtype=args.reduce_dtype,
             evict_bound=par.evict_bound, grad_reduce=par.grad_reduce or "step"), n_blocks, cluster.world_size)

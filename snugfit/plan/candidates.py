@@ -16,6 +16,8 @@ from snugfit.plan.estimate import tensor_parallel_problem
 from snugfit.plan.knapsack import INF
 from snugfit.plan.options import Constraints
 from snugfit.plan.plan import Plan
+from snugfit.plan.policies import ACTIVATION_POLICIES
+from snugfit.plan.schedules import SCHEDULES, Schedule
 from snugfit.profile.types import ModelProfile
 
 MAX_MICRO_BATCH = 8
@@ -61,18 +63,20 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
     if all(n.gpu.name == "cpu" for n in cluster.nodes):
         return [1]
     per_node = math.gcd(*(n.count for n in cluster.nodes))
-    fixed_out = c.schedule == "bpipe" or c.offload_optimizer or c.offload_params or (
-        c.activations in ("offload", "recompute_offload"))
+    fixed_out = (c.schedule and not SCHEDULES[c.schedule].tensor_parallel) or c.offload_optimizer or \
+        c.offload_params or (c.activations and ACTIVATION_POLICIES[c.activations].on_host)
     return [1] + [t for t in (2, 4, 8) if per_node % t == 0 and not fixed_out
                   and tensor_parallel_problem(prof, t) is None]
 
 
-def grad_reduce_modes(dp: int, m: int, c: Constraints) -> list[str]:
+def grad_reduce_modes(dp: int, m: int, c: Constraints, sched: Schedule) -> list[str]:
     """When gradients may be reduced: per microbatch only where it can differ from once a step (accumulation
-    over data-parallel ranks); the same math but for summation order, so searched freely unless fixed."""
+    over data-parallel ranks) and the schedule makes each microbatch's gradients in one backward (plan.validate);
+    the same math but for summation order, so searched freely unless fixed."""
+    every = dp > 1 and m > 1 and not sched.splits_backward
     if c.grad_reduce:
-        return [c.grad_reduce]
-    return ["step", "microbatch"] if dp > 1 and m > 1 else ["step"]
+        return [c.grad_reduce] if c.grad_reduce == "step" or not sched.splits_backward else []
+    return ["step", "microbatch"] if every else ["step"]
 
 
 def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints) -> list[Candidate]:
@@ -89,12 +93,12 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
             m = gb // (dp * mbs)
             if gb % (dp * mbs) or (c.num_microbatches and m != c.num_microbatches):
                 continue
-            for sched in ["none"] if pp == 1 else ["1f1b", "interleaved"] + (["bpipe"] if tp == 1 else []):
-                v = (c.virtual_stages or 2) if sched == "interleaved" else 1
-                if (c.schedule and sched != c.schedule) or (pp > 1 and m < pp):
+            for sched in SCHEDULES.values():
+                v = sched.stages_per_rank or c.virtual_stages or sched.search_stages_per_rank
+                if (c.schedule and sched.name != c.schedule) or (tp > 1 and not sched.tensor_parallel):
                     continue
-                if sched == "interleaved" and (m % pp or n < pp * v):
+                if sched.problem(pp, v, m) or n < pp * v:
                     continue
-                out += [Candidate(dp, pp, mbs, m, sched, v, tp=tp, grad_reduce=g)
-                        for g in grad_reduce_modes(dp, m, c)]
+                out += [Candidate(dp, pp, mbs, m, sched.name, v, tp=tp, grad_reduce=g)
+                        for g in grad_reduce_modes(dp, m, c, sched)]
     return out

@@ -105,7 +105,7 @@ def explain_bpipe(res: SearchResult) -> str:
         return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit"
     lines = [f"BPipe:        {_figures(bp)}: {summary(bp)}",
              f"without it:   {_figures(plain)}: {summary(plain)}"]
-    rec = lambda p: sum(b.activations not in ("keep", "offload") for b in p.blocks)  # noqa: E731
+    rec = lambda p: sum(bool(b.policy.recomputes) for b in p.blocks)  # noqa: E731
     lines.append(f"memory buys: micro-batch {bp.micro_batch_size} vs {plain.micro_batch_size}, "
                  f"{rec(bp)} vs {rec(plain)} blocks recomputing; recompute time "
                  f"{bp.predicted.time_by_phase.get('recompute', 0):.3g} s vs "

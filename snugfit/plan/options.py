@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from snugfit.errors import SnugfitError
-from snugfit.plan.plan import ACTIVATION_POLICIES, GRAD_REDUCE, SCHEDULES, BlockPlan
-
-POLICY_ALIASES = {"none": "keep", "off": "keep", "full": "recompute"}
+from snugfit.plan.plan import GRAD_REDUCE, BlockPlan
+from snugfit.plan.policies import ACTIVATION_POLICIES, ALIASES, POLICY_NAMES
+from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES
 
 
 @dataclass
@@ -69,22 +69,23 @@ def fixed_parts(world_size: int, *, dp: int | None = None, tp: int | None = None
                            "ranks (GPUs)")
     if (dp or 1) * (tp or 1) * (pp or 1) > world_size or world_size % ((dp or 1) * (tp or 1) * (pp or 1)):
         raise SnugfitError(f"--dp x --tp x --pp must divide into the launch's {world_size} ranks (GPUs)")
-    if tp and tp > 1 and (schedule == "bpipe" or offload_params or offload_optimizer not in (None, "none", "0")
-                          or recompute in ("offload", "recompute_offload")):
+    policy = ALIASES.get(recompute, recompute)
+    if policy is not None and policy not in ACTIVATION_POLICIES:
+        raise SnugfitError(f"--recompute must be one of {', '.join(POLICY_NAMES)}, got {recompute!r}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise SnugfitError(f"--schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
+    if tp and tp > 1 and ((schedule and not SCHEDULES[schedule].tensor_parallel) or offload_params
+                          or offload_optimizer not in (None, "none", "0")
+                          or (policy and ACTIVATION_POLICIES[policy].on_host)):
         raise SnugfitError(f"--tp {tp} does not combine with BPipe or host offload yet; drop one of them")
     if pp and pp > 1 and num_microbatches and num_microbatches < pp:
         raise SnugfitError(f"--num-microbatches {num_microbatches} must be >= --pp {pp}")
     if offload_params and zero not in (None, 3):
         raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise SnugfitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if grad_reduce is not None and grad_reduce not in GRAD_REDUCE:
         raise SnugfitError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got {grad_reduce!r}")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise SnugfitError(f"--zero must be 0, 1, 2 or 3, got {zero}")
-    policy = POLICY_ALIASES.get(recompute, recompute)
-    if policy is not None and policy not in ACTIVATION_POLICIES:
-        raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {recompute!r}")
     offload = {None: None, "all": True, "none": False, "0": False}.get(offload_optimizer, "?")
     if offload == "?":
         raise SnugfitError("--offload-optimizer in a search takes 'all' or 'none'; to offload the first N blocks, "
@@ -113,10 +114,7 @@ def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan
 def describe(o: BlockPlan, root: bool = False) -> str:
     parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
     parts += ["optimizer offload"] * o.offload_optimizer + ["parameter offload"] * o.offload_params
-    acts = {"keep": "activations kept", "offload": "activations offloaded",
-            "recompute_offload": "recompute, checkpoints offloaded",
-            "selective_half": "selective, half the matmuls"}.get(o.activations, o.activations)
-    return " + ".join(parts + ([] if root else [acts]))
+    return " + ".join(parts + ([] if root else [o.policy.words]))
 
 
 def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
@@ -130,5 +128,7 @@ def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
 
 def buffer_kinds(o: BlockPlan) -> int:
     """Once-per-stage buffers the option needs (`Searcher._buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
-    activation-offload window, bit 4 the checkpoint-offload window."""
-    return (o.zero == 3) | 2 * (o.activations == "offload") | 4 * (o.activations == "recompute_offload")
+    activation-offload window (a policy whose whole saved activations wait on host), bit 4 the
+    checkpoint-offload window (one whose recomputation checkpoint does)."""
+    on_host = o.policy.on_host
+    return (o.zero == 3) | 2 * (on_host and not o.policy.recomputes) | 4 * (on_host and bool(o.policy.recomputes))

@@ -7,22 +7,17 @@ runtime executes exactly what it says and never re-decides. Pure: no torch.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 
+from snugfit.errors import PlanError
+from snugfit.plan.policies import ACTIVATION_POLICIES, POLICY_NAMES, ActivationPolicy
+from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES, Action, Schedule, bpipe_bound
+
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicate, 1 shard optimizer states, 2 + gradients, 3 + parameters
-SELECTIVE_POLICIES = ("selective", "selective_half")  # as model.recompute names them (plan/ imports no torch)
-# recompute_offload: full recomputation whose kept block input (the checkpoint) waits on host for the backward
-ACTIVATION_POLICIES = ("keep", "recompute", *SELECTIVE_POLICIES, "offload", "recompute_offload")
-SCHEDULES = ("none", "1f1b", "interleaved", "bpipe")  # "none": pp == 1, plain gradient accumulation
 DTYPES = ("float32", "bfloat16", "float16")
 # When FSDP2 reduces gradients over data-parallel ranks: once a step, after the last microbatch (the unsharded
 # gradient accumulates through the step), or after every microbatch (only the fp32 shard accumulates)
 GRAD_REDUCE = ("step", "microbatch")
-
-
-class PlanError(ValueError):
-    """A plan that cannot run as written; the message names the field and the fix."""
 
 
 @dataclass
@@ -35,15 +30,20 @@ class BlockPlan:
     activations: str = "keep"  # what happens to the block's saved activations
 
     @property
+    def policy(self) -> ActivationPolicy:
+        """The activation policy's entry (plan.policies)."""
+        return ACTIVATION_POLICIES[self.activations]
+
+    @property
     def offloads_activations(self) -> bool:
         """Whether what the block keeps for backward waits on host (all of it, or its recompute checkpoint)."""
-        return self.activations in ("offload", "recompute_offload")
+        return self.policy.on_host
 
     def check(self, where: str) -> None:
         if self.zero not in ZERO_STAGES:
             raise PlanError(f"{where}.zero must be one of {ZERO_STAGES}, got {self.zero}")
         if self.activations not in ACTIVATION_POLICIES:
-            raise PlanError(f"{where}.activations must be one of {ACTIVATION_POLICIES}, got {self.activations!r}")
+            raise PlanError(f"{where}.activations must be one of {', '.join(POLICY_NAMES)}, got {self.activations!r}")
         if self.offload_params and self.zero != 3:
             raise PlanError(f"{where}: offload_params needs zero 3 (parameters are offloaded as shards); set zero=3")
         if self.offload_params and self.offload_optimizer:
@@ -127,7 +127,7 @@ class Plan:
         return RankLayout(pp=self.pp, dp=self.dp, tp=self.tp)
 
     def stage_ranges(self) -> list[range]:
-        """Block indices of each stage, in stage order (stage k runs on pipeline rank k % pp)."""
+        """Block indices of each stage, in stage order (stage k runs on pipeline rank `stage_rank(k)`)."""
         out, start = [], 0
         for n in self.stage_blocks:
             out.append(range(start, start + n))
@@ -148,8 +148,30 @@ class Plan:
         grad_reduce "microbatch", or with one microbatch, whose backward is the step's only one."""
         return self.grad_reduce == "microbatch" or self.num_microbatches == 1
 
-    def bpipe_bound(self) -> int:
-        return self.evict_bound if self.evict_bound is not None else math.ceil((self.pp + 2) / 2)
+    @property
+    def schedule_entry(self) -> Schedule:
+        """The schedule's registry entry (plan.schedules): placement, program, runner."""
+        return SCHEDULES[self.schedule]
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs `stage` (looped: stage % pp; V schedules fold back)."""
+        return self.schedule_entry.rank_of(stage, self.pp)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank pp_rank runs, in stage order."""
+        return self.schedule_entry.stages_of(pp_rank, self.pp, self.virtual_stages)
+
+    def program(self, pp_rank: int) -> list[Action]:
+        """What pipeline rank pp_rank runs in a step, in order (plan.schedules): the time model simulates it and
+        the runtime executes it."""
+        return self.schedule_entry.program(self.pp, self.virtual_stages, self.num_microbatches, pp_rank,
+                                           self.eviction_bound)
+
+    @property
+    def eviction_bound(self) -> int | None:
+        """Most microbatches a rank whose schedule evicts keeps (BPipe: evict_bound, else ceil((pp+2)/2)); None
+        where the schedule moves nothing."""
+        return bpipe_bound(self.pp, self.evict_bound) if self.schedule_entry.evicts else None
 
     # -- construction --
     @classmethod
@@ -163,11 +185,15 @@ class Plan:
         block: BlockPlan | None = None,
         root: BlockPlan | None = None,
         schedule: str | None = None,
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
         **kw,
     ) -> "Plan":
-        """Every block decided alike; stages split as evenly as possible (earlier stages get fewer)."""
+        """Every block decided alike; stages split as evenly as possible (earlier stages get fewer). The schedule
+        defaults to 'none' without a pipeline and '1f1b' with one, virtual_stages to what the schedule runs."""
         block = block or BlockPlan()
+        schedule = schedule or ("none" if pp == 1 else "1f1b")
+        fixed = SCHEDULES[schedule].stages_per_rank if schedule in SCHEDULES else None
+        virtual_stages = virtual_stages or fixed or 1
         n_stages = pp * virtual_stages
         base, extra = divmod(n_blocks, n_stages)
         stage_blocks = [base + (1 if i >= n_stages - extra else 0) for i in range(n_stages)]
@@ -176,7 +202,7 @@ class Plan:
             dp=dp,
             pp=pp,
             tp=tp,
-            schedule=schedule or ("none" if pp == 1 else "1f1b"),
+            schedule=schedule,
             virtual_stages=virtual_stages,
             stage_blocks=stage_blocks,
             root=root or BlockPlan(**asdict(block)),
@@ -202,11 +228,7 @@ class Plan:
         if n_blocks is not None and len(self.blocks) != n_blocks:
             raise PlanError(f"plan has {len(self.blocks)} block decisions but the model has {n_blocks} blocks; re-plan")
         if self.schedule not in SCHEDULES:
-            raise PlanError(f"plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if (self.pp == 1) != (self.schedule == "none"):
-            raise PlanError(f"plan.schedule {self.schedule!r} does not fit pp={self.pp}: use 'none' iff pp == 1")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise PlanError("plan.virtual_stages > 1 needs schedule 'interleaved'")
+            raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if len(self.stage_blocks) != self.pp * self.virtual_stages:
             raise PlanError(
                 f"plan.stage_blocks has {len(self.stage_blocks)} stages, expected pp x virtual_stages = "
@@ -216,16 +238,17 @@ class Plan:
             raise PlanError(
                 f"plan.stage_blocks {self.stage_blocks} must be positive and sum to the {len(self.blocks)} blocks"
             )
-        if self.pp > 1 and self.num_microbatches < self.pp:
-            raise PlanError(
-                f"plan.num_microbatches ({self.num_microbatches}) must be >= pp ({self.pp}) for a pipeline schedule"
-            )
-        if self.schedule == "interleaved" and self.num_microbatches % self.pp:
-            raise PlanError(f"interleaved 1F1B needs num_microbatches divisible by pp ({self.pp})")
-        if self.evict_bound is not None and self.schedule != "bpipe":
-            raise PlanError("plan.evict_bound is only meaningful with schedule 'bpipe'")
+        problem = self.schedule_entry.problem(self.pp, self.virtual_stages, self.num_microbatches)
+        if problem:
+            raise PlanError(f"plan: {problem}")
+        if self.evict_bound is not None and not self.schedule_entry.evicts:
+            raise PlanError(f"plan.evict_bound is only meaningful with a schedule that evicts "
+                            f"({', '.join(n for n, s in SCHEDULES.items() if s.evicts)})")
         if self.grad_reduce not in GRAD_REDUCE:
             raise PlanError(f"plan.grad_reduce must be one of {GRAD_REDUCE}, got {self.grad_reduce!r}")
+        if self.grad_reduce == "microbatch" and self.schedule_entry.splits_backward:
+            raise PlanError(f"plan.grad_reduce 'microbatch' reduces as each backward makes the gradients, but "
+                            f"{self.schedule!r} makes them in a later weight backward; use grad_reduce 'step'")
         for name in ("compute_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"plan.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")

@@ -17,7 +17,6 @@ all of them; estimate() checks the actual plan.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import math
 from collections.abc import Iterator
@@ -28,14 +27,14 @@ from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE, tensor_parallel_problem
 from snugfit.plan.knapsack import (
-    BUCKETS, INF, StageCosts, buffer_bytes, fine_resolution, knapsack, resident_microbatches, split, usable,
-    with_reserve,
+    BUCKETS, INF, StageCosts, buffer_bytes, fine_resolution, knapsack, split, usable, with_reserve,
 )
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
-from snugfit.plan.simulate import simulate
-from snugfit.plan.timing import TensorParallel, gather_every
+from snugfit.plan.schedules import SCHEDULES
+from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, unit_run
+from snugfit.plan.timing import TensorParallel, gather_every, weight_share
 from snugfit.plan.verify import best_first
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
@@ -79,9 +78,10 @@ class Searcher:
         node = self.cluster.nodes[self.cluster.node_of(first)]
         busy = 1.0
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
-            busy = _working_share(cand.pp, cand.m, cand.v)  # crowded CPU ranks: a pipeline's working share
+            busy = unit_run(cand.schedule, cand.pp, cand.m, cand.v).working_share()  # crowded CPU ranks
         gathers = gather_every(cand.pp, cand.m)
-        at = (first, cand.dp, cand.tp, cand.mbs, busy, gathers, cand.grad_reduce)
+        replays = 2 if SCHEDULES[cand.schedule].splits_backward else 1
+        at = (first, cand.dp, cand.tp, cand.mbs, busy, gathers, cand.grad_reduce, replays)
         if at in self._costs_at:
             return self._costs_at[at]
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
@@ -89,7 +89,7 @@ class Searcher:
         dp_link = astuple(self.cluster.link_for(list(range(first, first + cand.dp * cand.tp, cand.tp))))
         tp_link = astuple(self.cluster.link_for(list(range(first, first + cand.tp))))
         key = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp, cand.mbs, busy,
-               gathers, cand.grad_reduce)
+               gathers, cand.grad_reduce, replays)
         if key not in self._costs:
             prof = self.profile(cand)
             tensor = None
@@ -97,7 +97,7 @@ class Searcher:
                 tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))),
                                         prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
             self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor, gathers,
-                                          cand.grad_reduce)
+                                          cand.grad_reduce, replays)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
 
@@ -127,8 +127,14 @@ class Searcher:
             tb, tr, t_mb = self._fastest(cand, s)
             pipe = cpu_stage_time(self.costs(cand, s).node) * cand.v if cand.pp > 1 else 0.0
             best = min(best, (self.n * tb + tr) / cand.pp + cand.m * pipe
-                       + (cand.pp - 1) / cand.v * (self.n * t_mb / cand.pp + pipe))
+                       + self._bubble(cand) * (self.n * t_mb / cand.pp + pipe))
         return best
+
+    def _bubble(self, cand: Candidate) -> float:
+        """The candidate's schedule's idle time per rank in microbatches of a rank's work; a split backward's
+        moves the weight gradients (their share of the block's backward) into it."""
+        return bubble_microbatches(cand.schedule, cand.pp, cand.m, cand.v,
+                                   weight_share(self.profile(cand).blocks[self.rep]))
 
     def _fastest(self, cand: Candidate, s: int) -> tuple[float, float, float]:
         """(block seconds per step, root seconds per step, block seconds per microbatch) at the fastest options;
@@ -223,7 +229,8 @@ class Searcher:
             return
         # the pipeline runtime's own work per stage and microbatch (CPU ranks), whatever the blocks do
         pipe = max(cpu_stage_time(self.costs(cand, s).node) for s in range(pp)) * cand.v if pp > 1 else 0.0
-        bubble = (pp - 1) / cand.v * (max(t.t_mb(k) for t, k in zip(tables, sizes)) + pipe)
+        bubble = self._bubble(cand) * (
+            max(t.t_mb(k) for t, k in zip(tables, sizes)) + pipe)
         cand.score = max(t.best[k] for t, k in zip(tables, sizes)) + cand.m * pipe + bubble
         cand.plan = self._build(cand, [t.choices(k) for t, k in zip(tables, sizes)], sizes, opts_of, ropts_of)
 
@@ -285,15 +292,9 @@ class Searcher:
         root = min(roots, key=lambda o: (not o.offload_params, not o.offload_optimizer, -o.zero))  # the leaner
         return Plan(world_size=cand.dp * cand.tp * pp, dp=cand.dp, tp=cand.tp, pp=pp, micro_batch_size=cand.mbs, num_microbatches=cand.m,
                     seq_len=self.prof.seq_len, schedule=cand.schedule, virtual_stages=v, stage_blocks=stage_blocks,
-                    evict_bound=self.c.evict_bound if cand.schedule == "bpipe" else None,
+                    evict_bound=self.c.evict_bound if SCHEDULES[cand.schedule].evicts else None,
                     compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, grad_reduce=cand.grad_reduce,
                     root=replace(root), blocks=blocks)
-
-
-@functools.lru_cache(maxsize=256)
-def _working_share(pp: int, m: int, v: int) -> float:
-    """SimResult.working_share of a pipeline of like stages (estimate() simulates the plan's own)."""
-    return simulate("interleaved" if v > 1 else "1f1b", pp, m, [1.0] * pp * v, [2.0] * pp * v, v=v).working_share()
 
 
 def _preference(x) -> tuple:
@@ -301,7 +302,7 @@ def _preference(x) -> tuple:
     without BPipe, then the one holding the least memory (a compute-bound step hides parameter offload, which
     still costs host memory and PCIe traffic the model may under-count)."""
     p = x.plan.predicted
-    return float(f"{p.step_time_s:.3g}"), x.schedule == "bpipe", p.peak_memory_bytes
+    return float(f"{p.step_time_s:.3g}"), x.plan.schedule_entry.evicts, p.peak_memory_bytes
 
 
 # Runners-up verified whatever `alternatives` asks: the best must not depend on how many are shown. With none
@@ -353,18 +354,18 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     for x in cands:
         x.lower = srch.lower_bound(x)
     found = best_first(srch, cands, 1 + max(alternatives, EXPLORED))
-    plain = [x for x in cands if x.schedule != "bpipe"]
-    if compare_bpipe or (found and found[0].schedule == "bpipe"):  # BPipe only where it beats the rest
+    plain = [x for x in cands if not SCHEDULES[x.schedule].evicts]
+    if compare_bpipe or (found and SCHEDULES[found[0].schedule].evicts):  # BPipe only where it beats the rest
         found += best_first(srch, plain, 1)
     if compare_bpipe:
-        found += best_first(srch, [x for x in cands if x.schedule == "bpipe"], 1)
+        found += best_first(srch, [x for x in cands if SCHEDULES[x.schedule].evicts], 1)
     found = sorted({id(x): x for x in found}.values(), key=_preference)
     plans = [x.plan for x in found]
     for p in plans:
         p.model = profile.summary()
     res.best, res.alternatives = (plans[0] if plans else None), plans[1:1 + alternatives]
-    res.bpipe = next((p for p in plans if p.schedule == "bpipe"), None)
-    res.best_without_bpipe = next((p for p in plans if p.schedule != "bpipe"), None)
+    res.bpipe = next((p for p in plans if p.schedule_entry.evicts), None)
+    res.best_without_bpipe = next((p for p in plans if not p.schedule_entry.evicts), None)
     res.solved, res.verified, res.verify_s = sum(x.solved for x in cands), srch.verified, srch.verify_s
     explain_losses(srch, cands, found, res)
     if res.best is None:

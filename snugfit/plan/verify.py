@@ -89,7 +89,7 @@ def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candid
                 top = nxt
         if top is None:
             break
-        if len(found) >= want:
+        if len({_shape(x) for x in found}) >= want:
             if extra == MAX_EXTRA or top.score >= min(x.plan.predicted.step_time_s for x in found) / SCORE_ERROR:
                 break
             extra += 1
@@ -101,6 +101,13 @@ def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candid
             polish(srch, x, fastest)
             fastest = min(fastest, x.plan.predicted.step_time_s)
     return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
+
+
+def _shape(cand: Candidate) -> tuple:
+    """What a candidate is apart from its schedule: the schedules of one shape share most of their plan (only
+    the bubble and what each rank holds differ), so they fill one of the verified places `best_first` wants, and
+    a new schedule does not crowd out the shapes it was verified against."""
+    return cand.dp, cand.tp, cand.pp, cand.mbs, cand.m, cand.grad_reduce
 
 
 def _could_beat(cand: Candidate, fastest: float) -> bool:
