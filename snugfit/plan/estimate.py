@@ -118,7 +118,8 @@ def _paces(plan: Plan, kind: dict[int, int], times: dict[int, dict[int, StageTim
     if not plan.schedule_entry.splits_backward:
         return fwd, bwd, None
     slowest = [max((times[kind[r]][k] for r in group[k]), key=lambda t: t.b_total) for k in stages]
-    return fwd, bwd, split_backward(bwd, [st.wgrad for st in slowest], [st.recompute for st in slowest])
+    split = split_backward(bwd, [st.wgrad for st in slowest], [st.recompute for st in slowest])
+    return fwd, bwd, [(i + st.split_host / 2, w + st.split_host / 2) for (i, w), st in zip(split, slowest)]
 
 
 def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float = 1.0) -> tuple[
@@ -207,7 +208,7 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                         cluster.nodes[cluster.node_of(first(on(k)))].pcie)
     fwd, bwd, split = _paces(plan, kind, times)
     sim = simulate(plan.schedule, pp, m, fwd, bwd, v=v, p2p=p2p, bound=plan.eviction_bound, move=move, split=split)
-    recomputes = [2 if split and k else 1 for k in range(n_stages)]  # a split backward's W recomputes again
+    split_extra = [2 if split and k else 1 for k in range(n_stages)]  # a split backward's W recomputes again
 
     # -- per-rank totals --
     ranks, step, phases_of = {}, -1.0, {}
@@ -229,12 +230,12 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                            ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies)
         phases = {
             "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
-            "recompute": m * sum(st.recompute * recomputes[k] for k, st in sts.items()),
+            "recompute": m * sum(st.recompute * split_extra[k] for k, st in sts.items()),
             "bubble": sim.bubble(pp_rank) if pp > 1 else 0.0,
             "dp_comm_exposed": m * sum(st.comm_exposed for st in sts.values()) + reduce,
             "tp_comm": m * sum(st.tp_fwd + st.tp_bwd for st in sts.values()),
             "offload_exposed": m * sum(st.offload_exposed for st in sts.values()) + opt_host,
-            "pipeline_runtime": m * sum(st.pipe for st in sts.values()),
+            "pipeline_runtime": m * sum(st.pipe + (st.split_host if split else 0.0) for st in sts.values()),
             "optimizer": opt_dev + sum(st.update for st in sts.values()),
         }
         tail = {"collective": reduce, "host optimizer": opt_host, "optimizer": phases["optimizer"]}

@@ -199,7 +199,8 @@ class StageCosts:
                 reduce = max(0.0, reduce - one.bwd - one.recompute)
         if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
             t_mb, reduce = t_mb + reduce, 0.0
-        t_mb += (self.replays - 1) * one.recompute  # a split backward's W recomputes again (simulate.split_backward)
+        if self.replays > 1:  # a split backward's W recomputes again (simulate.split_backward), and its host work
+            t_mb += one.recompute + one.split_host
         return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act)
 
 

@@ -7,7 +7,7 @@ runtime executes exactly what it says and never re-decides. Pure: no torch.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from snugfit.errors import PlanError
 from snugfit.plan.policies import ACTIVATION_POLICIES, POLICY_NAMES, ActivationPolicy
@@ -38,6 +38,14 @@ class BlockPlan:
     def offloads_activations(self) -> bool:
         """Whether what the block keeps for backward waits on host (all of it, or its recompute checkpoint)."""
         return self.policy.on_host
+
+    @property
+    def allows_split_backward(self) -> bool:
+        """Whether the unit can run a backward split into input and weight passes (zero-bubble schedules): its
+        policy must allow a second backward, and its parameters must stay gathered from forward to backward
+        (torch finds the weights to differentiate by the module's parameters as the input pass starts, and
+        ZeRO-3 has resharded them after the forward)."""
+        return self.policy.backward_twice and self.zero < 3
 
     def check(self, where: str) -> None:
         if self.zero not in ZERO_STAGES:
@@ -255,6 +263,14 @@ class Plan:
         self.root.check("plan.root")
         for i, b in enumerate(self.blocks):
             b.check(f"plan.blocks[{i}]")
+        if self.schedule_entry.splits_backward:
+            root = replace(self.root, activations="keep")  # the root pieces keep their activations, whatever it says
+            for where, unit in (("root", root), *((f"blocks[{i}]", b) for i, b in enumerate(self.blocks))):
+                if not unit.allows_split_backward:
+                    why = f"zero {unit.zero}" if unit.policy.backward_twice else f"activation policy {unit.activations}"
+                    raise PlanError(f"plan.{where}: schedule {self.schedule!r} splits each backward into an input and "
+                                    f"a weight pass, which {why} cannot run (ZeRO-3 reshards after the forward; "
+                                    f"selective checkpoints allow one backward); change one of them")
 
     # -- serialisation --
     def to_dict(self) -> dict:

@@ -26,6 +26,9 @@ class ActivationPolicy:
     recomputes: str = ""  # "" nothing, "forward" the whole forward, "cheap ops" the memory-bound ones (selective)
     on_host: bool = False  # what it keeps waits on host (copied back one block ahead of the backward)
     gemm_stride: int = 1  # selective: keep every n-th linear layer's output (1 all of them, 2 the 1st, 3rd, ...)
+    # whether a backward may run twice over the block, as a split backward's I and W do (zero-bubble schedules);
+    # torch's selective checkpoint allows one backward per region
+    backward_twice: bool = True
 
     @property
     def recomputes_forward(self) -> bool:
@@ -44,9 +47,9 @@ class ActivationPolicy:
 ACTIVATION_POLICIES: dict[str, ActivationPolicy] = {p.name: p for p in (
     ActivationPolicy("keep", "activations kept", keeps="keep"),
     ActivationPolicy("recompute", "recompute", keeps="recompute", recomputes="forward"),
-    ActivationPolicy("selective", "selective", keeps="selective", recomputes="cheap ops"),
+    ActivationPolicy("selective", "selective", keeps="selective", recomputes="cheap ops", backward_twice=False),
     ActivationPolicy("selective_half", "selective, half the matmuls", keeps="selective_half", recomputes="cheap ops",
-                     gemm_stride=2),
+                     gemm_stride=2, backward_twice=False),
     ActivationPolicy("offload", "activations offloaded", keeps="keep", on_host=True),
     # full recomputation whose kept block input (the checkpoint) waits on host for the backward
     ActivationPolicy("recompute_offload", "recompute, checkpoints offloaded", keeps="recompute",

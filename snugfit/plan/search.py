@@ -106,19 +106,24 @@ class Searcher:
         prof = self.profile(cand)
         roots = ([prof.embed] if s == 0 else []) + ([prof.head] if s == cand.pp - 1 else [])
         r = resident_microbatches(cand.schedule, cand.pp, cand.m, s, cand.v, self.c.evict_bound)
-        return (self.costs(cand, s), prof.blocks[self.rep], roots, self.options(cand.dp, cand.tp),
-                self.options(cand.dp, cand.tp, True), r)
+        twice = SCHEDULES[cand.schedule].splits_backward
+        return (self.costs(cand, s), prof.blocks[self.rep], roots, self.options(cand.dp, cand.tp, twice=twice),
+                self.options(cand.dp, cand.tp, True, twice), r)
 
-    def options(self, dp: int, tp: int = 1, root: bool = False) -> list[BlockPlan]:
+    def options(self, dp: int, tp: int = 1, root: bool = False, twice: bool = False) -> list[BlockPlan]:
         """The allowed options; on CPU ranks host and device are one memory, so offloading only costs time, and
-        tensor-parallel plans offload nothing (the runtime does not combine them yet)."""
-        if (dp, tp, root) not in self._opts:
+        tensor-parallel plans offload nothing (the runtime does not combine them yet); twice: the schedule runs a
+        block's backward twice (I and W), which not every option can (BlockPlan.allows_split_backward)."""
+        key = (dp, tp, root, twice)
+        if key not in self._opts:
             opts = block_options(self.c, dp, root)
+            if twice:
+                opts = [o for o in opts if o.allows_split_backward]
             if self.cpu_only or tp > 1:
                 lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
                 opts = lean if lean or tp > 1 else opts
-            self._opts[(dp, tp, root)] = opts
-        return self._opts[(dp, tp, root)]
+            self._opts[key] = opts
+        return self._opts[key]
 
     def lower_bound(self, cand: Candidate) -> float:
         """Every block at its fastest option, perfectly balanced over the fastest GPU kind."""
