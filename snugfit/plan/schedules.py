@@ -140,6 +140,58 @@ def _interleaved(pp: int, v: int, m: int, rank: int) -> list[Action]:
     return _looped(pp, v, m, rank, zero_bubble=False)
 
 
+def _interleaved_zb(pp: int, v: int, m: int, rank: int) -> list[Action]:
+    return _looped(pp, v, m, rank, zero_bubble=True)
+
+
+def _zbv(pp: int, v: int, m: int, rank: int) -> list[Action]:
+    """ZB-V (zero bubble, V-shaped), as torch's ScheduleZBVZeroBubble orders it: chunk 0 is stage `rank` going
+    down, chunk 1 stage 2pp-1-rank coming back; warm-up forwards, a steady F I W of each chunk in turn, then the
+    input backwards, and the weight backwards last. Planned with at least 2pp-1 microbatches and those beyond m
+    dropped, as torch does."""
+    n = max(2 * pp - 1, m)
+    down, up = rank, 2 * pp - 1 - rank
+    f = {down: 0, up: 0}
+    b = {down: 0, up: 0}
+    out: list[Action] = []
+
+    def add(kind: str, stage: int, counter: dict[int, int]) -> None:
+        out.append(Action(kind, stage, counter[stage]))
+        if kind != "W":
+            counter[stage] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        add("F", down, f)
+    for _ in range(rank):
+        add("F", up, f)
+        add("F", down, f)
+    for _ in range(pp - rank):
+        add("F", up, f)
+        add("I", up, b)
+        add("W", up, {up: b[up] - 1})
+    while f[up] < f[down] or f[down] < n:
+        if f[down] < n:
+            add("F", down, f)
+        add("I", down, b)
+        add("W", down, {down: b[down] - 1})
+        add("F", up, f)
+        add("I", up, b)
+        add("W", up, {up: b[up] - 1})
+    w = dict(b)
+    for _ in range(rank):
+        add("I", down, b)
+        add("I", up, b)
+    for _ in range(pp - rank):
+        add("I", down, b)
+        add("W", down, w)
+        w[down] += 1
+    for stage in (up, down):
+        while w[stage] < b[stage]:
+            add("W", stage, w)
+            w[stage] += 1
+    return [a for a in out if a.mb < m]
+
+
 def with_evictions(order: list[Action], bound: int) -> list[Action]:
     """`order` with EVICT and LOAD keeping at most `bound` microbatches' activations on the rank: before a forward
     that would exceed it, evict the held one whose backward comes last (the newest); before the backward of an
@@ -190,6 +242,10 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              _interleaved, stages_per_rank=None, search_stages_per_rank=2, microbatches_per_round=True),
     Schedule("bpipe", "1F1B whose heavy stages evict activations to their partner (BPipe)", _one_f_one_b,
              runner="bpipe", evicts=True, tensor_parallel=False),
+    Schedule("zbv", "zero-bubble V: two stages per rank in a V, weight gradients fill the bubble", _zbv,
+             placement="v", stages_per_rank=2, search_stages_per_rank=2, splits_backward=True),
+    Schedule("interleaved_zb", "interleaved zero bubble (ZB1P): weight gradients fill the bubble", _interleaved_zb,
+             stages_per_rank=None, search_stages_per_rank=2, splits_backward=True, microbatches_per_round=True),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
 RUNNERS = ("accumulate", "torch", "bpipe")  # the runtime's step runners (runtime.build checks its table)
