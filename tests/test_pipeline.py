@@ -42,6 +42,12 @@ CONFIGS = {
     # BPipe with recomputation on ZeRO-2 blocks whose optimizer lives on host (selective's kept outputs evicted too)
     "pp2xdp2-bpipe-zero2-offload": (4, dict(pp=2, dp=2, schedule="bpipe", block=BlockPlan(zero=2, offload_optimizer=True)),
                                     ["selective", "recompute"], 64, dict(evict_bound=1)),
+    # zero bubble, V-shaped: 8 stages of one block on 4 ranks; the weight backward unpacks what the input backward
+    # did once more (recomputed blocks recompute again, offloaded ones copy back again)
+    "zbv": (8, dict(pp=4, schedule="zbv"), ["recompute", "keep", "offload", "keep"], 64, {}),
+    # interleaved zero bubble over pp x dp, ZeRO-3 blocks gathered again for the weight backward
+    "pp2xdp2-interleaved_zb-zero2": (4, dict(pp=2, dp=2, schedule="interleaved_zb", virtual_stages=2,
+                                             block=BlockPlan(zero=2)), KEEP, 64, {}),
 }
 
 

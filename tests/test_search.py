@@ -8,6 +8,7 @@ import pytest
 
 from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate
+from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.explain import advise, explain_bpipe, format_result
 from snugfit.plan.knapsack import BUCKETS, Cost, fine_resolution, knapsack, split
 from snugfit.plan.plan import BlockPlan, Plan
@@ -202,7 +203,7 @@ def test_no_uniform_plan_that_fits_beats_the_choice(model, spec):
             continue
         srch = Searcher(prof, cluster, 8, Constraints(), budget)
         for cand in srch.candidates():
-            for o in srch.options(cand.dp, cand.tp):
+            for o in srch.options(cand.dp, cand.tp, twice=SCHEDULES[cand.schedule].splits_backward):
                 plan = Plan.uniform(len(prof.blocks), dp=cand.dp, tp=cand.tp, pp=cand.pp, block=o, root=o, seq_len=prof.seq_len,
                                     schedule=cand.schedule, virtual_stages=cand.v, micro_batch_size=cand.mbs,
                                     num_microbatches=cand.m, compute_dtype=prof.dtype)
