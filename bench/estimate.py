@@ -59,9 +59,9 @@ PLANS = [
     (4, 2, "selective", "eager"),
 ]
 
-# (name, dp, pp, block plan, root zero, microbatches, tp[, fine-tuning]); micro-batch 2, keep, sdpa
-# fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears), "freeze" (the
-# embedding and the first two blocks frozen)
+# (name, dp, pp, block plan, root zero, microbatches, tp[, fine-tuning[, gradient reduction]]); micro-batch 2, keep,
+# sdpa. fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears), "freeze" (the
+# embedding and the first two blocks frozen); gradient reduction: plan.GRAD_REDUCE (default "step")
 MULTI = [
     ("dp2 zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1),
     ("dp2 zero2", 2, 1, BlockPlan(zero=2), 2, 2, 1),
@@ -78,6 +78,9 @@ MULTI = [
     ("dp2 lora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, "lora"),
     ("dp2 qlora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, "qlora"),
     ("dp2 frozen zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1, "freeze"),
+    ("dp2 zero3 reduce/mb", 2, 1, BlockPlan(zero=3), 3, 4, 1, "", "microbatch"),
+    ("dp2 zero2+offload_opt reduce/mb", 2, 1, BlockPlan(zero=2, offload_optimizer=True), 2, 4, 1, "", "microbatch"),
+    ("dp2 pp2 zero3 reduce/mb", 2, 2, BlockPlan(zero=3), 3, 4, 1, "", "microbatch"),
 ]
 LORA_RANK, FROZEN = 4, "embed,blocks:0-1"
 
@@ -96,9 +99,10 @@ def tuned(cfg: ModelConfig, tune: str) -> Decoder:
 MULTI_MBS = 2
 
 
-def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int, tp: int) -> Plan:
-    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, block=block, root=BlockPlan(zero=root_zero), micro_batch_size=MULTI_MBS,
-                        num_microbatches=m, seq_len=seq)
+def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int, tp: int,
+               grad_reduce: str) -> Plan:
+    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, block=block, root=BlockPlan(zero=root_zero),
+                        micro_batch_size=MULTI_MBS, num_microbatches=m, seq_len=seq, grad_reduce=grad_reduce)
 
 
 def run_multi(env, cfg: ModelConfig, plans: dict[str, tuple[Plan, str]],
@@ -141,10 +145,11 @@ def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int
         return profiles[tune]
 
     rows = []
-    specs = [(name, dp, pp, b, rz, m, tp, tune[0] if tune else "") for name, dp, pp, b, rz, m, tp, *tune in MULTI]
-    for world in sorted({dp * pp * tp for _, dp, pp, _, _, _, tp, _ in specs}):
-        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp), tune)
-                 for name, dp, pp, b, rz, m, tp, tune in specs if dp * pp * tp == world}
+    defaults = ("", "step")  # fine-tuning, gradient reduction
+    specs = [(name, dp, pp, b, rz, m, tp, *rest, *defaults[len(rest):]) for name, dp, pp, b, rz, m, tp, *rest in MULTI]
+    for world in sorted({dp * pp * tp for _, dp, pp, _, _, _, tp, _, _ in specs}):
+        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, reduce), tune)
+                 for name, dp, pp, b, rz, m, tp, tune, reduce in specs if dp * pp * tp == world}
         per_rank = run_ranks(run_multi, world, cfg, plans, args.steps)
         for name, (plan, tune) in plans.items():
             if any(name not in r for r in per_rank):

@@ -2,7 +2,7 @@
 
 A tiny decoder on 2 (and 4) local gloo ranks with a per-rank memory budget below the
 replicated footprint, so the choice matters. The grid: every (dp, pp, micro-batch,
-schedule) the search would consider, each with uniform block options (ZeRO 0/2/3 x
+schedule, gradient reduction) the search would consider, each with uniform block options (ZeRO 0/2/3 x
 keep/selective/recompute), kept where estimate() says it fits, plus the searched plan.
 All of them are run through runtime.apply.build_engine and engine.train_step in one
 launch per world size (plans build_engine refuses are reported and skipped), in several
@@ -111,7 +111,8 @@ def grid(prof, cluster, budget: int) -> list[Plan]:
             if cand.dp == 1 and o.zero:
                 continue
             plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=cand.pp, block=o, schedule=cand.schedule,
-                                micro_batch_size=cand.mbs, num_microbatches=cand.m, seq_len=SEQ)
+                                micro_batch_size=cand.mbs, num_microbatches=cand.m, seq_len=SEQ,
+                                grad_reduce=cand.grad_reduce)
             if estimate(plan, prof, cluster, budget).fits:
                 plans.append(plan)
     return plans

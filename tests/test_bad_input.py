@@ -58,6 +58,8 @@ CASES = [
     ("zero-steps", ["--steps", "0"], "train.steps must be positive"),
     ("negative-batch", ["--batch-size", "-4"], "train.batch_size must be positive"),
     ("bad-choice", ["--dtype", "float8"], "train.dtype must be one of"),
+    ("lora-target-matches-nothing", ["--lora-rank", "2", "--lora-targets", "attn.q,attn.qq"],
+     "LoRA targets ['attn.qq'] match no layer"),  # tests/test_plan_cli.py: the same line from `snugfit plan`
     ("bad-grad-reduce", ["--grad-reduce", "sometimes"], "parallel.grad_reduce must be one of step, microbatch"),
     ("seq-too-long", ["--seq-len", "64"], "exceeds model.max_seq_len"),
     ("heads-not-dividing", ["--n-heads", "3"], "divisible by model.n_heads"),

@@ -252,3 +252,39 @@ def test_long_context_qlora_fits_one_24gb_card_with_offloaded_checkpoints(tmp_pa
     d = json.loads(out)
     assert rc == 0 and d["predicted"]["fits"] and d["predicted"]["peak_memory_bytes"] <= 24 * 2**30
     assert {b["activations"] for b in d["blocks"]} == {"recompute_offload"}
+
+
+@pytest.mark.parametrize("targets", ["", "attn.q,attn.v", "all-linear"])
+def test_lora_targets_are_planned_as_trained(targets, tmp_path, capsys):
+    """`snugfit plan` profiles the adapters `snugfit train` builds: the plan's trainable count is the trained
+    model's, fewer targets than the default (q, k, v, o) count fewer, all-linear (the MLP's too) more."""
+    from snugfit.config import build_config
+    from snugfit.model.lora import trainable_summary
+    from snugfit.train.build import build_model
+
+    (tmp_path / "run.toml").write_text('[model]\ndim = 64\nn_layers = 2\nn_heads = 4\n[train]\nseq_len = 32\n'
+                                       f'[finetune]\nlora_rank = 4\nlora_targets = "{targets}"\n')
+    rc, out = _run(["plan", "--config", str(tmp_path / "run.toml"), "--json", "--profile-cache", str(tmp_path)],
+                   capsys)
+    planned = json.loads(out)["model"]["trainable"]
+    trained = trainable_summary(build_model(build_config(str(tmp_path / "run.toml"))))["total"]["trainable"]
+    assert rc == 0 and planned == trained
+    block_in, dim = 64, 64
+    per_target = 4 * (block_in + dim)  # lora_a (r x in) + lora_b (out x r) of a dim x dim projection
+    if targets == "attn.q,attn.v":
+        assert planned == 2 * 2 * per_target
+    elif targets == "":
+        assert planned == 2 * 4 * per_target
+    else:  # q, k, v, o and the MLP's gate, up, down (dim -> hidden -> dim)
+        assert planned > 2 * 4 * per_target + 2 * 3 * 4 * dim
+
+
+def test_a_lora_target_that_matches_nothing_is_the_train_error(tmp_path, capsys):
+    """The same line as `snugfit train` gives (tests/test_bad_input.py), from the profile's apply_lora."""
+    from snugfit.cli import main
+
+    code = main(["plan", "--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq", "16", "--lora-rank", "2",
+                 "--lora-targets", "attn.q,attn.qq", "--profile-cache", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: LoRA targets ['attn.qq'] match no layer; linear layers of a block:"), err

@@ -99,8 +99,10 @@ def test_infeasible_request_gives_smallest_change_advice():
 
 @pytest.mark.parametrize("model,spec,pp", [("wide", "2xRTX4090", 1), ("mid", "4xA10", 2)])
 def test_reported_need_is_what_that_plan_evaluates_to(model, spec, pp):
-    """A rejected family's "needs X GiB" is the device peak estimate() gives the plan it describes (not a
-    looser bound: a user would otherwise buy memory they do not need)."""
+    """A rejected family's "needs X GiB" is the device peak estimate() gives the plan it describes, or a bound
+    at most 3% above it (not a looser one: a user would otherwise buy memory they do not need). The knapsack sums
+    every piece's activations beside the largest working peak; where it is near the budget, the search takes
+    estimate()'s figure instead (verify.rescue; test_the_search_refuses_only_what_the_estimate_refuses)."""
     prof, cluster = MODELS[model], parse_cluster(spec)
     c = Constraints(pp=pp, zero=0, activations="recompute", offload_optimizer=True, schedule="1f1b" if pp > 1 else None)
     srch = Searcher(prof, cluster, 8, c, budget_for(cluster, None))
@@ -108,8 +110,10 @@ def test_reported_need_is_what_that_plan_evaluates_to(model, spec, pp):
         need, _, option = srch.need(cand)
         plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=pp, block=option, schedule=cand.schedule,
                             root=BlockPlan(zero=0, offload_optimizer=True), micro_batch_size=cand.mbs,
-                            num_microbatches=cand.m, seq_len=prof.seq_len, compute_dtype=prof.dtype)
-        assert need == pytest.approx(estimate(plan, prof, cluster).peak_memory_bytes, rel=0.01), cand
+                            num_microbatches=cand.m, seq_len=prof.seq_len, compute_dtype=prof.dtype,
+                            grad_reduce=cand.grad_reduce)
+        exact = estimate(plan, prof, cluster).peak_memory_bytes
+        assert exact <= need <= 1.03 * exact, cand
 
 
 def test_bpipe_only_when_it_beats_the_best_plan_without_it():
@@ -325,3 +329,30 @@ def test_the_search_gives_back_the_cyclic_collector_even_when_nothing_fits():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("name", ["opt-125m", "qwen2.5-0.5b"])
+def test_the_search_refuses_only_what_the_estimate_refuses(name, tmp_path):
+    """At a budget just above the least that estimate() fits (LoRA on 2 RTX 4090s, every block's parameters and
+    checkpoints on host), the search returns a plan: the knapsack over-counts there (the largest piece's working
+    peak beside everything the stage holds), and the search used to call the request infeasible."""
+    from snugfit.commands.plan import Target
+    from snugfit.model.catalogue import resolve_model
+
+    prof = Target(resolve_model(name), name, 8, "", "none", str(tmp_path), kernels="gpu").profile(1, 2048, "bfloat16")
+    cluster = parse_cluster("2xRTX4090")
+    srch = Searcher(prof, cluster, 2, Constraints(), budget_for(cluster, None))
+    least = min(max(p.peak_memory_bytes, p.startup_bytes["device"])
+                for p in (estimate(srch.leanest_plan(x), prof, cluster) for x in srch.candidates()))
+    res = search(prof, cluster, global_batch=2, memory_budget=least + 2**20, alternatives=0)
+    assert res.best.predicted.fits and res.best.predicted.peak_memory_bytes <= least + 2**20
+    with pytest.raises(NoPlanError):  # below it nothing fits: the search is not looser than the estimate
+        search(prof, cluster, global_batch=2, memory_budget=least - 2**26, alternatives=0)
+
+
+def test_needs_and_has_are_printed_apart():
+    from snugfit.plan.result import gib_apart
+
+    assert gib_apart(24.04 * 2**30, 24 * 2**30) == ("24.04", "24.00")
+    assert gib_apart(24.0004 * 2**30, 24 * 2**30) == ("24.000", "24.000")  # no finer than 3 decimals
+    assert gib_apart(30 * 2**30, 24 * 2**30) == ("30.0", "24.0")

@@ -78,6 +78,7 @@ class Technique:
     root: BlockPlan
     dtype: str | None = None  # None: the run's compute dtype
     tune: str = ""  # "lora", "qlora" (LoRA over NF4 block linears)
+    grad_reduce: str = "step"  # plan.GRAD_REDUCE
 
 
 def techniques(on_gpu: bool) -> list[Technique]:
@@ -90,6 +91,9 @@ def techniques(on_gpu: bool) -> list[Technique]:
         Technique("selective", BlockPlan(activations="selective"), BlockPlan()),
         Technique("selective, half the matmuls", BlockPlan(activations="selective_half"), BlockPlan()),
         Technique("activation offload", BlockPlan(activations="offload"), BlockPlan()),
+        # the fp32 shard accumulates (on one GPU the whole gradient, reduced per microbatch) instead of the
+        # unsharded gradient in the reduce dtype
+        Technique("ZeRO-3, reduced every microbatch", BlockPlan(zero=3), BlockPlan(zero=3), grad_reduce="microbatch"),
         Technique("LoRA", BlockPlan(), BlockPlan(), tune="lora"),
         Technique("NF4 base (QLoRA)", BlockPlan(), BlockPlan(), tune="qlora"),
         Technique("fp16 + loss scaling", BlockPlan(), BlockPlan(), dtype="float16"),
@@ -271,7 +275,8 @@ def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster:
     """One technique's row: its plan's predictions, its measurements, and its losses against the reference."""
     on_gpu = env.device.type == "cuda"
     plan = Plan.uniform(cfg.n_layers, block=t.block, root=t.root, micro_batch_size=mbs,
-                        num_microbatches=args.batch // mbs, seq_len=args.seq, compute_dtype=t.dtype or dtype)
+                        num_microbatches=args.batch // mbs, seq_len=args.seq, compute_dtype=t.dtype or dtype,
+                        grad_reduce=t.grad_reduce)
     prof = profile_model(cfg, micro_batch_size=mbs, seq_len=args.seq, dtype=plan.compute_dtype,
                          lora_rank=LORA_RANK if t.tune else None, kernels="gpu" if on_gpu else "cpu",
                          quantize_base="nf4" if t.tune == "qlora" else "none")

@@ -9,6 +9,7 @@ search.py solves each candidate's per-block decisions.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from snugfit.hardware.cluster import Cluster
@@ -39,6 +40,7 @@ class Candidate:
     polished: bool = False  # given back the room the knapsack could not see (Searcher.polish)
     tp: int = 1
     grad_reduce: str = "step"  # plan.GRAD_REDUCE
+    estimated_need: int | None = None  # estimate()'s device peak of its leanest plan, where verify.rescue took one
 
     @property
     def family(self) -> str:
@@ -47,6 +49,13 @@ class Candidate:
     def first_rank(self, s: int) -> int:
         """The first rank of pipeline rank s (its dp x tp ranks follow it: plan.RankLayout)."""
         return s * self.dp * self.tp
+
+
+def nearest_to_fitting(members: list[Candidate], need: Callable[[Candidate], float]) -> Candidate:
+    """The member of a family that needs the least memory, by `need`: among those of the smallest micro-batch,
+    since a larger one never needs less (the one the report names, and verify.rescue estimates)."""
+    smallest = min(x.mbs for x in members)
+    return min((x for x in members if x.mbs == smallest), key=need)
 
 
 def divisors(n: int) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from snugfit.plan.candidates import nearest_to_fitting
 from snugfit.plan.knapsack import INF
 from snugfit.plan.options import describe
 from snugfit.plan.plan import BlockPlan, Plan, PlanError
@@ -55,8 +56,11 @@ def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate
     needs: dict[int, tuple] = {}  # computed for families that fit nowhere only: they are what the report explains
 
     def need(x: Candidate) -> tuple[int, int, BlockPlan | None]:
+        """The knapsack's least need, or estimate()'s where rescue() took it (the knapsack over-counts)."""
         if id(x) not in needs:
             needs[id(x)] = srch.need(x)
+            if x.estimated_need is not None and x.estimated_need < needs[id(x)][0]:
+                needs[id(x)] = (x.estimated_need, *needs[id(x)][1:])
         return needs[id(x)]
 
     if not found:
@@ -68,12 +72,12 @@ def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate
             t = min(x.plan.predicted.step_time_s for x in members if x.fits)
             res.rejected.append(Rejection(fam, f"fits, but slower: {t:.3g} s/step vs {best_time:.3g}"))
             continue
-        smallest = min(x.mbs for x in members)  # a larger micro-batch never needs less: the report names this one
-        least = min((x for x in members if x.mbs == smallest), key=need)
+        least = nearest_to_fitting(members, lambda x: need(x)[0])
         least_bytes, _, option = need(least)
         if least_bytes > budget:
-            reason = (f"needs {least_bytes / 2**30:.1f} GiB per GPU even with micro-batch {least.mbs} and every block "
-                      f"{describe(option)}, has {budget / 2**30:.1f}")
+            needs_gib, has_gib = gib_apart(least_bytes, budget)
+            reason = (f"needs {needs_gib} GiB per GPU even with micro-batch {least.mbs} and every block "
+                      f"{describe(option)}, has {has_gib}")
         else:
             t = min(x.score if x.solved else x.lower for x in members)
             reason = (f"slower: at best {t:.3g} s/step (knapsack) vs {best_time:.3g}" if best_time <= t < INF else
@@ -84,5 +88,15 @@ def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate
         plain_need = srch.need(found[0], offload=False)[0]
         if plain_need > budget:
             res.rejected.insert(0, Rejection(f"{found[0].family} without offload",
-                                             f"needs {plain_need / 2**30:.1f} GiB per GPU, has {budget / 2**30:.1f}",
+                                             "needs {} GiB per GPU, has {}".format(*gib_apart(plain_need, budget)),
                                              plain_need))
+
+
+def gib_apart(need: float, has: float) -> tuple[str, str]:
+    """Two byte counts in GiB, at the fewest decimals (1 to 3) that show need above has: "needs 24.0, has 24.0"
+    read as a contradiction."""
+    for decimals in (1, 2, 3):
+        a, b = f"{need / 2**30:.{decimals}f}", f"{has / 2**30:.{decimals}f}"
+        if float(a) > float(b):
+            break
+    return a, b

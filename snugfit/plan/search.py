@@ -35,7 +35,7 @@ from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, unit_run
 from snugfit.plan.timing import TensorParallel, gather_every, weight_share
-from snugfit.plan.verify import best_first
+from snugfit.plan.verify import best_first, rescue
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
 def budget_for(cluster: Cluster, memory_budget: int | None) -> int:
@@ -155,6 +155,33 @@ class Searcher:
                 min(st.cost(blk, o).t_mb for o in opts))
         return self._fastest_of[key]
 
+    def _leanest(self, cand: Candidate, s: int, opts: list[BlockPlan],
+                 ropts: list[BlockPlan]) -> tuple[BlockPlan, BlockPlan]:
+        """(block option, root option) holding the least device memory on stage s with an even split."""
+        st, blk, roots, _, _, r = self._stage(cand, s)
+        share = math.ceil(self.n / cand.pp)
+        b = min(opts, key=lambda o: share * st.cost(blk, o).mem(r, cand.m) + self._extra(cand, o))
+        ro = min(ropts, key=lambda o: sum(st.cost(p, o).mem(r, cand.m) for p in roots))
+        return b, ro
+
+    def leanest_plan(self, cand: Candidate) -> Plan | None:
+        """The candidate's least-memory plan (`_leanest` on every stage, blocks split evenly), for estimate() to
+        judge where the knapsack's over-counting rejects the candidate (verify.rescue)."""
+        pp, v = cand.pp, cand.v
+        if self.n < pp * v:
+            return None
+        # later pipeline ranks hold fewer microbatches of activations: they take the remainder
+        sizes = [self.n // pp + (1 if s >= pp - self.n % pp else 0) for s in range(pp)]
+        choices, opts_of, ropts_of = [], [], []
+        for s in range(pp):
+            opts, ropts = self._stage(cand, s)[3:5]
+            b, ro = self._leanest(cand, s, opts, ropts)
+            has_root = s in (0, pp - 1)
+            choices.append((ropts.index(ro) if has_root else None, [opts.index(b)] * sizes[s]))
+            opts_of.append(opts)
+            ropts_of.append(ropts)
+        return self._build(cand, choices, sizes, opts_of, ropts_of)
+
     def need(self, cand: Candidate, offload: bool = True) -> tuple[int, int, BlockPlan | None]:
         """(device bytes, of which static, block option) of the least-memory assignment on the worst GPU
         (even split)."""
@@ -167,8 +194,7 @@ class Searcher:
             if not opts:
                 return worst
             share = math.ceil(self.n / cand.pp)
-            b = min(opts, key=lambda o: share * st.cost(blk, o).mem(r, cand.m) + self._extra(cand, o))
-            ro = min(ropts, key=lambda o: sum(st.cost(p, o).mem(r, cand.m) for p in roots))
+            b, ro = self._leanest(cand, s, opts, ropts)
             static = sum(st.cost(p, ro).static for p in roots) + share * st.cost(blk, b).static
             total = (st.working_peak(blk, roots, opts, ropts, cand.m)
                      + sum(st.cost(p, ro).mem(r, cand.m) for p in roots)
@@ -359,6 +385,7 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     for x in cands:
         x.lower = srch.lower_bound(x)
     found = best_first(srch, cands, 1 + max(alternatives, EXPLORED))
+    found += rescue(srch, cands, found)
     plain = [x for x in cands if not SCHEDULES[x.schedule].evicts]
     if compare_bpipe or (found and SCHEDULES[found[0].schedule].evicts):  # BPipe only where it beats the rest
         found += best_first(srch, plain, 1)

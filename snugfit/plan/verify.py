@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from snugfit.plan.candidates import Candidate
+from snugfit.plan.candidates import Candidate, nearest_to_fitting
 from snugfit.plan.estimate import estimate
 from snugfit.plan.knapsack import BUCKETS, INF
 from snugfit.plan.memory import device_bytes
@@ -21,6 +21,8 @@ RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
 SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time are verified before giving up
 MAX_EXTRA = 2  # such verifications beyond what was asked for (each is a full estimate())
 POLISH_ROOM = (0, 1, 2)  # multiples of the room the knapsack could not see, tried by polish()
+RESCUE_MARGIN = 0.5  # rescue(): families whose knapsack need is at most this share over the budget
+RESCUES = 4  # rescue(): at most this many leanest plans estimated
 
 
 def verify(srch: Searcher, cand: Candidate, slack: float = 0.0, fine: bool = False) -> bool:
@@ -45,24 +47,25 @@ def verify(srch: Searcher, cand: Candidate, slack: float = 0.0, fine: bool = Fal
     return False
 
 
-def polish(srch: Searcher, cand: Candidate, fastest: float) -> None:
+def polish(srch: Searcher, cand: Candidate, fastest: float, unseen: float = 0.0) -> None:
     """Re-solve a verified candidate finer and with the room the knapsack could not see, and keep the fastest plan
     estimate() says fits. The knapsack rounds every block's memory up to a bucket (a stage of 80 blocks can lose
     most of its budget so) and puts the largest piece's working peak on every stage, so a plan that fits can leave
     room a faster assignment would use. The re-solves run at knapsack.fine_resolution, with that room 0, 1 and 2
     times (while what comes back fits). One is estimated only when its knapsack score beats the plan it would
     replace and the fastest verified time (`fastest`): the score runs below estimate()'s time, so one that does
-    not cannot win; one that overshoots is re-solved with more slack, as verify() does."""
+    not cannot win; one that overshoots is re-solved with more slack, as verify() does. `unseen`: device bytes the
+    knapsack is known to over-count for this candidate (rescue()), given back on top."""
     cand.polished = True
     room = srch.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
     for factor in POLISH_ROOM:
         if factor and room <= srch.budget / BUCKETS:
             return
-        trial = replace(cand, plan=None)
-        srch.solve(trial, slack=-factor * room, fine=True)
+        trial, slack = replace(cand, plan=None), -factor * room - unseen
+        srch.solve(trial, slack=slack, fine=True)
         if trial.plan is None or _layout(trial.plan) == _layout(cand.plan) or trial.score >= min(cand.score, fastest):
             continue
-        if not verify(srch, trial, -factor * room, fine=True):
+        if not verify(srch, trial, slack, fine=True):
             return
         if trial.plan.predicted.step_time_s < cand.plan.predicted.step_time_s:
             cand.plan, cand.score = trial.plan, trial.score
@@ -101,6 +104,44 @@ def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candid
             polish(srch, x, fastest)
             fastest = min(fastest, x.plan.predicted.step_time_s)
     return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
+
+
+def rescue(srch: Searcher, cands: list[Candidate], found: list[Candidate]) -> list[Candidate]:
+    """Candidates that fit in families whose every solved member the knapsack turned down. Near the memory boundary its
+    over-counting decides: it rounds each block up to a bucket and puts the largest piece's working peak beside
+    everything the stage holds, so Llama-3.1-8B QLoRA r32 on one RTX 4090 stopped at 67,072 tokens where
+    estimate() fits the same plan up to 71,424 (the over-count is about a GiB there, and a third of a 2 GiB budget
+    elsewhere). So estimate() the leanest plan of each such family's member nearest to fitting, nearest first,
+    where the knapsack's own need is within RESCUE_MARGIN of the budget and its lower bound beats the fastest plan
+    found (RESCUES at most: each is a full estimate()); each that fits is polished with what the knapsack
+    over-counted for it given back. The estimated
+    peaks are kept (`Candidate.estimated_need`): the report names estimate()'s figure for what does not fit."""
+    # families the knapsack turned down: some member solved, none with a plan (the others were not reached)
+    turned_down = {x.family for x in cands if x.solved} - {x.family for x in cands if x.plan is not None or x.fits}
+    fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
+    needs: dict[int, float] = {}
+
+    def need(x: Candidate) -> float:
+        if id(x) not in needs:
+            needs[id(x)] = srch.need(x)[0]
+        return needs[id(x)]
+
+    families = dict.fromkeys(x.family for x in cands if x.family in turned_down)
+    nearest = [nearest_to_fitting([x for x in cands if x.family == fam], need) for fam in families]
+    near = [x for x in nearest if x.lower < fastest and need(x) <= srch.budget * (1 + RESCUE_MARGIN)]
+    rescued = []
+    for cand in sorted(near, key=need)[:RESCUES]:
+        plan = srch.leanest_plan(cand)
+        if plan is None:
+            continue
+        pred = _estimate(srch, plan)
+        cand.estimated_need = max(pred.peak_memory_bytes, pred.startup_bytes["device"])
+        if not pred.fits:
+            continue
+        cand.plan, cand.score, cand.solved, cand.fits = plan, pred.step_time_s, True, True
+        polish(srch, cand, fastest, unseen=max(0.0, need(cand) - pred.peak_memory_bytes))
+        rescued.append(cand)
+    return rescued
 
 
 def _shape(cand: Candidate) -> tuple:
