@@ -39,7 +39,7 @@ from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.explain import summary  # noqa: E402
 from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
-from snugfit.plan.schedules import SCHEDULES  # noqa: E402
+from snugfit.plan.rules import allows_unit  # noqa: E402
 from snugfit.plan.search import Constraints, Searcher, budget_for, search  # noqa: E402
 from snugfit.profile.profile import profile_model  # noqa: E402
 from snugfit.runtime.spawn import run_ranks  # noqa: E402
@@ -110,7 +110,7 @@ def grid(prof, cluster, budget: int) -> list[Plan]:
         if cand.schedule == "interleaved":
             continue
         for o in OPTIONS:
-            if (cand.dp == 1 and o.zero) or (SCHEDULES[cand.schedule].splits_backward and not o.allows_split_backward):
+            if (cand.dp == 1 and o.zero) or not allows_unit(o, schedule=cand.schedule, grad_reduce=cand.grad_reduce):
                 continue
             plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=cand.pp, block=o, schedule=cand.schedule,
                                 virtual_stages=cand.v, micro_batch_size=cand.mbs, num_microbatches=cand.m,

@@ -8,7 +8,6 @@ import pytest
 
 from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate
-from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.explain import advise, explain_bpipe, format_result
 from snugfit.plan.knapsack import BUCKETS, Cost, fine_resolution, knapsack, split
 from snugfit.plan.plan import BlockPlan, Plan
@@ -68,7 +67,7 @@ def test_never_returns_a_plan_its_model_says_does_not_fit(model, spec):
 
 
 def test_fixed_parts_are_respected():
-    c = Constraints(pp=2, zero=3, micro_batch=1, activations="recompute", schedule="1f1b")
+    c = Constraints(pp=2, zero=3, micro_batch=1, recompute="recompute", schedule="1f1b")
     res = search(MODELS["mid"], parse_cluster("4xA10"), global_batch=16, constraints=c)
     p = res.best
     assert (p.pp, p.dp, p.micro_batch_size, p.num_microbatches, p.schedule) == (2, 2, 1, 8, "1f1b")
@@ -104,7 +103,7 @@ def test_reported_need_is_what_that_plan_evaluates_to(model, spec, pp):
     every piece's activations beside the largest working peak; where it is near the budget, the search takes
     estimate()'s figure instead (verify.rescue; test_the_search_refuses_only_what_the_estimate_refuses)."""
     prof, cluster = MODELS[model], parse_cluster(spec)
-    c = Constraints(pp=pp, zero=0, activations="recompute", offload_optimizer=True, schedule="1f1b" if pp > 1 else None)
+    c = Constraints(pp=pp, zero=0, recompute="recompute", offload_optimizer="all", schedule="1f1b" if pp > 1 else None)
     srch = Searcher(prof, cluster, 8, c, budget_for(cluster, None))
     for cand in srch.candidates():
         need, _, option = srch.need(cand)
@@ -207,7 +206,7 @@ def test_no_uniform_plan_that_fits_beats_the_choice(model, spec):
             continue
         srch = Searcher(prof, cluster, 8, Constraints(), budget)
         for cand in srch.candidates():
-            for o in srch.options(cand.dp, cand.tp, twice=SCHEDULES[cand.schedule].splits_backward):
+            for o in srch.options(cand):
                 plan = Plan.uniform(len(prof.blocks), dp=cand.dp, tp=cand.tp, pp=cand.pp, block=o, root=o, seq_len=prof.seq_len,
                                     schedule=cand.schedule, virtual_stages=cand.v, micro_batch_size=cand.mbs,
                                     num_microbatches=cand.m, compute_dtype=prof.dtype)

@@ -16,6 +16,7 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.estimate import tensor_parallel_problem
 from snugfit.plan.knapsack import INF
 from snugfit.plan.options import Constraints, block_options
+from snugfit.plan.rules import allows_unit
 from snugfit.plan.plan import Plan
 from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.schedules import SCHEDULES, Schedule
@@ -108,8 +109,8 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                     continue
                 if sched.problem(pp, v, m) or n < pp * v:
                     continue
-                if sched.splits_backward and not any(o.allows_split_backward for o in block_options(c, dp)):
-                    continue  # the fixed parts (ZeRO-3, a selective policy) cannot run a split backward
+                if not any(allows_unit(o, tp=tp, schedule=sched.name) for o in block_options(c, dp)):
+                    continue  # no option the fixed parts leave runs beside this schedule (plan.rules)
                 out += [Candidate(dp, pp, mbs, m, sched.name, v, tp=tp, grad_reduce=g)
                         for g in grad_reduce_modes(dp, m, c, sched)]
     return out

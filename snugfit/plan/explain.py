@@ -17,10 +17,6 @@ from snugfit.profile.types import ModelProfile
 
 GIB = 2**30
 LORA_TRAINABLE = 0.01  # adapters of rank ~16 train about 1% of a block's parameters
-FLAGS = {"dp": "--dp", "pp": "--pp", "micro_batch": "--micro-batch", "num_microbatches": "--num-microbatches",
-         "schedule": "--schedule", "virtual_stages": "--virtual-stages", "zero": "--zero",
-         "activations": "--recompute", "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params",
-         "evict_bound": "--evict-bound", "grad_reduce": "--grad-reduce"}
 
 
 def summary(plan: Plan) -> str:
@@ -169,7 +165,7 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     for key, value in c.fixed().items():
         plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget)
         if plan:
-            out.append(f"drop {FLAGS[key]} {value}: fits as {summary(plan)} ({_figures(plan)})")
+            out.append(f"drop --{key.replace('_', '-')} {value}: fits as {summary(plan)} ({_figures(plan)})")
     if c.micro_batch != 1 and global_batch > 1:
         plan = _fits(profile, cluster, global_batch, replace(c, micro_batch=1, num_microbatches=None), memory_budget)
         if plan and not any(a.startswith("drop --micro-batch") for a in out):

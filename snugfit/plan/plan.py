@@ -7,9 +7,11 @@ runtime executes exactly what it says and never re-decides. Pure: no torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from snugfit.errors import PlanError
+from snugfit.plan import rules
 from snugfit.plan.policies import ACTIVATION_POLICIES, POLICY_NAMES, ActivationPolicy
 from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES, Action, Schedule, bpipe_bound
 
@@ -39,23 +41,11 @@ class BlockPlan:
         """Whether what the block keeps for backward waits on host (all of it, or its recompute checkpoint)."""
         return self.policy.on_host
 
-    @property
-    def allows_split_backward(self) -> bool:
-        """Whether the unit can run a backward split into input and weight passes (zero-bubble schedules): its
-        policy must allow a second backward, and its parameters must stay gathered from forward to backward
-        (torch finds the weights to differentiate by the module's parameters as the input pass starts, and
-        ZeRO-3 has resharded them after the forward)."""
-        return self.policy.backward_twice and self.zero < 3
-
     def check(self, where: str) -> None:
         if self.zero not in ZERO_STAGES:
             raise PlanError(f"{where}.zero must be one of {ZERO_STAGES}, got {self.zero}")
         if self.activations not in ACTIVATION_POLICIES:
             raise PlanError(f"{where}.activations must be one of {', '.join(POLICY_NAMES)}, got {self.activations!r}")
-        if self.offload_params and self.zero != 3:
-            raise PlanError(f"{where}: offload_params needs zero 3 (parameters are offloaded as shards); set zero=3")
-        if self.offload_params and self.offload_optimizer:
-            raise PlanError(f"{where}: offload_params already keeps optimizer states on host; drop offload_optimizer")
 
 
 @dataclass(frozen=True)
@@ -220,7 +210,8 @@ class Plan:
 
     # -- checks --
     def validate(self, n_blocks: int | None = None, world_size: int | None = None) -> None:
-        """Refuse a plan that contradicts itself, the model or the launch."""
+        """Refuse a plan that contradicts itself (its fields, then every rule of plan.rules), the model or the
+        launch."""
         for name in ("world_size", "dp", "pp", "tp", "micro_batch_size", "num_microbatches", "seq_len", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise PlanError(f"plan.{name} must be >= 1, got {getattr(self, name)}")
@@ -228,13 +219,6 @@ class Plan:
             raise PlanError(
                 f"plan: dp ({self.dp}) x tp ({self.tp}) x pp ({self.pp}) must equal world_size ({self.world_size})"
             )
-        if world_size is not None and world_size != self.world_size:
-            raise PlanError(
-                f"plan is for {self.world_size} ranks but {world_size} were launched; "
-                f"launch with --nproc {self.world_size} or re-plan"
-            )
-        if n_blocks is not None and len(self.blocks) != n_blocks:
-            raise PlanError(f"plan has {len(self.blocks)} block decisions but the model has {n_blocks} blocks; re-plan")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if len(self.stage_blocks) != self.pp * self.virtual_stages:
@@ -246,31 +230,44 @@ class Plan:
             raise PlanError(
                 f"plan.stage_blocks {self.stage_blocks} must be positive and sum to the {len(self.blocks)} blocks"
             )
-        problem = self.schedule_entry.problem(self.pp, self.virtual_stages, self.num_microbatches)
-        if problem:
-            raise PlanError(f"plan: {problem}")
-        if self.evict_bound is not None and not self.schedule_entry.evicts:
-            raise PlanError(f"plan.evict_bound is only meaningful with a schedule that evicts "
-                            f"({', '.join(n for n, s in SCHEDULES.items() if s.evicts)})")
         if self.grad_reduce not in GRAD_REDUCE:
             raise PlanError(f"plan.grad_reduce must be one of {GRAD_REDUCE}, got {self.grad_reduce!r}")
-        if self.grad_reduce == "microbatch" and self.schedule_entry.splits_backward:
-            raise PlanError(f"plan.grad_reduce 'microbatch' reduces as each backward makes the gradients, but "
-                            f"{self.schedule!r} makes them in a later weight backward; use grad_reduce 'step'")
         for name in ("compute_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"plan.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         self.root.check("plan.root")
         for i, b in enumerate(self.blocks):
             b.check(f"plan.blocks[{i}]")
-        if self.schedule_entry.splits_backward:
-            root = replace(self.root, activations="keep")  # the root pieces keep their activations, whatever it says
-            for where, unit in (("root", root), *((f"blocks[{i}]", b) for i, b in enumerate(self.blocks))):
-                if not unit.allows_split_backward:
-                    why = f"zero {unit.zero}" if unit.policy.backward_twice else f"activation policy {unit.activations}"
-                    raise PlanError(f"plan.{where}: schedule {self.schedule!r} splits each backward into an input and "
-                                    f"a weight pass, which {why} cannot run (ZeRO-3 reshards after the forward; "
-                                    f"selective checkpoints allow one backward); change one of them")
+        broken = self.rule_broken()
+        if broken:
+            raise PlanError(broken)
+        if world_size is not None and world_size != self.world_size:
+            raise PlanError(
+                f"plan is for {self.world_size} ranks but {world_size} were launched; "
+                f"launch with --nproc {self.world_size} or re-plan"
+            )
+        if n_blocks is not None and len(self.blocks) != n_blocks:
+            raise PlanError(f"plan has {len(self.blocks)} block decisions but the model has {n_blocks} blocks; re-plan")
+
+    def rule_broken(self) -> str | None:
+        """The first compatibility rule (plan.rules) the plan breaks, naming where, or None."""
+        for where, parts in self.rule_parts():
+            found = rules.problem(parts)
+            if found:
+                return f"{where}: {found}"
+        return None
+
+    def rule_parts(self) -> Iterator[tuple[str, "rules.Parts"]]:
+        """What the rules read of this plan: its plan-wide parts, then each distinct unit's beside them."""
+        wide = dict(tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
+                    schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound)
+        yield "plan", rules.Parts(**wide)
+        units = {}  # each distinct unit once, where it first appears
+        for where, u in (("plan.root", replace(self.root, activations="keep")),  # the root pieces keep theirs
+                         *((f"plan.blocks[{i}]", b) for i, b in enumerate(self.blocks))):
+            units.setdefault((u.zero, u.offload_optimizer, u.offload_params, u.activations), where)
+        for (zero, opt, params, acts), where in units.items():
+            yield where, rules.Parts(**wide, zero=zero, offload_optimizer=opt, offload_params=params, activations=acts)
 
     # -- serialisation --
     def to_dict(self) -> dict:

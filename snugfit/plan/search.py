@@ -32,6 +32,7 @@ from snugfit.plan.knapsack import (
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
+from snugfit.plan.rules import allows_unit
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, unit_run
 from snugfit.plan.timing import TensorParallel, gather_every, weight_share
@@ -106,22 +107,18 @@ class Searcher:
         prof = self.profile(cand)
         roots = ([prof.embed] if s == 0 else []) + ([prof.head] if s == cand.pp - 1 else [])
         r = resident_microbatches(cand.schedule, cand.pp, cand.m, s, cand.v, self.c.evict_bound)
-        twice = SCHEDULES[cand.schedule].splits_backward
-        return (self.costs(cand, s), prof.blocks[self.rep], roots, self.options(cand.dp, cand.tp, twice=twice),
-                self.options(cand.dp, cand.tp, True, twice), r)
+        return (self.costs(cand, s), prof.blocks[self.rep], roots, self.options(cand), self.options(cand, True), r)
 
-    def options(self, dp: int, tp: int = 1, root: bool = False, twice: bool = False) -> list[BlockPlan]:
-        """The allowed options; on CPU ranks host and device are one memory, so offloading only costs time, and
-        tensor-parallel plans offload nothing (the runtime does not combine them yet); twice: the schedule runs a
-        block's backward twice (I and W), which not every option can (BlockPlan.allows_split_backward)."""
-        key = (dp, tp, root, twice)
+    def options(self, cand: Candidate, root: bool = False) -> list[BlockPlan]:
+        """The options the fixed parts allow that no rule (plan.rules) forbids beside the candidate's degrees and
+        schedule; on CPU ranks host and device are one memory, so offloading only costs time."""
+        key = (cand.dp, cand.tp, cand.schedule, cand.grad_reduce, root)
         if key not in self._opts:
-            opts = block_options(self.c, dp, root)
-            if twice:
-                opts = [o for o in opts if o.allows_split_backward]
-            if self.cpu_only or tp > 1:
+            opts = [o for o in block_options(self.c, cand.dp, root)
+                    if allows_unit(o, root, tp=cand.tp, schedule=cand.schedule, grad_reduce=cand.grad_reduce)]
+            if self.cpu_only:
                 lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
-                opts = lean if lean or tp > 1 else opts
+                opts = lean or opts
             self._opts[key] = opts
         return self._opts[key]
 

@@ -129,14 +129,6 @@ def check_tp(model: nn.Module, plan: Plan) -> None:
     if plan.seq_len % tp:
         raise PlanError(f"plan.seq_len ({plan.seq_len}) must divide by tp ({tp}): sequence parallelism gives each "
                         "rank an equal slice; choose another --seq or --tp")
-    if not plan.schedule_entry.tensor_parallel:
-        raise PlanError(f"schedule {plan.schedule!r} does not run tensor-parallel stages yet (BPipe's eviction does "
-                        "not move tensor-parallel activations); use another schedule with tp > 1")
-    units = [plan.root, *plan.blocks]
-    if any(u.offload_optimizer or u.offload_params for u in units) or any(
-            b.offloads_activations for b in plan.blocks):
-        raise PlanError("tensor parallelism does not combine with host offload (optimizer, parameters or "
-                        "activations) yet; plan those with tp 1")
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
