@@ -123,6 +123,9 @@ def test_bpipe_only_when_it_beats_the_best_plan_without_it():
         elif res.bpipe is not None:
             assert res.best.predicted.step_time_s <= res.bpipe.predicted.step_time_s
         assert "verdict" in explain_bpipe(res) or "BPipe:" in explain_bpipe(res)
+        # the best V schedule is named beside it, as fast as any verified zbv plan
+        assert res.best_v is not None and res.best_v.schedule == "zbv"
+        assert f"{res.best_v.predicted.tokens_per_s:,.0f} tokens/s" in explain_bpipe(res).splitlines()[-1]
 
 
 def test_mixed_cluster_gives_faster_gpus_more_blocks_and_like_dp_groups():

@@ -93,12 +93,13 @@ def speed_words(ratio: float) -> str:
 
 
 def explain_bpipe(res: SearchResult) -> str:
-    """What BPipe's memory buys against what its activation moves cost, from the two best verified plans."""
+    """What BPipe's memory buys against what its activation moves cost, from the two best verified plans, and the
+    best V schedule's figure beside it."""
     bp, plain = res.bpipe, res.best_without_bpipe
     if bp is None:
-        return "BPipe: no BPipe plan fits (it needs pp > 1 and at least pp microbatches)"
+        return "BPipe: no BPipe plan fits (it needs pp > 1 and at least pp microbatches)\n" + _v_schedule(res)
     if plain is None:
-        return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit"
+        return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit\n" + _v_schedule(res)
     lines = [f"BPipe:        {_figures(bp)}: {summary(bp)}",
              f"without it:   {_figures(plain)}: {summary(plain)}"]
     rec = lambda p: sum(bool(b.policy.recomputes) for b in p.blocks)  # noqa: E731
@@ -112,7 +113,17 @@ def explain_bpipe(res: SearchResult) -> str:
                  f"next microbatch, loads in the wait for the gradient; what they do not hide shows up as bubble)")
     verdict = "chosen" if res.best is bp else "not chosen"
     lines.append(f"verdict: BPipe is {speed_words(plain.predicted.step_time_s / bp.predicted.step_time_s)} -> {verdict}")
-    return "\n".join(lines)
+    return "\n".join(lines + [_v_schedule(res)])
+
+
+def _v_schedule(res: SearchResult) -> str:
+    """The best V schedule's figure beside BPipe's: it balances stages' memory by where they sit, not by moves."""
+    v = res.best_v
+    if v is None:
+        return "V schedule:   none fits (it needs pp > 1, two stages per rank and a split backward's options)"
+    bp = res.bpipe
+    than = f", {speed_words(bp.predicted.step_time_s / v.predicted.step_time_s)} than BPipe" if bp else ""
+    return f"V schedule:   {_figures(v)}{than}: {summary(v)}"
 
 
 def _fits(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,

@@ -57,6 +57,11 @@ class Schedule:
     def pipelined(self) -> bool:
         return self.runner != "accumulate"
 
+    @property
+    def v_shaped(self) -> bool:
+        """Ranks hold stages going down and coming back, so each holds early and late stages' activations alike."""
+        return self.placement == "v"
+
     def rank_of(self, stage: int, pp: int) -> int:
         """The pipeline rank that runs `stage`."""
         if self.placement == "v":

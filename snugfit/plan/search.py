@@ -359,7 +359,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     """The fastest plan estimate() says fits, up to `alternatives` runners-up, and why other families lost.
 
     profile: for the run's seq_len and dtype, at any micro-batch size (rescaled per candidate).
-    compare_bpipe: also verify the best BPipe and best non-BPipe plan (for --explain-bpipe).
+    compare_bpipe: also verify the best BPipe, non-BPipe and V-schedule plans (for --explain-bpipe).
     Raises NoPlanError (its .result has the rejections) when nothing fits; explain.advise() says what would.
     """
     with _without_cyclic_gc():
@@ -386,8 +386,9 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     plain = [x for x in cands if not SCHEDULES[x.schedule].evicts]
     if compare_bpipe or (found and SCHEDULES[found[0].schedule].evicts):  # BPipe only where it beats the rest
         found += best_first(srch, plain, 1)
-    if compare_bpipe:
+    if compare_bpipe:  # and the best V schedule, which balances memory by placement instead of moves
         found += best_first(srch, [x for x in cands if SCHEDULES[x.schedule].evicts], 1)
+        found += best_first(srch, [x for x in cands if SCHEDULES[x.schedule].v_shaped], 1)
     found = sorted({id(x): x for x in found}.values(), key=_preference)
     plans = [x.plan for x in found]
     for p in plans:
@@ -395,6 +396,7 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     res.best, res.alternatives = (plans[0] if plans else None), plans[1:1 + alternatives]
     res.bpipe = next((p for p in plans if p.schedule_entry.evicts), None)
     res.best_without_bpipe = next((p for p in plans if not p.schedule_entry.evicts), None)
+    res.best_v = next((p for p in plans if p.schedule_entry.v_shaped), None)
     res.solved, res.verified, res.verify_s = sum(x.solved for x in cands), srch.verified, srch.verify_s
     explain_losses(srch, cands, found, res)
     if res.best is None:
