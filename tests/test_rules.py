@@ -68,15 +68,16 @@ def test_fixed_parts_break_the_same_rules():
 
 def test_the_search_offers_nothing_a_rule_forbids():
     from snugfit.hardware import parse_cluster
-    from snugfit.plan.search import Searcher, budget_for
+    from snugfit.plan.cost_model import CostModel
+    from snugfit.plan.search import budget_for
     from tests.test_search import MODELS
 
     prof, cluster = MODELS["mid"], parse_cluster("4xA10")
-    srch = Searcher(prof, cluster, 8, Constraints(), budget_for(cluster, None))
+    model = CostModel(prof, cluster, 8, Constraints(), budget_for(cluster, None))
     seen = set()
-    for cand in srch.candidates():
+    for cand in model.candidates():
         for root in (False, True):
-            for o in srch.options(cand, root):
+            for o in model.options(cand, root):
                 assert rules.allows_unit(o, root, tp=cand.tp, schedule=cand.schedule, grad_reduce=cand.grad_reduce)
                 seen.add((cand.schedule, o.zero, o.activations))
     assert ("zbv", 2, "keep") in seen and ("zbv", 3, "keep") not in seen and ("1f1b", 3, "keep") in seen

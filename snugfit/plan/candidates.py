@@ -29,16 +29,16 @@ MAX_MICRO_BATCH = 8
 class Candidate:
     dp: int
     pp: int
-    mbs: int
-    m: int
+    micro_batch_size: int
+    num_microbatches: int
     schedule: str
-    v: int = 1
+    virtual_stages: int = 1
     lower: float = 0.0  # seconds no plan of this candidate can beat
     score: float = INF  # the knapsack's step time of its solution
     plan: Plan | None = None
     solved: bool = False
     fits: bool | None = None  # estimate()'s verdict once verified
-    polished: bool = False  # given back the room the knapsack could not see (Searcher.polish)
+    polished: bool = False  # given back the room the knapsack could not see (verify.polish)
     tp: int = 1
     grad_reduce: str = "step"  # plan.GRAD_REDUCE
     estimated_need: int | None = None  # estimate()'s device peak of its leanest plan, where verify.rescue took one
@@ -55,8 +55,8 @@ class Candidate:
 def nearest_to_fitting(members: list[Candidate], need: Callable[[Candidate], float]) -> Candidate:
     """The member of a family that needs the least memory, by `need`: among those of the smallest micro-batch,
     since a larger one never needs less (the one the report names, and verify.rescue estimates)."""
-    smallest = min(x.mbs for x in members)
-    return min((x for x in members if x.mbs == smallest), key=need)
+    smallest = min(x.micro_batch_size for x in members)
+    return min((x for x in members if x.micro_batch_size == smallest), key=need)
 
 
 def divisors(n: int) -> list[int]:

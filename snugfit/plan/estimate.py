@@ -240,7 +240,7 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
         }
         tail = {"collective": reduce, "host optimizer": opt_host, "optimizer": phases["optimizer"]}
         ranks[rank] = RankStep(sts, phases, tail, rm)
-        total = sim.makespan + sum(tail.values())
+        total = sim.makespan + reduce + opt_host + phases["optimizer"]  # the tail's, in its order
         if total > step:
             step, phases_of = total, phases
     phases_of["bubble"] = max(0.0, step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble"))

@@ -129,7 +129,7 @@ def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
 
 
 def buffer_kinds(o: BlockPlan) -> int:
-    """Once-per-stage buffers the option needs (`Searcher._buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
+    """Once-per-stage buffers the option needs (`CostModel.buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
     activation-offload window (a policy whose whole saved activations wait on host), bit 4 the
     checkpoint-offload window (one whose recomputation checkpoint does)."""
     on_host = o.policy.on_host

@@ -170,18 +170,19 @@ def _zbv(pp: int, v: int, m: int, rank: int) -> list[Action]:
     for _ in range(rank):
         add("F", up, f)
         add("F", down, f)
+    def backward(stage: int) -> None:  # the input backward, then at once the weight backward of that microbatch
+        add("I", stage, b)
+        add("W", stage, {stage: b[stage] - 1})
+
     for _ in range(pp - rank):
         add("F", up, f)
-        add("I", up, b)
-        add("W", up, {up: b[up] - 1})
+        backward(up)
     while f[up] < f[down] or f[down] < n:
         if f[down] < n:
             add("F", down, f)
-        add("I", down, b)
-        add("W", down, {down: b[down] - 1})
+        backward(down)
         add("F", up, f)
-        add("I", up, b)
-        add("W", up, {up: b[up] - 1})
+        backward(up)
     w = dict(b)
     for _ in range(rank):
         add("I", down, b)
