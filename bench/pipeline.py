@@ -1,4 +1,4 @@
-"""Per-stage peak activation memory and step time of 1F1B, BPipe and recompute-all, p=4, in one run.
+"""Per-stage peak activation memory and step time of 1F1B, BPipe, recompute-all and zero-bubble V, p=4, in one run.
 
     python bench/pipeline.py [--dim 64 --blocks 8 --microbatches 8 --steps 3]
 
@@ -17,7 +17,8 @@ from snugfit.runtime.engine import OptimConfig
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.spawn import run_ranks
 
-VARIANTS = {"1f1b": ("1f1b", "keep"), "bpipe": ("bpipe", "keep"), "recompute-all": ("1f1b", "recompute")}
+VARIANTS = {"1f1b": ("1f1b", "keep"), "bpipe": ("bpipe", "keep"), "recompute-all": ("1f1b", "recompute"),
+            "zbv": ("zbv", "keep")}
 
 
 def _bench(env, args):
