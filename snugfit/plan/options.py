@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from snugfit.errors import SnugfitError
-from snugfit.plan import rules
+from snugfit.plan.rules import Parts, problem
 from snugfit.plan.plan import GRAD_REDUCE, ZERO_STAGES, BlockPlan
 from snugfit.plan.policies import ACTIVATION_POLICIES, ALIASES, POLICY_NAMES
 from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES
@@ -73,7 +73,7 @@ class Constraints:
                                "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
         if pp > 1 and self.num_microbatches and self.num_microbatches < pp:
             raise SnugfitError(f"--num-microbatches {self.num_microbatches} must be >= --pp {pp}")
-        broken = rules.problem(rules.Parts(
+        broken = problem(Parts(
             tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
             schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound, zero=self.zero,
             offload_optimizer=self.offloads_optimizer, offload_params=self.offload_params or None,

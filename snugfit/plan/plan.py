@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from snugfit.errors import PlanError
-from snugfit.plan import rules
+from snugfit.plan.rules import Parts, problem
 from snugfit.plan.policies import ACTIVATION_POLICIES, POLICY_NAMES, ActivationPolicy
 from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES, Action, Schedule, bpipe_bound
 
@@ -252,22 +252,22 @@ class Plan:
     def rule_broken(self) -> str | None:
         """The first compatibility rule (plan.rules) the plan breaks, naming where, or None."""
         for where, parts in self.rule_parts():
-            found = rules.problem(parts)
+            found = problem(parts)
             if found:
                 return f"{where}: {found}"
         return None
 
-    def rule_parts(self) -> Iterator[tuple[str, "rules.Parts"]]:
+    def rule_parts(self) -> Iterator[tuple[str, Parts]]:
         """What the rules read of this plan: its plan-wide parts, then each distinct unit's beside them."""
         wide = dict(tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
                     schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound)
-        yield "plan", rules.Parts(**wide)
+        yield "plan", Parts(**wide)
         units = {}  # each distinct unit once, where it first appears
         for where, u in (("plan.root", replace(self.root, activations="keep")),  # the root pieces keep theirs
                          *((f"plan.blocks[{i}]", b) for i, b in enumerate(self.blocks))):
             units.setdefault((u.zero, u.offload_optimizer, u.offload_params, u.activations), where)
         for (zero, opt, params, acts), where in units.items():
-            yield where, rules.Parts(**wide, zero=zero, offload_optimizer=opt, offload_params=params, activations=acts)
+            yield where, Parts(**wide, zero=zero, offload_optimizer=opt, offload_params=params, activations=acts)
 
     # -- serialisation --
     def to_dict(self) -> dict:

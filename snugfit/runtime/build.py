@@ -16,7 +16,7 @@ from snugfit.runtime.bpipe import BPipe
 from snugfit.runtime.dist import DistEnv, ensure_process_group
 from snugfit.runtime.engine import Accumulate, Engine, OptimConfig
 from snugfit.runtime.mesh import ParallelDims
-from snugfit.runtime.pipeline import TorchSchedule, check_stages, stage_parts
+from snugfit.runtime.pipeline import TorchSchedule, refuse_tied_embeddings, stage_parts
 
 RUNNERS = {  # the schedules registry's runner name -> the step runner (model, stages, plan, dims, env)
     "accumulate": lambda model, stages, plan, dims, env: Accumulate(model),
@@ -40,7 +40,7 @@ def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
     dims = ParallelDims.of(plan, env)
     stages = []
     if plan.schedule_entry.pipelined:
-        check_stages(model)
+        refuse_tied_embeddings(model)
         stages = stage_parts(model, plan, dims)
     host = place(model, plan, env.device, weights)  # a model on meta: read after sharding, this rank's part only
     last = len(plan.stage_ranges()) - 1

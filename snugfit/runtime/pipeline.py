@@ -101,7 +101,8 @@ def stage_parts(model: nn.Module, plan: Plan, dims: ParallelDims) -> list[StageM
     return parts
 
 
-def check_stages(model: nn.Module) -> None:
+def refuse_tied_embeddings(model: nn.Module) -> None:
+    """Pipeline stages hold the embedding and the head apart: a model that ties them cannot be split."""
     if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
         raise PlanError("tied embeddings cannot be split across pipeline stages; set model.tie_embeddings=false")
 
