@@ -12,7 +12,7 @@ from snugfit.plan.explain import advise, explain_bpipe, format_result
 from snugfit.plan.knapsack import BUCKETS, Cost, fine_resolution, knapsack, split
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.cost_model import CostModel
-from snugfit.plan.search import Constraints, NoPlanError, budget_for, search
+from snugfit.plan.search import SPLIT_MARGIN, Constraints, NoPlanError, budget_for, search
 from snugfit.plan.solve import leanest_plan
 from snugfit.profile.types import ModelProfile, PieceProfile
 
@@ -64,8 +64,10 @@ def test_never_returns_a_plan_its_model_says_does_not_fit(model, spec):
             pred = estimate(plan, prof, cluster, budget_gib * GiB)  # re-checked independently
             assert pred.fits and pred.peak_memory_bytes <= budget_gib * GiB
             assert plan.global_batch == 8
-        times = [float(f"{p.predicted.step_time_s:.3g}") for p in [res.best, *res.alternatives]]
-        assert times == sorted(times)  # fastest first, as finely as the time model tells plans apart
+        # fastest first, as finely as the time model tells plans apart (a split backward must win by SPLIT_MARGIN)
+        times = [float(f"{p.predicted.step_time_s * (1 + SPLIT_MARGIN * p.schedule_entry.splits_backward):.3g}")
+                 for p in [res.best, *res.alternatives]]
+        assert times == sorted(times)
 
 
 def test_fixed_parts_are_respected():
