@@ -6,7 +6,7 @@ import pytest
 import torch.distributed.pipelining.schedules as torch_schedules
 
 from snugfit.plan.schedules import SCHEDULES, programs
-from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, simulate
+from snugfit.plan.simulate import FILL, bubble_microbatches, resident_microbatches, simulate, unit_run
 
 TORCH = {"interleaved": torch_schedules.ScheduleInterleaved1F1B,
          "interleaved_zb": torch_schedules.ScheduleInterleavedZeroBubble,
@@ -67,3 +67,25 @@ def test_zero_bubble_schedules_trade_memory_for_bubble():
     assert max(held["zbv"]) - min(held["zbv"]) < max(held["1f1b"]) - min(held["1f1b"])
     assert held["zbv"] == held["interleaved_zb"] == [4] * pp
     assert held["interleaved"][0] > 4 > held["interleaved"][-1]
+
+
+@pytest.mark.parametrize("name", [n for n, s in SCHEDULES.items() if s.pipelined])
+def test_what_the_search_reads_of_a_program_is_its_simulation(name):
+    """The search counts residency along each rank's program and takes the bubble from a simulation of at most 8
+    ranks and FILL x pp microbatches: for every schedule they are the full unit simulation's (a rank's held count
+    never below it; BPipe's light ranks bounded above, as their partner's evictions and their own peak need not
+    meet), and the bubble grows as pp - 1 at a given number of microbatches per rank."""
+    entry = SCHEDULES[name]
+    for pp in (2, 3, 10):
+        for v in [entry.stages_per_rank] if entry.stages_per_rank else [1, 2]:
+            for m in (pp, 2 * pp, 5 * pp):
+                if entry.problem(pp, v, m):
+                    continue
+                sim = unit_run(name, pp, m, v)
+                held = [resident_microbatches(name, pp, m, r, v) for r in range(pp)]
+                exact = [sim.max_resident(r) / v for r in range(pp)]
+                assert held == exact if not entry.evicts else all(h >= e for h, e in zip(held, exact)), (pp, v, m)
+                if m > FILL * pp:
+                    assert exact == [unit_run(name, pp, FILL * pp, v).max_resident(r) / v for r in range(pp)]
+                bubble = max(sim.bubble(r) for r in range(pp)) / 3
+                assert bubble_microbatches(name, pp, m, v) == pytest.approx(bubble, rel=1e-9), (pp, v, m)

@@ -234,15 +234,63 @@ def unit_run(schedule: str, pp: int, m: int, v: int = 1, bound: int | None = Non
     return simulate(schedule, pp, m, [1.0 / v] * n, bwd, v=v, bound=bound, split=split)
 
 
+# A schedule's fill and drain, hence what a rank holds at its peak and how long it idles, are those of 4 x pp
+# microbatches once it runs that many; and at a given microbatches-per-rank its idle time grows as pp - 1. Both
+# hold for every registry schedule (tests/test_schedules.py), and spare the search simulating thousands of
+# events per candidate where pp reaches 64.
+FILL = 4
+SIMULATED_PP = 8
+
+
 def resident_microbatches(schedule: str, pp: int, m: int, rank: int, v: int = 1, bound: int | None = None) -> float:
     """Microbatches of activations pipeline rank `rank` holds at its peak, the one in flight included (each
-    (stage, microbatch) pair is 1/v of the rank's blocks), read from the schedule's own program."""
-    return unit_run(schedule, pp, m, v, bound).max_resident(rank) / v
+    (stage, microbatch) pair is 1/v of the rank's blocks), counted along the rank's own program: held from its F
+    to its B (or W). Where a partner evicts to it (BPipe), the most the partner holds evicted at once comes on
+    top: a bound, as the two peaks need not meet (estimate() simulates when they do)."""
+    m = min(m, FILL * pp)
+    sched = SCHEDULES[schedule]
+    held = _held_peaks(schedule, pp, m, v, bound)
+    partner_rank = partner(pp, rank)
+    away = held[partner_rank][1] if sched.evicts and partner_rank != rank else 0
+    return (held[rank][0] + away) / v
+
+
+@functools.lru_cache(maxsize=1024)
+def _held_peaks(schedule: str, pp: int, m: int, v: int, bound: int | None) -> tuple[tuple[int, int], ...]:
+    """Per rank: (most (stage, microbatch) pairs held at once, the one being computed included; most evicted at
+    once), along its program."""
+    out = []
+    for program in programs(schedule, pp, v, m, bound):
+        held = away = most = most_away = 0
+        released = set()
+        for a in program:
+            if a.kind == "F":
+                held += 1
+                most = max(most, held)
+            elif a.kind == "EVICT":
+                held, away = held - 1, away + 1
+                most_away = max(most_away, away)
+            elif a.kind == "LOAD":
+                held, away = held + 1, away - 1
+            elif (a.kind == "W" or a.kind == "B") and (a.stage, a.mb) not in released:
+                released.add((a.stage, a.mb))
+                held -= 1
+        out.append((most, most_away))
+    return tuple(out)
 
 
 def bubble_microbatches(schedule: str, pp: int, m: int, v: int = 1, weight: float = 0.5) -> float:
     """The schedule's idle time per rank, in microbatches of a whole rank's work (1F1B: pp - 1; interleaved:
-    (pp - 1) / v), from its own program over like stages; weight: the share of a backward a split schedule can
-    move into its bubble (`unit_run`), rounded to a twentieth."""
-    sim = unit_run(schedule, pp, m, v, weight=round(weight * 20) / 20 if SCHEDULES[schedule].splits_backward else 0.5)
-    return max(sim.bubble(r) for r in range(pp)) / 3.0
+    (pp - 1) / v), from its own program's unit simulation (`unit_run`) at up to SIMULATED_PP ranks and as many
+    microbatches per rank; weight: the share of a backward a split schedule can move into its bubble, rounded to
+    a twentieth."""
+    sched = SCHEDULES[schedule]
+    if pp == 1:
+        return 0.0
+    small = min(pp, SIMULATED_PP)
+    per_rank = min(m, FILL * pp) / pp
+    m_small = max(small, round(per_rank * small))
+    if sched.microbatches_per_round:
+        m_small = -(-m_small // small) * small
+    sim = unit_run(schedule, small, m_small, v, weight=round(weight * 20) / 20 if sched.splits_backward else 0.5)
+    return max(sim.bubble(r) for r in range(small)) / 3.0 * (pp - 1) / (small - 1)
