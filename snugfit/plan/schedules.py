@@ -42,7 +42,6 @@ Order = Callable[[int, int, int, int], list[Action]]  # (pp, v, m, rank) -> the 
 @dataclass(frozen=True)
 class Schedule:
     name: str
-    summary: str  # one line for --help and the docs
     order: Order
     runner: str = "torch"  # how the runtime runs it: "accumulate" (no pipeline), "torch", "bpipe"
     placement: str = "looped"  # "looped" or "v" (see `rank_of`)
@@ -241,17 +240,20 @@ def bpipe_bound(pp: int, bound: int | None = None) -> int:
 
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
-    Schedule("none", "no pipeline: every microbatch's forward and backward in turn, gradients accumulated",
-             _accumulate, runner="accumulate"),
-    Schedule("1f1b", "1F1B: stage s holds up to pp-s microbatches", _one_f_one_b),
-    Schedule("interleaved", "interleaved 1F1B over virtual stages: a smaller bubble, more transfers",
-             _interleaved, stages_per_rank=None, search_stages_per_rank=2, microbatches_per_round=True),
-    Schedule("bpipe", "1F1B whose heavy stages evict activations to their partner (BPipe)", _one_f_one_b,
-             runner="bpipe", evicts=True, tensor_parallel=False),
-    Schedule("zbv", "zero-bubble V: two stages per rank in a V, weight gradients fill the bubble", _zbv,
-             placement="v", stages_per_rank=2, search_stages_per_rank=2, splits_backward=True),
-    Schedule("interleaved_zb", "interleaved zero bubble (ZB1P): weight gradients fill the bubble", _interleaved_zb,
-             stages_per_rank=None, search_stages_per_rank=2, splits_backward=True, microbatches_per_round=True),
+    # no pipeline: every microbatch's forward and backward in turn, gradients accumulated
+    Schedule("none", _accumulate, runner="accumulate"),
+    # 1F1B: stage s holds up to pp - s microbatches
+    Schedule("1f1b", _one_f_one_b),
+    # interleaved 1F1B over virtual stages: a bubble 1/v as long, more transfers
+    Schedule("interleaved", _interleaved, stages_per_rank=None, search_stages_per_rank=2,
+             microbatches_per_round=True),
+    # 1F1B whose heavy stages evict activations to their partner (BPipe)
+    Schedule("bpipe", _one_f_one_b, runner="bpipe", evicts=True, tensor_parallel=False),
+    # zero-bubble V: two stages per rank in a V, weight gradients fill the bubble (torch's ScheduleZBVZeroBubble)
+    Schedule("zbv", _zbv, placement="v", stages_per_rank=2, search_stages_per_rank=2, splits_backward=True),
+    # interleaved zero bubble, ZB1P (torch's ScheduleInterleavedZeroBubble)
+    Schedule("interleaved_zb", _interleaved_zb, stages_per_rank=None, search_stages_per_rank=2,
+             splits_backward=True, microbatches_per_round=True),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
 RUNNERS = ("accumulate", "torch", "bpipe")  # the runtime's step runners (runtime.build checks its table)
