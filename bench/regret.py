@@ -114,8 +114,8 @@ def grid(prof, cluster, budget: int) -> list[Plan]:
             if (cand.dp == 1 and o.zero) or not allows_unit(o, schedule=cand.schedule, grad_reduce=cand.grad_reduce):
                 continue
             plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=cand.pp, block=o, schedule=cand.schedule,
-                                virtual_stages=cand.virtual_stages, micro_batch_size=cand.micro_batch_size, num_microbatches=cand.num_microbatches,
-                                seq_len=SEQ, grad_reduce=cand.grad_reduce)
+                                virtual_stages=cand.virtual_stages, micro_batch_size=cand.micro_batch_size,
+                                num_microbatches=cand.num_microbatches, seq_len=SEQ, grad_reduce=cand.grad_reduce)
             if estimate(plan, prof, cluster, budget).fits:
                 plans.append(plan)
     return plans

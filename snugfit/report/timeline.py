@@ -24,13 +24,14 @@ from snugfit.profile.types import ModelProfile
 from snugfit.report.trace import StepTrace
 
 COLOURS = {
-    "F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#E8B04A", "recompute": "#8172B3", "evict": "#55A868", "load": "#64B5CD",
-    "offload": "#CCB974", "collective": "#C44E52", "host optimizer": "#937860", "optimizer": "#DA8BC3",
-    "bubble": "#EEEEEE",
+    "F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#E8B04A", "recompute": "#8172B3", "evict": "#55A868",
+    "load": "#64B5CD", "offload": "#CCB974", "collective": "#C44E52", "host optimizer": "#937860",
+    "optimizer": "#DA8BC3", "bubble": "#EEEEEE",
 }
-LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)", "recompute": "recompute", "evict": "BPipe evict", "load": "BPipe load",
-          "offload": "activation offload", "collective": "collective (exposed)", "host optimizer": "host optimizer",
-          "optimizer": "optimizer step", "bubble": "bubble (idle)"}
+LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)",
+          "recompute": "recompute", "evict": "BPipe evict", "load": "BPipe load", "offload": "activation offload",
+          "collective": "collective (exposed)", "host optimizer": "host optimizer", "optimizer": "optimizer step",
+          "bubble": "bubble (idle)"}
 TRANSFERS = ("evict", "load", "offload")  # overlap compute: drawn in a thin lane under it
 TRANSIENT = ("activations", "working", "logits_loss")  # prediction categories that change during the step
 GiB = 2**30
