@@ -71,6 +71,16 @@ def test_fixed_parts_break_the_same_rules():
     assert Constraints(tp=2).checked(4).tp == 2  # a rule whose other part is not fixed is not read
 
 
+def test_the_search_refuses_an_optimizer_setup_beside_fixed_parts_by_the_same_rule():
+    from snugfit.hardware import parse_cluster
+    from snugfit.plan.search import NoPlanError, search
+    from tests.test_search import MODELS
+
+    with pytest.raises(NoPlanError, match="schedule 'zbv' makes weight gradients in later weight passes"):
+        search(MODELS["mid"], parse_cluster("4xA10"), global_batch=8, constraints=Constraints(schedule="zbv"),
+               optimizer=OptimizerPlan(in_backward=True))
+
+
 def test_the_search_offers_nothing_a_rule_forbids():
     from snugfit.hardware import parse_cluster
     from snugfit.plan.cost_model import CostModel

@@ -20,6 +20,7 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.cost_model import CostModel
 from snugfit.plan.estimate import tensor_parallel_problem
 from snugfit.plan.options import Constraints
+from snugfit.plan import rules
 from snugfit.plan.plan import OptimizerPlan
 from snugfit.plan.result import NoPlanError, SearchLog, SearchResult, explain_losses
 from snugfit.plan.schedules import SCHEDULES
@@ -90,13 +91,18 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     budget = budget_for(cluster, memory_budget)
     if c.tp and (problem := tensor_parallel_problem(profile, c.tp)):
         raise NoPlanError(f"{problem}; choose another --tp", SearchResult(None, budget_bytes=budget, candidates=0))
+    # the optimizer setup is fixed by the user as the fixed parts are (Constraints.checked): the same rules
+    in_backward = optimizer is not None and optimizer.in_backward
+    if broken := rules.problem(rules.Parts(schedule=c.schedule, grad_reduce=c.grad_reduce, in_backward=in_backward,
+                                           num_microbatches=c.num_microbatches, compute_dtype=profile.dtype)):
+        raise NoPlanError(broken, SearchResult(None, budget_bytes=budget, candidates=0))
     model = CostModel(profile, cluster, global_batch, c, budget, reduce_dtype, optimizer)
     log = SearchLog()
     cands = model.candidates()
     res = SearchResult(None, budget_bytes=budget, candidates=len(cands))
     if not cands:
         fixed = ", ".join(f"{k}={v}" for k, v in c.fixed().items()) or "none"
-        if optimizer is not None and optimizer.in_backward and c.grad_reduce == "step":
+        if in_backward and c.grad_reduce == "step":
             raise NoPlanError(f"the step in backward needs one microbatch per step or gradients reduced every "
                               f"microbatch, and global batch {global_batch} takes several under --grad-reduce step; "
                               "set --grad-reduce microbatch", res)
