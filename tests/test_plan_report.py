@@ -10,7 +10,9 @@ from dataclasses import replace
 from snugfit.hardware import parse_cluster
 from snugfit.hardware.cluster import with_host_ram
 from snugfit.plan.estimate import estimate
-from snugfit.plan.explain import format_result, memory_lines, phases_line, summary, verdict_line
+from snugfit.plan.explain import (
+    format_result, memory_lines, phases_line, summary, verdict_line, why_not_the_fastest,
+)
 from snugfit.plan.memory import device_bytes
 from snugfit.plan.plan import BlockPlan, Plan, Prediction
 from snugfit.plan.search import search
@@ -98,12 +100,16 @@ def test_a_tie_is_broken_openly():
     cluster = parse_cluster("2xRTX4090")
     res = search(MODELS["small"], cluster, global_batch=8, alternatives=2)
     assert "within rounding" not in format_result(res, cluster)
-    faster = res.alternatives[0]
-    faster.predicted = replace(faster.predicted, step_time_s=res.best.predicted.step_time_s * 0.999,
-                               tokens_per_s=res.best.predicted.tokens_per_s / 0.999)
+    best = res.best.predicted  # a runner-up like the best, a rounding faster: only memory can have put it below
+    faster = replace(res.best, predicted=replace(best, step_time_s=best.step_time_s * 0.999,
+                                                 tokens_per_s=best.tokens_per_s / 0.999))
+    res.alternatives = [faster, *res.alternatives]
     text = format_result(res, cluster)
     assert (f"within rounding of the fastest ({faster.predicted.tokens_per_s:,.0f} tokens/s below); chosen for less "
             "memory") in text
+    assert why_not_the_fastest(res.best, replace(faster, schedule="bpipe")).endswith("chosen for no BPipe")
+    split = why_not_the_fastest(res.best, replace(faster, schedule="zbv"))  # search.SPLIT_MARGIN, not a rounding
+    assert split.startswith("within 1% of the fastest (") and "split backward" in split, split
 
 
 def test_the_local_machine_is_planned_with_its_real_ram(monkeypatch):

@@ -13,15 +13,11 @@ from snugfit.plan.memory import FRAGMENTATION, device_bytes
 from snugfit.plan.optimizer import describe as describe_optimizer
 from snugfit.plan.plan import OptimizerPlan, Plan, Prediction
 from snugfit.plan.options import Constraints, describe
-from snugfit.plan.search import NoPlanError, SearchResult, search
+from snugfit.plan.search import SPLIT_MARGIN, NoPlanError, SearchResult, search
 from snugfit.profile.types import ModelProfile
 
 GIB = 2**30
 LORA_TRAINABLE = 0.01  # adapters of rank ~16 train about 1% of a block's parameters
-FLAGS = {"dp": "--dp", "pp": "--pp", "micro_batch": "--micro-batch", "num_microbatches": "--num-microbatches",
-         "schedule": "--schedule", "virtual_stages": "--virtual-stages", "zero": "--zero",
-         "activations": "--recompute", "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params",
-         "evict_bound": "--evict-bound", "grad_reduce": "--grad-reduce"}
 
 
 def summary(plan: Plan) -> str:
@@ -70,9 +66,7 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
               f"  optimizer: {describe_optimizer(best.optimizer)}"]
     faster = [p for p in res.alternatives if p.predicted.step_time_s < pred.step_time_s]
     if faster:  # the search's preference (search._preference) breaks ties at the time model's resolution
-        top = min(faster, key=lambda p: p.predicted.step_time_s)
-        lines.append(f"  within rounding of the fastest ({top.predicted.tokens_per_s:,.0f} tokens/s below); chosen "
-                     f"for {'no BPipe' if top.schedule == 'bpipe' and best.schedule != 'bpipe' else 'less memory'}")
+        lines.append("  " + why_not_the_fastest(best, min(faster, key=lambda p: p.predicted.step_time_s)))
     lines += ["  " + line for line in memory_lines(pred)]
     lines.append("  " + phases_line(pred))
     if res.alternatives:
@@ -90,6 +84,17 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
     lines.append(f"searched {res.candidates} candidates, solved {res.solved}, verified {res.verified} with the "
                  f"full estimate")
     return "\n".join(lines)
+
+
+def why_not_the_fastest(best: Plan, top: Plan) -> str:
+    """Why the chosen plan is listed above `top`, a runner-up the time model calls faster (search._preference)."""
+    tokens = f"{top.predicted.tokens_per_s:,.0f} tokens/s below"
+    mine, its = best.schedule_entry, top.schedule_entry
+    if its.splits_backward and not mine.splits_backward:
+        return (f"within {SPLIT_MARGIN:.0%} of the fastest ({tokens}), whose split backward the time model may "
+                "under-count; chosen without it")
+    return f"within rounding of the fastest ({tokens}); chosen for " + (
+        "no BPipe" if its.evicts and not mine.evicts else "less memory")
 
 
 def memory_lines(pred: Prediction) -> list[str]:
@@ -155,15 +160,16 @@ def speed_words(ratio: float) -> str:
 
 
 def explain_bpipe(res: SearchResult) -> str:
-    """What BPipe's memory buys against what its activation moves cost, from the two best verified plans."""
+    """What BPipe's memory buys against what its activation moves cost, from the two best verified plans, and the
+    best V schedule's figure beside it."""
     bp, plain = res.bpipe, res.best_without_bpipe
     if bp is None:
-        return "BPipe: no BPipe plan fits (it needs pp > 1 and at least pp microbatches)"
+        return "BPipe: no BPipe plan fits (it needs pp > 1 and at least pp microbatches)\n" + _v_schedule(res)
     if plain is None:
-        return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit"
+        return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit\n" + _v_schedule(res)
     lines = [f"BPipe:        {_figures(bp)}: {summary(bp)}",
              f"without it:   {_figures(plain)}: {summary(plain)}"]
-    rec = lambda p: sum(b.activations not in ("keep", "offload") for b in p.blocks)  # noqa: E731
+    rec = lambda p: sum(bool(b.policy.recomputes) for b in p.blocks)  # noqa: E731
     lines.append(f"memory buys: micro-batch {bp.micro_batch_size} vs {plain.micro_batch_size}, "
                  f"{rec(bp)} vs {rec(plain)} blocks recomputing; recompute time "
                  f"{bp.predicted.time_by_phase.get('recompute', 0):.3g} s vs "
@@ -174,7 +180,17 @@ def explain_bpipe(res: SearchResult) -> str:
                  f"next microbatch, loads in the wait for the gradient; what they do not hide shows up as bubble)")
     verdict = "chosen" if res.best is bp else "not chosen"
     lines.append(f"verdict: BPipe is {speed_words(plain.predicted.step_time_s / bp.predicted.step_time_s)} -> {verdict}")
-    return "\n".join(lines)
+    return "\n".join(lines + [_v_schedule(res)])
+
+
+def _v_schedule(res: SearchResult) -> str:
+    """The best V schedule's figure beside BPipe's: it balances stages' memory by where they sit, not by moves."""
+    v = res.best_v
+    if v is None:
+        return "V schedule:   none fits (it needs pp > 1, two stages per rank and a split backward's options)"
+    bp = res.bpipe
+    than = f", {speed_words(bp.predicted.step_time_s / v.predicted.step_time_s)} than BPipe" if bp else ""
+    return f"V schedule:   {_figures(v)}{than}: {summary(v)}"
 
 
 def _fits(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
@@ -291,7 +307,7 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     for key, value in c.fixed().items():
         plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget, opt)
         if plan:
-            out.append(f"drop {FLAGS[key]} {value}: fits as {summary(plan)} ({_figures(plan)})")
+            out.append(f"drop --{key.replace('_', '-')} {value}: fits as {summary(plan)} ({_figures(plan)})")
     if c.micro_batch != 1 and global_batch > 1:
         plan = _fits(profile, cluster, global_batch, replace(c, micro_batch=1, num_microbatches=None), memory_budget,
                      opt)
