@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from snugfit.hardware.cluster import Cluster
+from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_tp_time
 from snugfit.plan.memory import StagePiece, device_bytes, host_bytes, rank_memory, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
@@ -175,6 +176,8 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
                                            ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies,
                                            optimizer=plan.optimizer)
+        reduce = corrected("dp_comm_exposed", reduce, node)
+        opt_dev, opt_host = corrected("optimizer", opt_dev, node), corrected("offload_exposed", opt_host, node)
         phases = {
             "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
             "recompute": m * sum(st.recompute for st in sts.values()),

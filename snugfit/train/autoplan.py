@@ -127,12 +127,15 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
 
 def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
     from snugfit.plan.explain import advise, format_result
+    from snugfit.calibrate.corrections import with_stored_corrections
     from snugfit.plan.search import NoPlanError, search
 
     t = cfg.train
     measure_once(env.world_size, env.device.type == "cpu")
     profile = _profile(cfg, 1, env)
-    cluster = local_cluster(env)
+    cluster, corrected = with_stored_corrections(local_cluster(env), profile)
+    if corrected:
+        log.info(corrected)
     try:
         res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0,
                      optimizer=optimizer_plan(t))

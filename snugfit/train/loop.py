@@ -17,11 +17,11 @@ import torch.distributed as dist
 from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
-from snugfit.report.trace import StepTrace
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, release_cached_groups
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.runtime.launch import die_with_launcher
+from snugfit.train.calibration import StepProbe
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields
@@ -183,6 +183,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
     bad_in_a_row, skipped_total, overflow_total = 0, 0, 0
     profile_checked = False  # the first measured steps against the prediction from this machine's profile
     heartbeat = Heartbeat(env.rank, env.world_size)
+    probe = StepProbe(cfg, env, plan, start, out, metrics, lambda text: _say(text, bar))
     try:
         for step in range(start, t.steps):
             done = step + 1
@@ -191,17 +192,10 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
             engine.set_lr(lr)
             engine.track_memory = log_now  # count saved tensors only on the steps we report
             batch = sampler.next_batch()
-            if done == t.trace_step:
-                engine.trace = StepTrace()
-                if dist.is_initialized():
-                    dist.barrier()  # line the ranks' clocks up
-                engine.trace.begin()
             t0 = time.perf_counter()
-            res = engine.train_step(batch)
+            res = probe.train_step(engine, batch, done)
             window.append(time.perf_counter() - t0)
-            if engine.trace is not None:
-                _draw_trace(cfg, env, plan, engine.trace, out / "timeline.png", bar)
-                engine.trace = None
+            probe.after(engine, done)
             result.losses[done] = res.loss
             result.last_step = done
             # float16 overflows are the loss scale finding its level, not a run going bad
@@ -224,7 +218,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
                     "kind": "train", "step": done, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
                     "skipped": res.skipped, "skipped_total": skipped_total, "overflow_total": overflow_total,
                     "step_time_s": step_time,
-                    "tokens_per_s": plan.tokens_per_step / step_time, **measured_memory(engine),
+                    "tokens_per_s": plan.tokens_per_step / step_time, **measured_memory(engine, step_time),
                 }
                 record.update(predicted_fields(plan))
                 metrics.write(record)
@@ -286,20 +280,6 @@ def _check_profile(measured_s: float, predicted_s: float, bar) -> None:
     else:
         _say(f"{said}, with a profile measured again after an earlier mismatch: the time model is off for this "
              f"plan, not the profile ({path} stays; delete {stale.name} to have the next mismatch set it aside)", bar)
-
-
-def _draw_trace(cfg: RunConfig, env: DistEnv, plan: Plan, trace: StepTrace, out: Path, bar) -> None:
-    """Every rank's spans of the traced step, drawn on rank 0 beneath the time model's simulation of the plan."""
-    traces = [trace]
-    if dist.is_initialized() and env.world_size > 1:
-        traces = [None] * env.world_size
-        dist.all_gather_object(traces, trace)
-    if env.is_main:
-        from snugfit.report.timeline import draw_timeline
-        from snugfit.train.autoplan import predicted_timeline
-
-        sim, detail = predicted_timeline(cfg, env, plan)
-        _say(f"timeline of step {cfg.train.trace_step}: {draw_timeline(sim, plan, out, StepTrace.merge(traces), detail)}", bar)
 
 
 def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: RunConfig) -> int:

@@ -1,0 +1,186 @@
+"""Calibration from the run: after `[train] replan_after` steps, trace a step on every rank and profile the next
+(FSDP2's own ranges: its gathers, reduce-scatters and their waits), attribute the measured time to the time
+model's terms, store the per-term corrections beside the hardware profile, and re-plan with them (`replan`:
+"report" records what the corrected model would choose; "off" does none of it).
+
+Also the test hook that makes a straggler on purpose (`SLOW_ENV`), read in one place: `slow_down`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from snugfit.errors import SnugfitError
+from snugfit.plan.corrections import MeasuredStep
+from snugfit.report.trace import StepTrace
+
+log = logging.getLogger("snugfit")
+# Test hook, documented as such: "RANK:SECONDS" makes that rank sleep SECONDS inside every training step, before its
+# forward (a straggler made on purpose, for `snugfit diagnose`'s tests). Never set it in a real run.
+SLOW_ENV = "SNUGFIT_TEST_SLOW_RANK"
+
+
+def slow_down(rank: int) -> None:
+    """Sleep where SLOW_ENV asks it of this rank (the test hook's one place)."""
+    spec = os.environ.get(SLOW_ENV)
+    if not spec:
+        return
+    try:
+        who, seconds = spec.split(":")
+        who, seconds = int(who), float(seconds)
+    except ValueError:
+        raise SnugfitError(f"{SLOW_ENV}={spec!r}: write RANK:SECONDS, e.g. 1:0.2 (a test hook; unset it)") from None
+    if who == rank:
+        time.sleep(seconds)
+
+
+def fsdp_seconds(profiler) -> float:
+    """Seconds of a profiled step inside FSDP2's own ranges ("FSDP::..." record_functions), nested ones once."""
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in profiler.events() if e.name.startswith("FSDP::"))
+    total, end = 0.0, float("-inf")
+    for a, b in ranges:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e6
+
+
+def gather(obj, world_size: int) -> list:
+    """Every rank's `obj`, on every rank (a collective)."""
+    if dist.is_initialized() and world_size > 1:
+        out: list = [None] * world_size
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def save_trace(out: Path, step: int, traces: list[StepTrace], fsdp_share: list[float] | None = None) -> Path:
+    """Every rank's spans of a traced step as out/traces/step_N.json (what `snugfit diagnose` reads), with each
+    rank's share of FSDP2 in its forward and backward where a profiled step measured it."""
+    folder = out / "traces"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step_{step:08d}.json"
+    record = {"step": step, **StepTrace.merge(traces).to_dict()}
+    if fsdp_share is not None:
+        record["fsdp_share"] = fsdp_share
+    path.write_text(json.dumps(record))
+    return path
+
+
+def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_time_s: float) -> dict:
+    """On rank 0: the corrections this run's traced step gives, stored for later plans, and the plan the corrected
+    model chooses for the same ranks, as a metrics record ("replan")."""
+    from dataclasses import replace
+
+    from snugfit.calibrate.corrections import save_corrections
+    from snugfit.plan.corrections import derive, machine_key, on_cluster, shape_key
+    from snugfit.plan.estimate import estimate
+    from snugfit.plan.explain import summary
+    from snugfit.plan.search import NoPlanError, search
+    from snugfit.train.autoplan import _profile, fixed_constraints, local_cluster
+    from snugfit.config import optimizer_plan
+
+    profile, cluster = _profile(cfg, 1, env), local_cluster(env)
+    raw = estimate(replace(plan, predicted=None), profile, cluster)  # the uncorrected model's view of this plan
+    corrections = derive(measured, raw.time_by_phase, plan.pp > 1, machine=machine_key(cluster),
+                         shape=shape_key(profile), step=step)
+    stored = save_corrections(corrections)
+    fixed = cluster if not corrections.factors else on_cluster(cluster, corrections)
+    old = estimate(replace(plan, predicted=None), profile, fixed)
+    record = {"kind": "replan", "step": step, "mode": cfg.train.replan, "corrections": corrections.factors,
+              "measured_terms_s": corrections.measured, "predicted_terms_s": corrections.predicted,
+              "measured_step_s": step_time_s, "uncorrected_step_s": raw.step_time_s,
+              "old_plan": plan.to_dict(), "old_predicted_s": old.step_time_s, "switched": False}
+    try:
+        new = search(profile, fixed, global_batch=cfg.train.batch_size, alternatives=0,
+                     constraints=fixed_constraints(cfg, env.world_size), optimizer=optimizer_plan(cfg.train)).best
+    except NoPlanError as e:
+        record.update(new_plan=None, new_predicted_s=None, predicted_gain=0.0, why=str(e))
+        return record
+    gain = 1.0 - new.predicted.step_time_s / old.step_time_s if old.step_time_s else 0.0
+    same = summary(new) == summary(plan)
+    worth = not same and gain >= cfg.train.replan_gain
+    record.update(new_plan=new.to_dict(), new_predicted_s=new.predicted.step_time_s, predicted_gain=gain,
+                  same_plan=same, worth_switching=worth)
+    if same:
+        verdict = "the corrected model keeps this plan"
+    else:
+        verdict = (f"the corrected model prefers {summary(new)}: {new.predicted.step_time_s:.3g} s against "
+                   f"{old.step_time_s:.3g} s ({gain:.0%} faster{'' if worth else ', under replan_gain'})")
+    log.info("replan at step %d: measured %.3g s per step, the model said %.3g s; corrections %s (stored in %s); "
+             "%s; replan = %s, nothing switches", step, step_time_s, raw.step_time_s, corrections.describe(), stored,
+             verdict, cfg.train.replan)
+    return record
+
+
+class StepProbe:
+    """The steps of this launch that are traced (`trace_step`, drawn; the calibration step, `replan_after` steps
+    in) or profiled (the step after the calibration step), and what follows each."""
+
+    def __init__(self, cfg, env, plan, start: int, out: Path, metrics, say):
+        t = cfg.train
+        self.cfg, self.env, self.plan, self.out, self.metrics, self.say = cfg, env, plan, out, metrics, say
+        calibrate = t.replan != "off" and start + t.replan_after + 1 <= t.steps
+        self.calib = start + t.replan_after if calibrate else None
+        self.calib_traces: list[StepTrace] = []
+
+    def train_step(self, engine, batch, done: int):
+        """engine.train_step(batch), traced or profiled where this step is one of those."""
+        profiled = self.calib is not None and done == self.calib + 1
+        if done in (self.cfg.train.trace_step, self.calib) or profiled:
+            engine.trace = StepTrace()
+            if dist.is_initialized():
+                dist.barrier()  # line the ranks' clocks up
+            engine.trace.begin()
+        slow_down(self.env.rank)
+        if not profiled:
+            return engine.train_step(batch)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            res = engine.train_step(batch)
+        from snugfit.report.measured import measured_step
+
+        work = measured_step(engine.trace, self.env.rank).work
+        engine.trace = None
+        self._calibrate(done - 1, min(1.0, fsdp_seconds(prof) / work) if work else 0.0)
+        return res
+
+    def after(self, engine, done: int) -> None:
+        """A traced step's spans, gathered from every rank: drawn and saved (rank 0)."""
+        if engine.trace is None:
+            return
+        traces = gather(engine.trace, self.env.world_size)
+        engine.trace = None
+        if done == self.calib:
+            self.calib_traces = traces
+        if not self.env.is_main:
+            return
+        save_trace(self.out, done, traces)
+        if done == self.cfg.train.trace_step:
+            from snugfit.report.timeline import draw_timeline
+            from snugfit.train.autoplan import predicted_timeline
+
+            sim, detail = predicted_timeline(self.cfg, self.env, self.plan)
+            picture = draw_timeline(sim, self.plan, self.out / "timeline.png", StepTrace.merge(traces), detail)
+            self.say(f"timeline of step {done}: {picture}")
+
+    def _calibrate(self, step: int, fsdp_share: float) -> None:
+        """After the profiled step: every rank's share of FSDP2 in its work beside the traced step's spans; rank 0
+        derives the corrections and writes the replan record."""
+        from snugfit.report.measured import measured_step
+
+        fsdp = gather(fsdp_share, self.env.world_size)
+        if not self.env.is_main:
+            return
+        save_trace(self.out, step, self.calib_traces, fsdp)
+        merged = StepTrace.merge(self.calib_traces)
+        measured = [measured_step(merged, r, fsdp[r]) for r in range(self.env.world_size)]
+        step_s = sum(m.step for m in measured) / len(measured)
+        self.metrics.write(replan_record(self.cfg, self.env, self.plan, measured, step, step_s))
