@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from snugfit.cli import main
 from snugfit.train.calibration import SLOW_ENV
+from snugfit.train.loop import train
 from snugfit.train.metrics import read_metrics
-from tests.test_train import run_cli
+from tests.test_train import run_cli, tiny
 
 RUN = ["--nproc", "2", "--plan", "dp", "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32",
        "--max-seq-len", "32", "--batch-size", "4", "--steps", "5", "--replan-after", "2", "--log-every", "1",
@@ -30,11 +32,14 @@ def runs(tmp_path_factory):
     return tmp, _train(tmp, "slow", slow="1:0.3"), _train(tmp, "healthy")
 
 
-def test_diagnose_names_the_slowed_rank_and_its_phase(runs):
+def _diagnose(capsys, *args) -> list[str]:
+    assert main(["diagnose", *args]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_diagnose_names_the_slowed_rank_and_its_phase(runs, capsys):
     tmp, _, _ = runs
-    proc = run_cli("diagnose", str(tmp / "slow"), cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    alarms = [line for line in proc.stdout.splitlines() if line.startswith("!")]
+    alarms = [line for line in _diagnose(capsys, str(tmp / "slow")) if line.startswith("!")]
     # the sleep comes before the rank's forward; rank 0 waits for it in the gradients' all-reduce, in backward
     assert len(alarms) == 1 and alarms[0].startswith("! rank 1 is a straggler in host work outside the traced actions")
     assert "rank 0 waits" in alarms[0] and "in backward" in alarms[0] and "(term: host dispatch)" in alarms[0]
@@ -43,12 +48,10 @@ def test_diagnose_names_the_slowed_rank_and_its_phase(runs):
     assert (tmp / "slow" / "diagnose.png").stat().st_size > 0
 
 
-def test_a_healthy_run_reports_nothing_alarming(runs):
+def test_a_healthy_run_reports_nothing_alarming(runs, capsys):
     tmp, _, _ = runs
-    proc = run_cli("diagnose", str(tmp / "healthy"), "--picture", "none", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
-    assert "nothing alarming" in lines and not any(line.startswith("!") for line in lines), proc.stdout
+    lines = _diagnose(capsys, str(tmp / "healthy"), "--picture", "none")
+    assert "nothing alarming" in lines and not any(line.startswith("!") for line in lines), lines
     table = lines[lines.index("traced step 2:") + 1:]
     assert table[0].split() == ["term", "predicted", "rank", "0", "rank", "1"]
     assert {row.split()[0] for row in table[1:5]} >= {"compute", "dp_comm_exposed", "optimizer"}
@@ -74,17 +77,14 @@ def test_replan_report_records_the_corrected_choice_and_does_not_switch(runs):
     assert steps == [1, 2, 3, 4, 5] and all(len(r["step_time_by_rank_s"]) == 2 for r in records if r["kind"] == "train")
 
 
-def test_the_next_plan_here_applies_the_stored_corrections_and_says_so(tmp_path, monkeypatch):
+def test_the_next_plan_here_applies_the_stored_corrections_and_says_so(tmp_path, monkeypatch, capsys):
     store = tmp_path / "corrections.json"
     monkeypatch.setenv("SNUGFIT_CORRECTIONS", str(store))
-    model = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--max-seq-len", "32"]
-    proc = run_cli("train", *model, "--batch-size", "2", "--steps", "4", "--replan-after", "2", "--eval-every", "0",
-                   "--checkpoint-every", "0", "--progress", "false", "--plot", "false", "--out-dir",
-                   str(tmp_path / "run"), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = {"dim": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32, "max_seq_len": 32, "batch_size": 2}
+    train(tiny(tmp_path / "run", **model, steps=4, replan_after=2, eval_every=0, checkpoint_every=0, plan="auto"))
     (entry,) = json.loads(store.read_text()).values()
     assert entry["machine"] == "1xcpu" and entry["step"] == 2 and entry["factors"]
-    proc = run_cli("plan", *model, "--batch-size", "2", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    said = [line for line in proc.stdout.splitlines() if line.startswith("time model corrected")]
-    assert len(said) == 1 and "on 1xcpu at step 2" in said[0] and str(store) in said[0], proc.stdout
+    capsys.readouterr()
+    assert main(["plan", *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in model.items()), [])]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("time model corrected")]
+    assert len(said) == 1 and "on 1xcpu at step 2" in said[0] and str(store) in said[0]

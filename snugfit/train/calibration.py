@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -129,6 +130,8 @@ class StepProbe:
         calibrate = t.replan != "off" and start + t.replan_after + 1 <= t.steps
         self.calib = start + t.replan_after if calibrate else None
         self.calib_traces: list[StepTrace] = []
+        self.replanning: threading.Thread | None = None  # rank 0's search with the corrected model
+        self.record: dict | None = None
 
     def train_step(self, engine, batch, done: int):
         """engine.train_step(batch), traced or profiled where this step is one of those."""
@@ -153,7 +156,9 @@ class StepProbe:
         return res
 
     def after(self, engine, done: int) -> None:
-        """A traced step's spans, gathered from every rank: drawn and saved (rank 0)."""
+        """A traced step's spans, gathered from every rank: drawn and saved (rank 0); a finished re-plan recorded."""
+        if self.replanning is not None and not self.replanning.is_alive():
+            self.finish()
         if engine.trace is None:
             return
         traces = gather(engine.trace, self.env.world_size)
@@ -183,4 +188,21 @@ class StepProbe:
         merged = StepTrace.merge(self.calib_traces)
         measured = [measured_step(merged, r, fsdp[r]) for r in range(self.env.world_size)]
         step_s = sum(m.step for m in measured) / len(measured)
-        self.metrics.write(replan_record(self.cfg, self.env, self.plan, measured, step, step_s))
+        # the search runs beside training (its collectives would otherwise wait on it, up to parallel.timeout_s)
+        self.replanning = threading.Thread(target=self._replan, args=(measured, step, step_s), daemon=True)
+        self.replanning.start()
+
+    def _replan(self, measured: list[MeasuredStep], step: int, step_s: float) -> None:
+        try:
+            self.record = replan_record(self.cfg, self.env, self.plan, measured, step, step_s)
+        except Exception as e:  # a report must never stop the run
+            log.warning("replan at step %d failed: %s", step, e)
+
+    def finish(self) -> None:
+        """Wait for a re-plan still running and record it (rank 0)."""
+        if self.replanning is not None:
+            self.replanning.join()
+            self.replanning = None
+        if self.record is not None:
+            self.metrics.write(self.record)
+            self.record = None

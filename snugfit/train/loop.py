@@ -252,6 +252,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
             latest = checkpoints.latest()
             heartbeat.explain(err, result.last_step, cfg.parallel.timeout_s, latest.name if latest else "none")
         raise
+    probe.finish()
     if bar is not None:
         bar.close()
     metrics.close()
