@@ -88,3 +88,28 @@ def test_the_next_plan_here_applies_the_stored_corrections_and_says_so(tmp_path,
     assert main(["plan", *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in model.items()), [])]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("time model corrected")]
     assert len(said) == 1 and "on 1xcpu at step 2" in said[0] and str(store) in said[0]
+
+
+def test_resume_on_fewer_ranks_replans_with_the_stored_corrections(runs, tmp_path, caplog):
+    """--resume of the 2-rank run on 1 rank: searched for 1 rank, with the per-device corrections the 2 ranks
+    measured, said in one line each; it trains on as a fresh 1-rank resume from that checkpoint under that plan."""
+    import logging
+    import shutil
+
+    from snugfit.config import build_config
+
+    tmp, _, _ = runs
+    settings = {"dim": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32, "max_seq_len": 32, "batch_size": 4,
+                "steps": 7, "log_every": 1, "eval_every": 0, "checkpoint_every": 0, "progress": False,
+                "plot": False, "resume": True}
+    for name in ("replanned", "fresh"):
+        shutil.copytree(tmp / "healthy", tmp_path / name)
+    with caplog.at_level(logging.INFO, logger="snugfit"):
+        replanned = train(build_config(None, {**settings, "out_dir": str(tmp_path / "replanned"), "plan": "auto"}))
+    said = caplog.text
+    assert "time model corrected by what a run measured on 2xcpu at step 2" in said and "per-device terms" in said
+    assert "the checkpoint was written by 2 ranks; re-planned for the 1 launched" in said
+    plan = tmp_path / "replanned" / "plan.json"
+    assert json.loads(plan.read_text())["world_size"] == 1 and sorted(replanned.losses) == [6, 7]
+    fresh = train(build_config(None, {**settings, "out_dir": str(tmp_path / "fresh"), "plan": str(plan)}))
+    assert fresh.losses == pytest.approx(replanned.losses, rel=1e-6)

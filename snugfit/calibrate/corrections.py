@@ -9,7 +9,7 @@ from pathlib import Path
 
 from snugfit.hardware.catalogue import hardware_cache_path
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.corrections import TimeCorrections, machine_key, on_cluster, shape_key
+from snugfit.plan.corrections import TimeCorrections, cards_of, machine_key, on_cluster, shape_key
 from snugfit.profile.types import ModelProfile
 
 
@@ -27,9 +27,16 @@ def _read(path: Path) -> dict:
 
 
 def load_corrections(machine: str, shape: str) -> TimeCorrections | None:
-    """The corrections last measured for these ranks and this model shape, or None."""
-    entry = _read(corrections_path()).get(f"{machine} | {shape}")
-    return TimeCorrections.from_dict(entry) if entry else None
+    """The corrections last measured for these ranks and this model shape; else, measured on another number of the
+    same cards, their per-device terms (communication changes with the ranks); else None."""
+    table = _read(corrections_path())
+    entry = table.get(f"{machine} | {shape}")
+    if entry:
+        return TimeCorrections.from_dict(entry)
+    for other in table.values():
+        if other.get("shape") == shape and cards_of(other.get("machine", "")) == cards_of(machine):
+            return TimeCorrections.from_dict(other).per_device()
+    return None
 
 
 def save_corrections(corrections: TimeCorrections) -> Path:
@@ -51,5 +58,6 @@ def with_stored_corrections(cluster: Cluster, profile: ModelProfile) -> tuple[Cl
     if found is None or not found.factors:
         return cluster, None
     line = (f"time model corrected by what a run measured on {found.machine} at step {found.step}: "
-            f"{found.describe()} ({corrections_path()})")
+            f"{found.describe()}{'' if found.machine == machine_key(cluster) else ' (its per-device terms)'} "
+            f"({corrections_path()})")
     return on_cluster(cluster, found), line

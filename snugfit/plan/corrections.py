@@ -22,6 +22,8 @@ from snugfit.profile.types import ModelProfile
 TERMS = ("compute", "recompute", "dp_comm_exposed", "tp_comm", "offload_exposed", "pipeline_runtime", "optimizer")
 # Terms timed inside forward and backward spans: the trace cannot tell them apart, so they share one factor
 INSIDE_WORK = ("compute", "recompute", "tp_comm", "offload_exposed", "pipeline_runtime")
+# Terms one device's speed sets, whatever the ranks: they carry over to another number of ranks of the same cards
+PER_DEVICE = ("compute", "recompute", "optimizer")
 EVIDENCE = 0.02  # a term predicted below this share of the step gets no factor (too small to measure apart)
 MIN_EVIDENCE_S = 1e-4
 FACTOR_RANGE = (0.05, 20.0)  # a factor outside is a trace gone wrong, not the model
@@ -60,6 +62,10 @@ class TimeCorrections:
     def from_dict(cls, d: dict) -> "TimeCorrections":
         return cls(**{k: d[k] for k in ("factors", "machine", "shape", "step", "measured", "predicted") if k in d})
 
+    def per_device(self) -> "TimeCorrections":
+        """Only the factors that hold on another number of the same cards (PER_DEVICE)."""
+        return replace(self, factors={t: f for t, f in self.factors.items() if t in PER_DEVICE})
+
     def describe(self) -> str:
         """'compute x1.32, dp_comm_exposed x0.21'."""
         return ", ".join(f"{t} x{f:.2f}" for t, f in sorted(self.factors.items())) or "none"
@@ -68,6 +74,11 @@ class TimeCorrections:
 def machine_key(cluster: Cluster) -> str:
     """The ranks a correction was measured on: '2xcpu', '1x4xRTX 4090' (card names and counts, node by node)."""
     return "+".join(f"{n.count}x{n.gpu.name}" for n in cluster.nodes)
+
+
+def cards_of(machine: str) -> list[str]:
+    """The card names of a `machine_key`, without their counts."""
+    return [part.split("x", 1)[1] for part in machine.split("+")]
 
 
 def shape_key(profile: ModelProfile) -> str:

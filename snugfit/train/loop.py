@@ -290,6 +290,11 @@ def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: 
     if engine.scaler is not None and "loss_scale" in trainer_state:  # a float16 run goes on at its scale
         engine.scaler.load_state_dict(trainer_state["loss_scale"])
     sampler.load_state_dict(trainer_state["sampler"])
+    saved = trainer_state.get("plan", {}).get("world_size")
+    if saved and saved != engine.plan.world_size and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.info("the checkpoint was written by %d ranks; %s for the %d launched", saved,
+                 "re-planned" if cfg.parallel.plan == "auto" else "resuming under the given plan",
+                 engine.plan.world_size)
     if trainer_state["step"] >= cfg.train.steps:
         raise SnugfitError(
             f"checkpoint {path} is at step {trainer_state['step']}, not before train.steps ({cfg.train.steps}); "
