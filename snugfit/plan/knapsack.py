@@ -234,7 +234,8 @@ class StageCosts:
             if block:
                 reduce = max(0.0, reduce - one.bwd - one.recompute)
         reduce = corrected("dp_comm_exposed", reduce, self.node)
-        opt_dev, opt_host = corrected("optimizer", opt_dev, self.node), corrected("offload_exposed", opt_host, self.node)
+        opt_dev = corrected("optimizer", opt_dev, self.node)
+        opt_host = corrected("offload_exposed", opt_host, self.node)
         if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
             t_mb, reduce = t_mb + reduce, 0.0
         return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act,

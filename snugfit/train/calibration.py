@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -50,6 +52,20 @@ def fsdp_seconds(profiler) -> float:
             total += b - max(a, end)
             end = b
     return total / 1e6
+
+
+@contextmanager
+def _without_stderr():
+    """File descriptor 2 sent to /dev/null meanwhile (C++ libraries write there, not through sys.stderr)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def gather(obj, world_size: int) -> list:
@@ -146,8 +162,12 @@ class StepProbe:
             return engine.train_step(batch)
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            res = engine.train_step(batch)
+        prof = profile(activities=[ProfilerActivity.CPU])
+        with _without_stderr():  # kineto writes a 'USDT: ... profiler_start' line to stderr
+            prof.start()
+        res = engine.train_step(batch)
+        with _without_stderr():
+            prof.stop()
         from snugfit.report.measured import measured_step
 
         work = measured_step(engine.trace, self.env.rank).work
