@@ -65,9 +65,10 @@ class TrainConfig:
     trace_step: int = 0  # > 0: time this step's actions on every rank and draw them beside the plan's prediction
     # Calibration from the run: after replan_after steps of a launch, trace a step on every rank, correct the time
     # model's terms by what it measured (stored beside the hardware profile for later plans) and re-plan:
-    replan: str = "report"  # off | report: record the plan the corrected model prefers, and its predicted gain
+    replan: str = "report"  # off | report: record the plan the corrected model prefers, and its predicted gain |
+    # switch: and go on under it (checkpointed at that step) when its predicted gain reaches replan_gain
     replan_after: int = 20  # warm-up steps before the calibration step
-    replan_gain: float = 0.10  # the predicted gain a better plan must reach to be named in the replan line
+    replan_gain: float = 0.10
     progress: bool = True  # progress bar on rank 0
     plot: bool = True  # loss-curve PNG at the end
     tensorboard: bool = False  # also write TensorBoard event files to out_dir/tensorboard (extra: tensorboard)
@@ -136,7 +137,7 @@ CHOICES = {
     "parallel.grad_reduce": GRAD_REDUCE,  # or unset: searched
     "train.master_weights": MASTER_WEIGHTS,
     "train.optimizer_states": OPTIMIZER_STATES,
-    "train.replan": ("off", "report"),
+    "train.replan": ("off", "report", "switch"),
 }
 OPTIM_EXTRA = 'pip install -e ".[optim]"'  # torchao, for bf16 weights and bf16, 8- and 4-bit states
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",

@@ -30,8 +30,8 @@ def test_factors_are_measured_over_predicted_per_term():
 
 def test_a_term_too_small_to_measure_gets_no_factor_and_factors_are_bounded():
     predicted = dict(PREDICTED, optimizer=1e-6)
-    c = derive([MeasuredStep(step=1, work=100.0, dp_comm=0.04, optimizer=0.5, idle=0)], predicted, False)
-    assert "optimizer" not in c.factors and c.factors["compute"] == 20.0 and c.factors["dp_comm_exposed"] == 1.0
+    c = derive([MeasuredStep(step=1, work=1000.0, dp_comm=0.04, optimizer=0.5, idle=0)], predicted, False)
+    assert "optimizer" not in c.factors and c.factors["compute"] == 100.0 and c.factors["dp_comm_exposed"] == 1.0
 
 
 def _tiny():

@@ -113,3 +113,46 @@ def test_resume_on_fewer_ranks_replans_with_the_stored_corrections(runs, tmp_pat
     assert json.loads(plan.read_text())["world_size"] == 1 and sorted(replanned.losses) == [6, 7]
     fresh = train(build_config(None, {**settings, "out_dir": str(tmp_path / "fresh"), "plan": str(plan)}))
     assert fresh.losses == pytest.approx(replanned.losses, rel=1e-6)
+
+
+def test_replan_switch_goes_on_under_the_corrected_choice_as_a_resume_would(tmp_path):
+    """A hardware profile that makes FSDP2's collectives and optimizer work 50x too cheap: the search picks
+    2-way data parallelism; the traced step corrects the data-parallel term to what it measured, the corrected
+    model prefers the 2-stage pipeline, and `--replan switch` checkpoints and goes on under it. Its losses equal
+    those of a fresh run resumed from that checkpoint under the new plan."""
+    import shutil
+
+    from snugfit.hardware.catalogue import hardware_cache_path
+
+    wrong = json.loads(hardware_cache_path().read_text())
+    for name, cost in wrong["host"]["fsdp"]["2"].items():
+        if name != "contention":
+            wrong["host"]["fsdp"]["2"][name] = [x * 0.02 for x in cost]
+    profile = tmp_path / "wrong.json"
+    profile.write_text(json.dumps(wrong))
+    args = [a for a in RUN if a not in ("--plan", "dp")]
+    args[args.index("--steps") + 1], args[args.index("--replan-after") + 1] = "10", "3"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SNUGFIT_HARDWARE_PROFILE", str(profile))
+        proc = run_cli("train", *args, "--replan", "switch", "--out-dir", str(tmp_path / "switch"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = read_metrics(tmp_path / "switch" / "metrics.jsonl")
+    (replan,) = [r for r in records if r["kind"] == "replan"]
+    assert replan["old_plan"]["dp"] == 2 and replan["switched"] and replan["new_plan"]["pp"] == 2, replan
+    # the wrong term, corrected, is what the traced step measured it to cost (not clamped, applied where it acts)
+    fixed, measured = replan["corrected_terms_s"]["dp_comm_exposed"], replan["measured_terms_s"]["dp_comm_exposed"]
+    assert fixed == pytest.approx(measured, rel=0.15) and replan["corrections"]["dp_comm_exposed"] > 5
+    assert "switched at step 4" in proc.stdout and json.loads((tmp_path / "switch" / "plan.json").read_text())["pp"] == 2
+    (outcome,) = [r for r in records if r["kind"] == "replan_outcome"]
+    assert outcome["switched_at"] == 4 and outcome["measured_after_s"] > 0  # reported, not asserted: a shared host
+    # a fresh run resumed from the switch's checkpoint under the new plan
+    fresh = tmp_path / "fresh"
+    shutil.copytree(tmp_path / "switch", fresh)
+    shutil.rmtree(fresh / "checkpoints" / "step_00000010")
+    (fresh / "metrics.jsonl").unlink()
+    proc = run_cli("train", *args, "--resume", "--replan", "off",
+                   "--plan", str(fresh / "plan.json"), "--out-dir", str(fresh), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    switched = {r["step"]: r["loss"] for r in records if r["kind"] == "train" and r["step"] > 4}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(fresh / "metrics.jsonl") if r["kind"] == "train"}
+    assert resumed == pytest.approx(switched, rel=1e-6) and sorted(resumed) == list(range(5, 11))

@@ -26,7 +26,7 @@ INSIDE_WORK = ("compute", "recompute", "tp_comm", "offload_exposed", "pipeline_r
 PER_DEVICE = ("compute", "recompute", "optimizer")
 EVIDENCE = 0.02  # a term predicted below this share of the step gets no factor (too small to measure apart)
 MIN_EVIDENCE_S = 1e-4
-FACTOR_RANGE = (0.05, 20.0)  # a factor outside is a trace gone wrong, not the model
+FACTOR_RANGE = (0.01, 100.0)  # a factor outside is a trace gone wrong, not the model
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ log = logging.getLogger("snugfit")
 # Test hook, documented as such: "RANK:SECONDS" makes that rank sleep SECONDS inside every training step, before its
 # forward (a straggler made on purpose, for `snugfit diagnose`'s tests). Never set it in a real run.
 SLOW_ENV = "SNUGFIT_TEST_SLOW_RANK"
+GAIN_STEPS = 6  # steps under a switched-to plan before its measured gain is reported (the first two: warm-up)
 
 
 def slow_down(rank: int) -> None:
@@ -113,7 +115,8 @@ def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_
     record = {"kind": "replan", "step": step, "mode": cfg.train.replan, "corrections": corrections.factors,
               "measured_terms_s": corrections.measured, "predicted_terms_s": corrections.predicted,
               "measured_step_s": step_time_s, "uncorrected_step_s": raw.step_time_s,
-              "old_plan": plan.to_dict(), "old_predicted_s": old.step_time_s, "switched": False}
+              "corrected_terms_s": old.time_by_phase, "old_plan": plan.to_dict(), "old_predicted_s": old.step_time_s,
+              "switched": False}
     try:
         new = search(profile, fixed, global_batch=cfg.train.batch_size, alternatives=0,
                      constraints=fixed_constraints(cfg, env.world_size), optimizer=optimizer_plan(cfg.train)).best
@@ -130,15 +133,18 @@ def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_
     else:
         verdict = (f"the corrected model prefers {summary(new)}: {new.predicted.step_time_s:.3g} s against "
                    f"{old.step_time_s:.3g} s ({gain:.0%} faster{'' if worth else ', under replan_gain'})")
+    record["switched"] = worth and cfg.train.replan == "switch" and cfg.parallel.plan == "auto"  # not a given plan
     log.info("replan at step %d: measured %.3g s per step, the model said %.3g s; corrections %s (stored in %s); "
-             "%s; replan = %s, nothing switches", step, step_time_s, raw.step_time_s, corrections.describe(), stored,
-             verdict, cfg.train.replan)
+             "%s; %s", step, step_time_s, raw.step_time_s, corrections.describe(), stored, verdict,
+             "switching to it from the next step" if record["switched"] else
+             f"replan = {cfg.train.replan}, nothing switches")
     return record
 
 
 class StepProbe:
     """The steps of this launch that are traced (`trace_step`, drawn; the calibration step, `replan_after` steps
-    in) or profiled (the step after the calibration step), and what follows each."""
+    in) or profiled (the step after the calibration step), what follows each, and with `replan = "switch"` the plan
+    the run goes on under (`switch_to`, for the loop to act on) and the gain it measured."""
 
     def __init__(self, cfg, env, plan, start: int, out: Path, metrics, say):
         t = cfg.train
@@ -146,8 +152,12 @@ class StepProbe:
         calibrate = t.replan != "off" and start + t.replan_after + 1 <= t.steps
         self.calib = start + t.replan_after if calibrate else None
         self.calib_traces: list[StepTrace] = []
-        self.replanning: threading.Thread | None = None  # rank 0's search with the corrected model
+        self.replanning: threading.Thread | None = None  # rank 0's search with the corrected model (report)
         self.record: dict | None = None
+        self.switch_to = None  # the plan to continue under from the next step, once decided (switch)
+        self.step_s: dict[int, float] = {}  # this launch's step times, for the gain a switch measured
+        self.switched_at: int | None = None
+        self.record_gain = 0.0  # the switch's predicted gain
 
     def train_step(self, engine, batch, done: int):
         """engine.train_step(batch), traced or profiled where this step is one of those."""
@@ -157,10 +167,15 @@ class StepProbe:
             if dist.is_initialized():
                 dist.barrier()  # line the ranks' clocks up
             engine.trace.begin()
+        t0 = time.perf_counter()
         slow_down(self.env.rank)
         if not profiled:
-            return engine.train_step(batch)
+            res = engine.train_step(batch)
+            self.step_s[done] = time.perf_counter() - t0
+            return res
         from torch.profiler import ProfilerActivity, profile
+
+        from snugfit.report.measured import measured_step
 
         prof = profile(activities=[ProfilerActivity.CPU])
         with _without_stderr():  # kineto writes a 'USDT: ... profiler_start' line to stderr
@@ -168,17 +183,19 @@ class StepProbe:
         res = engine.train_step(batch)
         with _without_stderr():
             prof.stop()
-        from snugfit.report.measured import measured_step
-
         work = measured_step(engine.trace, self.env.rank).work
         engine.trace = None
         self._calibrate(done - 1, min(1.0, fsdp_seconds(prof) / work) if work else 0.0)
         return res
 
     def after(self, engine, done: int) -> None:
-        """A traced step's spans, gathered from every rank: drawn and saved (rank 0); a finished re-plan recorded."""
+        """A traced step's spans, gathered from every rank: drawn and saved (rank 0); a finished re-plan recorded;
+        the gain a switch measured, GAIN_STEPS after it."""
         if self.replanning is not None and not self.replanning.is_alive():
             self.finish()
+        if self.switched_at is not None and done == self.switched_at + GAIN_STEPS:
+            self._measured_gain(done)
+            self.switched_at = None
         if engine.trace is None:
             return
         traces = gather(engine.trace, self.env.world_size)
@@ -198,25 +215,57 @@ class StepProbe:
 
     def _calibrate(self, step: int, fsdp_share: float) -> None:
         """After the profiled step: every rank's share of FSDP2 in its work beside the traced step's spans; rank 0
-        derives the corrections and writes the replan record."""
+        derives the corrections and re-plans (beside training for a report; for a switch every rank waits for it)."""
         from snugfit.report.measured import measured_step
 
         fsdp = gather(fsdp_share, self.env.world_size)
-        if not self.env.is_main:
+        measured = []
+        if self.env.is_main:
+            save_trace(self.out, step, self.calib_traces, fsdp)
+            merged = StepTrace.merge(self.calib_traces)
+            measured = [measured_step(merged, r, fsdp[r]) for r in range(self.env.world_size)]
+        step_s = sum(m.step for m in measured) / max(len(measured), 1)
+        if self.cfg.train.replan == "switch":
+            from snugfit.plan import Plan
+            from snugfit.train.autoplan import decided_on_main
+
+            record = decided_on_main(lambda: replan_record(self.cfg, self.env, self.plan, measured, step, step_s),
+                                     self.env)
+            self.metrics.write(record)
+            if record["switched"]:
+                self.switch_to = Plan.from_dict(record["new_plan"])
+                self.record_gain = record["predicted_gain"]
             return
-        save_trace(self.out, step, self.calib_traces, fsdp)
-        merged = StepTrace.merge(self.calib_traces)
-        measured = [measured_step(merged, r, fsdp[r]) for r in range(self.env.world_size)]
-        step_s = sum(m.step for m in measured) / len(measured)
-        # the search runs beside training (its collectives would otherwise wait on it, up to parallel.timeout_s)
-        self.replanning = threading.Thread(target=self._replan, args=(measured, step, step_s), daemon=True)
-        self.replanning.start()
+        if self.env.is_main:
+            # the search runs beside training (its collectives would otherwise wait on it, up to parallel.timeout_s)
+            self.replanning = threading.Thread(target=self._replan, args=(measured, step, step_s), daemon=True)
+            self.replanning.start()
 
     def _replan(self, measured: list[MeasuredStep], step: int, step_s: float) -> None:
         try:
             self.record = replan_record(self.cfg, self.env, self.plan, measured, step, step_s)
         except Exception as e:  # a report must never stop the run
             log.warning("replan at step %d failed: %s", step, e)
+
+    def switched(self, plan, done: int) -> None:
+        """The loop now runs `plan` (from step done + 1)."""
+        self.plan, self.switch_to, self.switched_at = plan, None, done
+
+    def _measured_gain(self, done: int) -> None:
+        """Step time under the new plan against the old one's before the calibration (the launch's first step and
+        the first two after the switch left out: warm-up), recorded beside the predicted gain."""
+        before = [s for k, s in self.step_s.items() if min(self.step_s) < k < self.calib]
+        after = [s for k, s in self.step_s.items() if k > self.switched_at + 2]
+        if not before or not after:
+            return
+        old, new = statistics.median(before), statistics.median(after)
+        gain = 1.0 - new / old
+        self.metrics.write({"kind": "replan_outcome", "step": done, "switched_at": self.switched_at,
+                            "measured_before_s": old, "measured_after_s": new, "measured_gain": gain,
+                            "predicted_gain": self.record_gain})
+        if self.env.is_main:
+            self.say(f"after the switch at step {self.switched_at}: {new:.3g} s per step against {old:.3g} s "
+                     f"before ({gain:.0%} faster measured, {self.record_gain:.0%} predicted)")
 
     def finish(self) -> None:
         """Wait for a re-plan still running and record it (rank 0)."""
