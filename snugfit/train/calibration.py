@@ -70,6 +70,42 @@ def _without_stderr():
         os.close(null)
 
 
+def profiled_step(engine, batch, rank: int):
+    """(engine.train_step(batch)'s result, FSDP2's share of its forward and backward), the step traced and
+    profiled (the profiler slows every operator alike: the share holds, the seconds do not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from snugfit.report.measured import measured_step
+
+    engine.trace = StepTrace()
+    engine.trace.begin()
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _without_stderr():  # kineto writes a 'USDT: ... profiler_start' line to stderr
+        prof.start()
+    res = engine.train_step(batch)
+    with _without_stderr():
+        prof.stop()
+    work = measured_step(engine.trace, rank).work
+    engine.trace = None
+    return res, min(1.0, fsdp_seconds(prof) / work) if work else 0.0
+
+
+def calibration_steps(engine, batches, rank: int, world_size: int) -> list[MeasuredStep]:
+    """Every rank's traced step in the parts the corrections read, from two steps of `engine` (one traced, the
+    next profiled): what a run's calibration measures, in one call (bench/). A collective."""
+    from snugfit.report.measured import measured_step
+
+    engine.trace = StepTrace()
+    dist.barrier()
+    engine.trace.begin()
+    engine.train_step(next(batches))
+    traces = gather(engine.trace, world_size)
+    engine.trace = None
+    shares = gather(profiled_step(engine, next(batches), rank)[1], world_size)
+    merged = StepTrace.merge(traces)
+    return [measured_step(merged, r, shares[r]) for r in range(world_size)]
+
+
 def gather(obj, world_size: int) -> list:
     """Every rank's `obj`, on every rank (a collective)."""
     if dist.is_initialized() and world_size > 1:
@@ -162,7 +198,7 @@ class StepProbe:
     def train_step(self, engine, batch, done: int):
         """engine.train_step(batch), traced or profiled where this step is one of those."""
         profiled = self.calib is not None and done == self.calib + 1
-        if done in (self.cfg.train.trace_step, self.calib) or profiled:
+        if done in (self.cfg.train.trace_step, self.calib):
             engine.trace = StepTrace()
             if dist.is_initialized():
                 dist.barrier()  # line the ranks' clocks up
@@ -173,19 +209,8 @@ class StepProbe:
             res = engine.train_step(batch)
             self.step_s[done] = time.perf_counter() - t0
             return res
-        from torch.profiler import ProfilerActivity, profile
-
-        from snugfit.report.measured import measured_step
-
-        prof = profile(activities=[ProfilerActivity.CPU])
-        with _without_stderr():  # kineto writes a 'USDT: ... profiler_start' line to stderr
-            prof.start()
-        res = engine.train_step(batch)
-        with _without_stderr():
-            prof.stop()
-        work = measured_step(engine.trace, self.env.rank).work
-        engine.trace = None
-        self._calibrate(done - 1, min(1.0, fsdp_seconds(prof) / work) if work else 0.0)
+        res, fsdp_share = profiled_step(engine, batch, self.env.rank)
+        self._calibrate(done - 1, fsdp_share)
         return res
 
     def after(self, engine, done: int) -> None:
