@@ -26,7 +26,8 @@ PHASE_TERMS = {"F": "compute", "B": "compute", "I": "compute", "W": "compute", "
                "evict": "bubble", "load": "bubble", "offload": "offload_exposed", HOST: "host dispatch"}
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The time covered by these (start, end) intervals, overlaps once."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b > end:
@@ -41,10 +42,10 @@ def measured_step(trace: StepTrace, rank: int, fsdp_share: float = 0.0) -> Measu
     the profiled seconds: the profiler slows every operator, FSDP2's and the model's alike."""
     mine = [s for s in trace.spans if s.rank == rank]
     step = max((s.end for s in mine), default=0.0)
-    work = _union([(s.start, s.end) for s in mine if s.kind in WORK_KINDS])
+    work = union_length([(s.start, s.end) for s in mine if s.kind in WORK_KINDS])
     collective = sum(s.end - s.start for s in mine if s.kind == "collective")
     optimizer = sum(s.end - s.start for s in mine if s.kind in OPTIMIZER_KINDS)
-    idle = max(0.0, step - _union([(s.start, s.end) for s in mine]))
+    idle = max(0.0, step - union_length([(s.start, s.end) for s in mine]))
     fsdp = min(max(fsdp_share, 0.0), 1.0) * work
     return MeasuredStep(step=step, work=work - fsdp, dp_comm=fsdp + collective, optimizer=optimizer, idle=idle)
 

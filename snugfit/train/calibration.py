@@ -1,7 +1,8 @@
 """Calibration from the run: after `[train] replan_after` steps, trace a step on every rank and profile the next
 (FSDP2's own ranges: its gathers, reduce-scatters and their waits), attribute the measured time to the time
 model's terms, store the per-term corrections beside the hardware profile, and re-plan with them (`replan`:
-"report" records what the corrected model would choose; "off" does none of it).
+"report" records what the corrected model would choose; "switch" also goes on under it, through the loop's
+`_switch`; "off" does none of it).
 
 Also the test hook that makes a straggler on purpose (`SLOW_ENV`), read in one place: `slow_down`.
 """
@@ -47,13 +48,10 @@ def slow_down(rank: int) -> None:
 
 def fsdp_seconds(profiler) -> float:
     """Seconds of a profiled step inside FSDP2's own ranges ("FSDP::..." record_functions), nested ones once."""
-    ranges = sorted((e.time_range.start, e.time_range.end) for e in profiler.events() if e.name.startswith("FSDP::"))
-    total, end = 0.0, float("-inf")
-    for a, b in ranges:
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total / 1e6
+    from snugfit.report.measured import union_length
+
+    ranges = [(e.time_range.start, e.time_range.end) for e in profiler.events() if e.name.startswith("FSDP::")]
+    return union_length(ranges) / 1e6
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -238,8 +239,9 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
                 metrics.write({"kind": "checkpoint", "step": done, "async": in_background,
                                "blocked_s": time.perf_counter() - t0})
             if probe.switch_to is not None and done < t.steps:  # replan = "switch" chose another plan
-                plan = probe.switch_to
-                engine, sampler = _switch(cfg, env, plan, done, checkpoints, engine, sampler, optim, weights, data)
+                saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+                plan, engine, sampler = probe.switch_to, None, None  # the old plan's engine goes before the new one
+                engine, sampler = _switch(cfg, env, plan, saved, checkpoints, optim, weights, data)
                 val = data.eval_batches(plan, t.eval_batches)
                 probe.switched(plan, done)
             heartbeat.beat(done)
@@ -288,21 +290,21 @@ def _check_profile(measured_s: float, predicted_s: float, bar) -> None:
              f"plan, not the profile ({path} stays; delete {stale.name} to have the next mismatch set it aside)", bar)
 
 
-def _switch(cfg: RunConfig, env: DistEnv, plan: Plan, done: int, checkpoints: Checkpoints, engine: Engine, sampler,
-            optim: OptimConfig, weights, data) -> tuple[Engine, object]:
-    """Go on under `plan` from a checkpoint of step `done`, as --resume under another plan would: the same data
+def _switch(cfg: RunConfig, env: DistEnv, plan: Plan, saved: Path, checkpoints: Checkpoints, optim: OptimConfig,
+            weights, data) -> tuple[Engine, object]:
+    """Go on under `plan` from the checkpoint just `saved`, as --resume under another plan would: the same data
     order, optimizer state and learning-rate schedule, in this launch."""
-    path = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, engine.plan, engine))
+    gc.collect()  # the old engine's modules, before the new plan's are built
     try:
         engine = build_engine(build_model(cfg, on_meta=weights is not None), plan, optim, env, weights)
     except PlanError as e:
         raise SnugfitError(f"switching to the re-planned {plan.dp} x {plan.tp} x {plan.pp} plan: {e}") from None
     sampler = data.sampler(plan, cfg.train.seed, plan.layout.coords(env.rank)[1])
-    _resume(checkpoints, path, engine, sampler, cfg)
+    done = _resume(checkpoints, saved, engine, sampler, cfg)
     if env.is_main:
         (Path(cfg.train.out_dir) / "plan.json").write_text(plan.to_json())
-        log.info("switched at step %d (checkpoint %s) to plan dp=%d tp=%d pp=%d micro-batch %d x %d", done, path.name,
-                 plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)
+        log.info("switched at step %d (checkpoint %s) to plan dp=%d tp=%d pp=%d micro-batch %d x %d", done,
+                 saved.name, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)
     return engine, sampler
 
 
