@@ -42,6 +42,7 @@ def test_diagnose_names_the_slowed_rank_and_its_phase(runs, capsys):
     alarms = [line for line in _diagnose(capsys, str(tmp / "slow")) if line.startswith("!")]
     # the sleep comes before the rank's forward; rank 0 waits for it in the gradients' all-reduce, in backward
     assert len(alarms) == 1 and alarms[0].startswith("! rank 1 is a straggler in host work outside the traced actions")
+    assert "(steps 2, 3 of 2 traced)" in alarms[0]  # the calibration's traced step and its profiled one
     assert "rank 0 waits" in alarms[0] and "in backward" in alarms[0] and "(term: host dispatch)" in alarms[0]
     waited = float(alarms[0].split("rank 0 waits ")[1].split(" s")[0])
     assert 0.2 < waited < 0.45, alarms[0]
@@ -73,6 +74,7 @@ def test_replan_report_records_the_corrected_choice_and_does_not_switch(runs):
     assert json.loads((out / "plan.json").read_text()) == replan["old_plan"]
     trace = json.loads((out / "traces" / "step_00000002.json").read_text())
     assert len(trace["fsdp_share"]) == 2 and all(0 < s < 1 for s in trace["fsdp_share"])
+    assert json.loads((out / "traces" / "step_00000003.json").read_text())["profiled"]
     steps = [r["step"] for r in records if r["kind"] == "train"]
     assert steps == [1, 2, 3, 4, 5] and all(len(r["step_time_by_rank_s"]) == 2 for r in records if r["kind"] == "train")
 

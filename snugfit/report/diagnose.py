@@ -52,7 +52,8 @@ class Diagnosis:
 class Run:
     plan: Plan
     records: list[dict]
-    traces: dict[int, tuple[StepTrace, list[float] | None]]  # step -> (spans of every rank, FSDP2 seconds per rank)
+    traces: dict[int, tuple[StepTrace, list[float] | None]]  # step -> (spans of every rank, FSDP2's share per rank)
+    profiled: set[int] = field(default_factory=set)  # traced steps the profiler ran in (calibration)
 
     def kind(self, kind: str) -> list[dict]:
         return [r for r in self.records if r.get("kind", "train") == kind]
@@ -72,11 +73,13 @@ def read_run(run_dir: Path) -> Run:
     plan = Plan.from_json((run_dir / "plan.json").read_text())
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    traces = {}
+    traces, profiled = {}, set()
     for path in sorted((run_dir / "traces").glob("step_*.json")):
         d = json.loads(path.read_text())
         traces[d["step"]] = StepTrace.from_dict(d), d.get("fsdp_share")
-    return Run(plan, records, traces)
+        if d.get("profiled"):
+            profiled.add(d["step"])
+    return Run(plan, records, traces, profiled)
 
 
 def _s(x: float) -> str:
@@ -127,16 +130,28 @@ def over_the_run(run: Run) -> tuple[list[str], list[Finding]]:
     return lines, findings
 
 
-def straggler_findings(run: Run, step: int) -> list[Finding]:
-    trace, _ = run.traces[step]
-    step_s = statistics.median(max(s.end for s in trace.spans if s.rank == r) for r in trace.ranks)
+def straggler_findings(run: Run) -> list[Finding]:
+    """Stragglers of every traced step, each (rank, phase) once, with the step where it stood out most. Alarming
+    where it stands out in two traced steps or more (or in the only one): one step's hiccup on a shared host is
+    named as such."""
+    seen: dict[tuple[int, str], list] = {}
+    for step, (trace, _) in sorted(run.traces.items()):
+        step_s = statistics.median(max(s.end for s in trace.spans if s.rank == r) for r in trace.ranks)
+        for s in stragglers(trace, max(STRAGGLER_MIN_S, STRAGGLER_SHARE * step_s)):
+            seen.setdefault((s.rank, s.phase), []).append((step, s))
     out = []
-    for s in stragglers(trace, max(STRAGGLER_MIN_S, STRAGGLER_SHARE * step_s)):
+    for (rank, phase), found in seen.items():
+        step, s = max(found, key=lambda f: f[1].excess_s)
         waits = "; ".join(f"rank {r} waits {_s(sec)} s for it in {PHASE_WORDS.get(kind, kind)}"
                           for r, (kind, sec) in sorted(s.waits.items()) if sec > STRAGGLER_MIN_S)
-        text = (f"rank {s.rank} is a straggler in {PHASE_WORDS.get(s.phase, s.phase)} at step {step}: "
-                f"{_s(s.excess_s)} s more of its own than its peers" + (f"; {waits}" if waits else ""))
-        out.append(Finding(text, PHASE_TERMS.get(s.phase, s.phase), True))
+        steps = ", ".join(str(st) for st, _ in found)
+        alarm = len(found) > 1 or len(run.traces) == 1
+        text = (f"rank {rank} is a straggler in {PHASE_WORDS.get(phase, phase)} (steps {steps} of "
+                f"{len(run.traces)} traced): {_s(s.excess_s)} s more of its own than its peers at step {step}"
+                + (f"; {waits}" if waits else "")) if alarm else (
+                f"rank {rank} stood out in {PHASE_WORDS.get(phase, phase)} at step {step} only, of "
+                f"{len(run.traces)} traced steps ({_s(s.excess_s)} s): a hiccup, not a straggler")
+        out.append(Finding(text, PHASE_TERMS.get(phase, phase), alarm))
     return out
 
 
@@ -213,11 +228,12 @@ def diagnose(run_dir: Path, picture: Path | None = None) -> Diagnosis:
     diag.table += lines
     measured = {}
     for step in sorted(run.traces):
+        if step in run.profiled:  # the profiler slowed its operators: for stragglers only
+            continue
         table, measured = phase_table(run, step)
         diag.table += table
-        findings += straggler_findings(run, step)
         findings += term_findings(run.predicted()[0], measured, step)
-    findings += memory_findings(run) + checkpoint_findings(run) + replan_findings(run)
+    findings += straggler_findings(run) + memory_findings(run) + checkpoint_findings(run) + replan_findings(run)
     diag.findings = sorted(findings, key=lambda f: not f.alarm)
     if picture is not None:
         from snugfit.report.diagnose_picture import draw

@@ -44,7 +44,8 @@ def draw(run, measured: dict[int, dict[str, float]], out: Path) -> Path:
                   label=f"rank {rank} measured")
     terms.set_xticks(list(xs), [t.replace("_", " ") for t in names], rotation=30, ha="right", fontsize=8)
     terms.set_ylabel("seconds per step")
-    terms.set_title(f"per term, traced step {max(run.traces)}" if run.traces else "per term (no trace)")
+    shown = [k for k in run.traces if k not in run.profiled]
+    terms.set_title(f"per term, traced step {max(shown)}" if shown else "per term (no trace)")
     terms.grid(alpha=0.3, axis="y")
     terms.legend(fontsize=8)
     fig.tight_layout()

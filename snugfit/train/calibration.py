@@ -69,23 +69,29 @@ def _without_stderr():
 
 
 def profiled_step(engine, batch, rank: int):
-    """(engine.train_step(batch)'s result, FSDP2's share of its forward and backward), the step traced and
-    profiled (the profiler slows every operator alike: the share holds, the seconds do not)."""
+    """(engine.train_step(batch)'s result, FSDP2's share of its forward and backward), the step profiled; the
+    caller has begun engine.trace (`begin_trace`), which keeps the step's spans (the profiler slows every operator
+    alike: the share holds, the seconds do not)."""
     from torch.profiler import ProfilerActivity, profile
 
     from snugfit.report.measured import measured_step
 
-    engine.trace = StepTrace()
-    engine.trace.begin()
     prof = profile(activities=[ProfilerActivity.CPU])
     with _without_stderr():  # kineto writes a 'USDT: ... profiler_start' line to stderr
         prof.start()
     res = engine.train_step(batch)
     with _without_stderr():
         prof.stop()
-    work = measured_step(engine.trace, rank).work
-    engine.trace = None
+    work = measured_step(engine.trace, rank).work  # engine.trace stays: the step's spans, as any traced step's
     return res, min(1.0, fsdp_seconds(prof) / work) if work else 0.0
+
+
+def begin_trace(engine) -> None:
+    """Trace the engine's next step, its clock started with every rank's (after a barrier)."""
+    engine.trace = StepTrace()
+    if dist.is_initialized():
+        dist.barrier()
+    engine.trace.begin()
 
 
 def calibration_steps(engine, batches, rank: int, world_size: int) -> list[MeasuredStep]:
@@ -93,13 +99,12 @@ def calibration_steps(engine, batches, rank: int, world_size: int) -> list[Measu
     next profiled): what a run's calibration measures, in one call (bench/). A collective."""
     from snugfit.report.measured import measured_step
 
-    engine.trace = StepTrace()
-    dist.barrier()
-    engine.trace.begin()
+    begin_trace(engine)
     engine.train_step(next(batches))
     traces = gather(engine.trace, world_size)
-    engine.trace = None
+    begin_trace(engine)
     shares = gather(profiled_step(engine, next(batches), rank)[1], world_size)
+    engine.trace = None
     merged = StepTrace.merge(traces)
     return [measured_step(merged, r, shares[r]) for r in range(world_size)]
 
@@ -113,15 +118,19 @@ def gather(obj, world_size: int) -> list:
     return [obj]
 
 
-def save_trace(out: Path, step: int, traces: list[StepTrace], fsdp_share: list[float] | None = None) -> Path:
+def save_trace(out: Path, step: int, traces: list[StepTrace], fsdp_share: list[float] | None = None,
+               profiled: bool = False) -> Path:
     """Every rank's spans of a traced step as out/traces/step_N.json (what `snugfit diagnose` reads), with each
-    rank's share of FSDP2 in its forward and backward where a profiled step measured it."""
+    rank's share of FSDP2 in its forward and backward where a profiled step measured it; profiled: the step the
+    profiler ran in (its operators slowed)."""
     folder = out / "traces"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:08d}.json"
     record = {"step": step, **StepTrace.merge(traces).to_dict()}
     if fsdp_share is not None:
         record["fsdp_share"] = fsdp_share
+    if profiled:
+        record["profiled"] = True
     path.write_text(json.dumps(record))
     return path
 
@@ -196,11 +205,8 @@ class StepProbe:
     def train_step(self, engine, batch, done: int):
         """engine.train_step(batch), traced or profiled where this step is one of those."""
         profiled = self.calib is not None and done == self.calib + 1
-        if done in (self.cfg.train.trace_step, self.calib):
-            engine.trace = StepTrace()
-            if dist.is_initialized():
-                dist.barrier()  # line the ranks' clocks up
-            engine.trace.begin()
+        if done in (self.cfg.train.trace_step, self.calib) or profiled:
+            begin_trace(engine)
         t0 = time.perf_counter()
         slow_down(self.env.rank)
         if not profiled:
@@ -227,7 +233,7 @@ class StepProbe:
             self.calib_traces = traces
         if not self.env.is_main:
             return
-        save_trace(self.out, done, traces)
+        save_trace(self.out, done, traces, profiled=self.calib is not None and done == self.calib + 1)
         if done == self.cfg.train.trace_step:
             from snugfit.report.timeline import draw_timeline
             from snugfit.train.autoplan import predicted_timeline
