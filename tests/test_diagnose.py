@@ -42,7 +42,7 @@ def test_diagnose_names_the_slowed_rank_and_its_phase(runs, capsys):
     alarms = [line for line in _diagnose(capsys, str(tmp / "slow")) if line.startswith("!")]
     # the sleep comes before the rank's forward; rank 0 waits for it in the gradients' all-reduce, in backward
     assert len(alarms) == 1 and alarms[0].startswith("! rank 1 is a straggler in host work outside the traced actions")
-    assert "(steps 2, 3 of 2 traced)" in alarms[0]  # the calibration's traced step and its profiled one
+    assert "in 2 of 2 traced steps (2, 3)" in alarms[0]  # the calibration's traced step and its profiled one
     assert "rank 0 waits" in alarms[0] and "in backward" in alarms[0] and "(term: host dispatch)" in alarms[0]
     waited = float(alarms[0].split("rank 0 waits ")[1].split(" s")[0])
     assert 0.2 < waited < 0.45, alarms[0]

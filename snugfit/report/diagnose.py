@@ -146,8 +146,9 @@ def straggler_findings(run: Run) -> list[Finding]:
                           for r, (kind, sec) in sorted(s.waits.items()) if sec > STRAGGLER_MIN_S)
         steps = ", ".join(str(st) for st, _ in found)
         alarm = len(found) > 1 or len(run.traces) == 1
-        text = (f"rank {rank} is a straggler in {PHASE_WORDS.get(phase, phase)} (steps {steps} of "
-                f"{len(run.traces)} traced): {_s(s.excess_s)} s more of its own than its peers at step {step}"
+        text = (f"rank {rank} is a straggler in {PHASE_WORDS.get(phase, phase)}, in {len(found)} of "
+                f"{len(run.traces)} traced steps ({steps}): {_s(s.excess_s)} s more of its own than its peers at "
+                f"step {step}"
                 + (f"; {waits}" if waits else "")) if alarm else (
                 f"rank {rank} stood out in {PHASE_WORDS.get(phase, phase)} at step {step} only, of "
                 f"{len(run.traces)} traced steps ({_s(s.excess_s)} s): a hiccup, not a straggler")
