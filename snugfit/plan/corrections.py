@@ -1,4 +1,4 @@
-"""Per-term corrections of the time model, learnt from a traced step of a run (issue 35).
+"""Per-term corrections of the time model, learnt from a traced step of a run.
 
 The time model predicts a step as a sum of terms (Prediction.time_by_phase). A traced step measures what the
 trace can tell apart: forward and backward work, FSDP2's own ranges (its gathers, reduce-scatters and their
@@ -26,7 +26,7 @@ INSIDE_WORK = ("compute", "recompute", "tp_comm", "offload_exposed", "pipeline_r
 PER_DEVICE = ("compute", "recompute", "optimizer")
 EVIDENCE = 0.02  # a term predicted below this share of the step gets no factor (too small to measure apart)
 MIN_EVIDENCE_S = 1e-4
-FACTOR_RANGE = (0.01, 100.0)  # a factor outside is a trace gone wrong, not the model
+FACTOR_RANGE = (0.01, 100.0)  # factors are clamped to it: beyond, a trace gone wrong more likely than the model
 
 
 @dataclass
@@ -38,9 +38,6 @@ class MeasuredStep:
     dp_comm: float  # FSDP2's ranges (gathers, reduce-scatters, their waits) and the step's other collectives
     optimizer: float  # optimizer spans (device and host)
     idle: float  # inside the step, outside any span: pipeline bubbles and host gaps
-
-    def to_dict(self) -> dict:
-        return dict(vars(self))
 
 
 @dataclass(frozen=True)
