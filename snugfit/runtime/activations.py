@@ -32,8 +32,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
-from snugfit.plan.plan import ACTIVATION_POLICIES
+from snugfit.model.recompute import recompute
+from snugfit.plan.policies import policy as policy_entry
 
 class _HostCopy:
     """One saved tensor in host memory; `fetch` starts the copy back, `get` waits for it."""
@@ -42,7 +42,7 @@ class _HostCopy:
         self.device = t.device
         self.stream = stream
         self.back: torch.Tensor | None = None
-        self.used = False  # handed to autograd: never fetched again
+        self.used = False  # handed to autograd: not fetched ahead again
         self.event = None
         pin = stream is not None
         self.host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
@@ -67,6 +67,8 @@ class _HostCopy:
         self.event = self.stream.record_event()
 
     def get(self) -> torch.Tensor:
+        if self.used:  # unpacked again: a split backward's weight pass (zero-bubble schedules) after its input pass
+            return self.host.to(self.device, copy=True)
         self.fetch()
         back, self.back, self.used = self.back, None, True  # autograd holds it now, as long as it needs it
         if self.event is not None:
@@ -197,19 +199,13 @@ def _fetch_all(packed: list, ahead: list) -> None:
 
 
 def apply_activation_policy(block: nn.Module, policy: str) -> nn.Module:
-    """Make `block` keep, recompute (selectively), offload its saved activations, or recompute with its
-    checkpoint offloaded (in place)."""
-    if policy == "keep":
-        return block
-    if policy == "recompute_offload":
-        recompute(block)
-        block.forward = functools.partial(_offload_checkpoint, block.forward)
-    elif policy == "offload":
-        block.forward = functools.partial(_offload, block.forward)
-    elif policy in RECOMPUTE_POLICIES:
-        recompute(block, policy)
-    else:
-        raise ValueError(f"unknown activation policy {policy!r}; use one of {', '.join(ACTIVATION_POLICIES)}")
+    """Make `block` do what its policy's entry (plan.policies) says, in place: recompute (fully or selectively)
+    what it does not keep, and keep on host what it keeps there (all it saves, or its recomputation checkpoint)."""
+    entry = policy_entry(policy)
+    if entry.recomputes:
+        recompute(block, entry.keeps)
+    if entry.on_host:
+        block.forward = functools.partial(_offload_checkpoint if entry.recomputes else _offload, block.forward)
     return block
 
 
