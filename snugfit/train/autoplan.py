@@ -92,22 +92,32 @@ def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
     ranks started without snugfit's launcher (`torchrun ... -m snugfit train`). A search that fails is rank 0's one
     line; the others exit quietly (errors.PeerFailed)."""
     fixed = fixed_constraints(cfg, env.world_size)  # on every rank: a bad one fails them all alike
-    found: list = [None]
-    multi = dist.is_initialized() and env.world_size > 1
-    # rank 0 may first measure this machine (tens of seconds on CPU), longer than a collective's timeout
-    patient = dist.new_group(backend="gloo", timeout=timedelta(seconds=MEASURE_WAIT_S)) if multi else None
-    if env.is_main:
+
+    def decide() -> str | SnugfitError:
         try:
             measure_once(env.world_size, env.device.type == "cpu")
-            found[0] = _search(cfg, local_cluster(env), env.device, fixed).to_json()
+            return _search(cfg, local_cluster(env), env.device, fixed).to_json()
         except SnugfitError as e:
-            found[0] = e
+            return e
+
+    found = decided_on_main(decide, env)
+    if isinstance(found, SnugfitError):
+        raise found if env.is_main else PeerFailed(f"rank 0: {found}")
+    return Plan.from_json(found)
+
+
+def decided_on_main(decide, env: DistEnv):
+    """decide() run on rank 0, its (picklable) result sent to every rank. The others wait up to MEASURE_WAIT_S:
+    rank 0 may first measure this machine (tens of seconds on CPU), longer than a collective's timeout."""
+    result = [None]
+    multi = dist.is_initialized() and env.world_size > 1
+    patient = dist.new_group(backend="gloo", timeout=timedelta(seconds=MEASURE_WAIT_S)) if multi else None
+    if env.is_main:
+        result[0] = decide()
     if multi:
-        dist.broadcast_object_list(found, src=0, group=patient)
+        dist.broadcast_object_list(result, src=0, group=patient)
         dist.destroy_process_group(patient)
-    if isinstance(found[0], SnugfitError):
-        raise found[0] if env.is_main else PeerFailed(f"rank 0: {found[0]}")
-    return Plan.from_json(found[0])
+    return result[0]
 
 
 def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device):
@@ -164,10 +174,14 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
 
 def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Plan:
     from snugfit.plan.explain import advise, format_result
+    from snugfit.calibrate.corrections import with_stored_corrections
     from snugfit.plan.search import NoPlanError, search
 
     t = cfg.train
     profile = _profile(cfg, 1, device)
+    cluster, corrected = with_stored_corrections(cluster, profile)  # what a run measured here, where one did
+    if corrected:
+        log.info(corrected)
     try:
         res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0,
                      optimizer=optimizer_plan(t))
