@@ -20,6 +20,7 @@ import numpy as np
 from snugfit.data.instruct import IGNORE, pack_example, stack_examples
 from snugfit.data.records import read_records
 from snugfit.errors import SnugfitError
+from snugfit.quiet import quiet_imports
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
+from snugfit.quiet import quiet_imports
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 
