@@ -108,6 +108,9 @@ class Plan:
     compute_dtype: str = "float32"  # dtype of parameters in forward/backward
     reduce_dtype: str = "float32"  # dtype of gradient reduction
     grad_reduce: str = "step"  # GRAD_REDUCE: reduce once a step, or every microbatch (ZeRO-2/3 then hold shards)
+    # each block compiled once (torch.compile, runtime.compile): fused kernels, what the partitioner saves; the math
+    # is the same up to float order, so the search weighs it as any other choice (its profile: profile.compiled)
+    compile: bool = False
     root: BlockPlan = field(default_factory=BlockPlan)  # embedding, final norm, head
     blocks: list[BlockPlan] = field(default_factory=list)
     predicted: Prediction | None = None

@@ -277,7 +277,7 @@ class Searcher:
             cand.plan = Plan(world_size=cand.dp * cand.tp, dp=cand.dp, tp=cand.tp, micro_batch_size=cand.mbs,
                              num_microbatches=cand.m, seq_len=self.prof.seq_len, stage_blocks=[self.n],
                              compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, grad_reduce=cand.grad_reduce,
-                             root=replace(best[2]),
+                             compile=self.prof.compiled, root=replace(best[2]),
                              blocks=[replace(best[1]) for _ in range(self.n)])
 
     def _host_fits(self, cand: Candidate, st: StageCosts, blk, roots, opts: list[BlockPlan],
@@ -313,7 +313,7 @@ class Searcher:
                     seq_len=self.prof.seq_len, schedule=cand.schedule, virtual_stages=v, stage_blocks=stage_blocks,
                     evict_bound=self.c.evict_bound if cand.schedule == "bpipe" else None,
                     compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, grad_reduce=cand.grad_reduce,
-                    root=replace(root), blocks=blocks)
+                    compile=self.prof.compiled, root=replace(root), blocks=blocks)
 
 
 @functools.lru_cache(maxsize=256)

@@ -13,7 +13,8 @@ from pathlib import Path
 # the GPU kernels' RMSNorm one pass each way
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
 # 14: "selective_half"'s saved bytes and measured recompute time
-PROFILE_VERSION = 14
+# 15: compiled blocks (profile.compiled)
+PROFILE_VERSION = 15
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -63,6 +64,9 @@ class PieceProfile:
     # times by tile and wave on a GPU (their backward is two GEMMs of the same sizes, transposed)
     gemms: list[list[int]] = field(default_factory=list)
     head_dim: int = 0  # of its attention (the FLOPs beyond the GEMMs): what flash attention's rate depends on; 0: none
+    # run as a compiled graph (Plan.compile, profile.compiled): saved bytes, memory traffic and operators (then
+    # kernel launches) are the compiled graphs'
+    compiled: bool = False
 
     @property
     def num_trainable(self) -> int:
@@ -89,6 +93,11 @@ class ModelProfile:
     tied_params: int = 0  # parameters shared by embedding and head (counted in embed)
     device: str | None = None  # where fwd/bwd times were measured
     version: int = PROFILE_VERSION
+
+    @property
+    def compiled(self) -> bool:
+        """Its blocks run compiled (Plan.compile)."""
+        return any(b.compiled for b in self.blocks)
 
     @property
     def pieces(self) -> list[PieceProfile]:

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.activations import apply_activation_policy
+from snugfit.runtime.compile import compile_block
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
@@ -72,12 +73,14 @@ def offload_units(model: nn.Module, plan: Plan, blocks: dict[str, nn.Module] | N
 
 
 def apply_activations(blocks: dict[str, nn.Module], plan: Plan, indices: list[int] | None = None) -> None:
-    """Saved-activation policy per block (keep, recompute, selective, offload; see runtime.activations)."""
+    """Saved-activation policy per block (keep, recompute, selective, offload; see runtime.activations), and each
+    block compiled between its recomputation and its saved-tensor hooks where the plan compiles (runtime.compile)."""
     indices = indices if indices is not None else [int(n) for n in blocks]
     for i, block in zip(indices, blocks.values()):
-        apply_activation_policy(block, plan.blocks[i].activations)
+        apply_activation_policy(block, plan.blocks[i].activations, compile_block if plan.compile else None)
     policies = [plan.blocks[i].activations for i in indices]
-    log.info("activations: %s", {p: policies.count(p) for p in sorted(set(policies))})
+    log.info("activations: %s%s", {p: policies.count(p) for p in sorted(set(policies))},
+             ", blocks compiled" if plan.compile else "")
 
 
 def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> HostOffload | None:

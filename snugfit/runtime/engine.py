@@ -151,13 +151,16 @@ def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     meshes (zero 0 blocks live on a 2-D mesh, sharded ones on a 1-D mesh) and
     knows nothing of gradients held on host.
     """
-    by_groups: dict[tuple, torch.Tensor] = {}
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
     for p, g in grads:
-        sq = torch.linalg.vector_norm(local(g), dtype=torch.float32).to(device) ** 2
-        key = shard_groups(p)
-        by_groups[key] = by_groups.get(key, torch.zeros((), device=device)) + sq
+        g = local(g)
+        by_groups.setdefault((shard_groups(p), g.device, g.dtype), []).append(g)
+    squares: dict[tuple, torch.Tensor] = {}
+    for (groups, _, _), tensors in by_groups.items():  # one foreach kernel per kind, not four operators per tensor
+        sq = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum().to(device)
+        squares[groups] = squares[groups] + sq if groups in squares else sq
     total = torch.zeros((), device=device)
-    for groups, sq in by_groups.items():
+    for groups, sq in squares.items():
         for group in groups:  # a 2-D shard: sum over dp, then over tp
             dist.all_reduce(sq, group=group)
         total += sq

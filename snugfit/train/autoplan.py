@@ -80,7 +80,8 @@ def _profile(cfg: RunConfig, micro_batch_size: int, env: DistEnv):
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
                          lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
                          frozen=cfg.finetune.freeze or None,
-                         quantize_base=cfg.finetune.quantize_base, kernels="cpu" if env.device.type == "cpu" else "gpu")
+                         quantize_base=cfg.finetune.quantize_base, kernels="cpu" if env.device.type == "cpu" else "gpu",
+                         compile=cfg.train.compile)
 
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
@@ -118,6 +119,18 @@ def measure_once(ranks: int, on_cpu: bool = True) -> None:
     profile_hardware(collectives=multi)
 
 
+def measure_compiled_once() -> None:
+    """Where compiled blocks are planned on CPU ranks: what their kernel launches cost here, measured once (it
+    compiles a tiny block) and kept with this machine's measurement."""
+    from snugfit.calibrate.hardware import measure_compiled
+    from snugfit.hardware.catalogue import load_local
+
+    local = load_local()
+    if local is not None and not local.compiled:
+        log.info("measuring what a compiled block's kernel launches cost here, once (it compiles a tiny block)")
+        measure_compiled(local)
+
+
 def fixed_constraints(cfg: RunConfig, world_size: int):
     """The parts of the plan the run's [parallel] options fix (the micro-batch from train.micro_batch_size)."""
     from snugfit.plan.options import fixed_parts_of
@@ -131,6 +144,8 @@ def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
 
     t = cfg.train
     measure_once(env.world_size, env.device.type == "cpu")
+    if cfg.train.compile and env.device.type == "cpu":
+        measure_compiled_once()
     profile = _profile(cfg, 1, env)
     cluster = local_cluster(env)
     try:

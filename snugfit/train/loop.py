@@ -19,6 +19,7 @@ from snugfit.errors import SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.build import build_engine
+from snugfit.runtime.compile import compile_seconds
 from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, release_cached_groups
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.runtime.launch import die_with_launcher
@@ -75,6 +76,7 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
             plan.validate(n_blocks=model_cfg.n_layers, world_size=env.world_size)
         except PlanError as e:
             raise SnugfitError(f"plan {cfg.parallel.plan}: {e}") from None
+        plan.compile = plan.compile or t.compile  # --compile compiles a plan file's blocks too
         return plan
     if t.batch_size % env.world_size:
         raise SnugfitError(f"train.batch_size ({t.batch_size}) must be divisible by the {env.world_size} ranks")
@@ -86,7 +88,7 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         )
     return Plan.uniform(
         model_cfg.n_layers, dp=env.world_size, micro_batch_size=micro, num_microbatches=per_rank // micro,
-        seq_len=t.seq_len, compute_dtype=t.dtype,
+        seq_len=t.seq_len, compute_dtype=t.dtype, compile=t.compile,
     )
 
 
@@ -189,8 +191,13 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
                     dist.barrier()  # line the ranks' clocks up
                 engine.trace.begin()
             t0 = time.perf_counter()
+            compiling = compile_seconds() if plan.compile else 0.0
             res = engine.train_step(batch)
-            window.append(time.perf_counter() - t0)
+            # the blocks compile in the process's first step: said at start-up, and left out of its step time
+            compiling = compile_seconds() - compiling if plan.compile else 0.0
+            window.append(time.perf_counter() - t0 - compiling)
+            if compiling and env.is_main:
+                _say(f"compiled the blocks in {compiling:.1f} s (step {done}; not counted in its step time)", bar)
             if engine.trace is not None:
                 _draw_trace(cfg, env, plan, engine.trace, out / "timeline.png", bar)
                 engine.trace = None
