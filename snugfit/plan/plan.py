@@ -139,11 +139,13 @@ class Plan:
 
     @property
     def runs_unwrapped(self) -> bool:
-        """One fp32 process with nothing sharded or offloaded: the runtime runs the model as is, without FSDP2,
-        whose one-rank parameter copies cost ~4% of a small model's step for nothing."""
+        """One process with nothing sharded or offloaded: the runtime runs the model as is, without FSDP2, whose
+        hooks and per-microbatch copies on one rank cost ~4% of a small model's step on CPU and took the host
+        twice a plain loop's time on an H200 (docs/gpu.md); below fp32, runtime.precision casts the compute copies
+        once a step."""
         units = [self.root, *self.blocks]
         plain = all(u.zero == 0 and not (u.offload_optimizer or u.offload_params) for u in units)
-        return self.world_size == 1 and self.compute_dtype == "float32" and plain
+        return self.world_size == 1 and plain
 
     @property
     def reduces_every_microbatch(self) -> bool:

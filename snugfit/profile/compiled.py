@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 # operators inductor hands to a library kernel rather than fusing (matmuls, attention): the GEMM and attention
 # time the profile's FLOPs already count; each is a launch of its own
-_EXTERN = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product", "_flash_attention",
-           "_efficient_attention", "_cudnn_attention")
+_EXTERN = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution"})
+_EXTERN_PREFIXES = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn_attention")
 
 
 @dataclass
@@ -58,7 +58,7 @@ def _is_view(node) -> bool:
 
 def _is_extern(node) -> bool:
     name = str(getattr(node.target, "_overloadpacket", "")).removeprefix("aten.")
-    return node.op == "call_function" and (name in _EXTERN[:5] or name.startswith(_EXTERN[5:]))
+    return node.op == "call_function" and (name in _EXTERN or name.startswith(_EXTERN_PREFIXES))
 
 
 def graph_cost(gm: torch.fx.GraphModule, skip: set[str] = frozenset()) -> GraphCost:

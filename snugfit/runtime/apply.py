@@ -24,6 +24,7 @@ from snugfit.runtime.compile import compile_block
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
+from snugfit.runtime.precision import CastOnce, apply_mixed_precision
 from snugfit.runtime.sharding import DTYPES, apply_fsdp, store_frozen_in_compute_dtype
 from snugfit.runtime.tensor_parallel import apply_tp, check_tp
 
@@ -86,8 +87,7 @@ def apply_activations(blocks: dict[str, nn.Module], plan: Plan, indices: list[in
 def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> HostOffload | None:
     """Frozen parameters and partial offload's units cast to the compute dtype (before FSDP2), then the model on
     `device`. A model still on the meta device stays there for `read_weights` after sharding."""
-    if not plan.runs_unwrapped:
-        store_frozen_in_compute_dtype(model, plan)
+    store_frozen_in_compute_dtype(model, plan)
     units = offload_units(model, plan)
     host = HostOffload(model, units, DTYPES[plan.compute_dtype], weights) if units else None
     if not _on_meta(model):
@@ -115,14 +115,18 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, dims: ParallelDims,
-               weights: Weights | None = None) -> tuple[nn.Module, HostOffload | None]:
+               weights: Weights | None = None) -> tuple[nn.Module, HostOffload | None, CastOnce | None]:
     """Tensor parallelism, activation policies, partial offload (cast first), FSDP2 per block and root on
-    env.device, then the weights of a model built on the meta device (`weights`)."""
+    env.device (or, for a plan that runs unwrapped, mixed precision without it), then the weights of a model
+    built on the meta device (`weights`)."""
     if plan.tp > 1:
         apply_tp(model, dims.tp_mesh)
     apply_activations(dict(model.blocks.items()), plan)
     host = place(model, plan, env.device, weights)
-    if not plan.runs_unwrapped:
+    cast = None
+    if plan.runs_unwrapped:
+        cast = apply_mixed_precision(model, DTYPES[plan.compute_dtype])
+    else:
         apply_fsdp(model, dict(model.blocks.items()), plan, dims)
     read_weights(model, plan, env.device, weights)
-    return model, host
+    return model, host, cast

@@ -28,5 +28,5 @@ def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
     if plan.pp > 1:
         return build_pipeline_engine(model, plan, optim, env, weights=weights)
     dims = ParallelDims.of(plan, env)
-    model, host = apply_plan(model, plan, env, dims, weights)
-    return Engine(model, plan, optim, env.device, dp_group=dims.dp_group, host=host)
+    model, host, cast = apply_plan(model, plan, env, dims, weights)
+    return Engine(model, plan, optim, env.device, dp_group=dims.dp_group, host=host, cast=cast)

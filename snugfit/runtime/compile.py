@@ -18,7 +18,7 @@ How it layers with the other techniques of a block (runtime.activations applies 
   the compiled block): parameters are gathered before the graph runs and resharded after;
 - tensor parallelism's DTensors and torchao's NF4 weights trace as tensor subclasses.
 
-Evaluation (no gradient) runs the eager forward: it would otherwise compile a second, inference graph at start-up
+Evaluation (no gradient), and any step under a Python dispatch mode, runs the eager forward: it would otherwise compile a second, inference graph at start-up
 for a few evaluations. A block that cannot be traced whole (a Hugging Face layer with a graph break, a missing C
 compiler) runs eager, with the reason logged once, rather than failing the run.
 """
@@ -30,10 +30,22 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 log = logging.getLogger(__name__)
 
 _failed: dict[object, str] = {}  # code of a forward that could not compile -> why (every block of that code)
+
+
+class _NoInPlaceWarning(logging.Filter):
+    """torch warns, once per process, that a selective policy's region must not run in-place operators: the blocks
+    run none (tests/test_compile.py compares them with eager), and every rank printed it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceWarning())
 
 
 def compile_seconds() -> float:
@@ -54,7 +66,9 @@ class CompiledForward:
         self.code = getattr(getattr(target, "__func__", target), "__code__", target)
 
     def __call__(self, *args, **kwargs):
-        if not torch.is_grad_enabled() or self.code in _failed:
+        # a Python dispatch mode (an operator counter, the profiler's fake tensors) sees every operator: torch runs
+        # no compiled code under one
+        if not torch.is_grad_enabled() or self.code in _failed or _get_current_dispatch_mode() is not None:
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)

@@ -26,6 +26,7 @@ from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.memory import MemoryTracker, local
 from snugfit.runtime.offload import HostOffload
+from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.tensor_parallel import vocab_parallel_loss
 
 
@@ -175,7 +176,8 @@ class Engine:
     model: as `runtime.apply.apply_plan` returned it; dp_group: data-parallel
     process group (None: one process); host: the partially offloaded units;
     stage_group: the pipeline group when `model` is one pipeline rank's part;
-    units: FSDP2 root units outside `model` (its pipeline stages), for the memory tracker.
+    units: FSDP2 root units outside `model` (its pipeline stages), for the memory tracker; cast: the compute
+    copies of a model that runs unwrapped below fp32 (runtime.precision).
     `memory` (a MemoryTracker) is sampled at each phase of a step; after
     `train_step`, `memory.peak()` is that step's peak by category.
     """
@@ -190,9 +192,11 @@ class Engine:
         host: HostOffload | None = None,
         stage_group=None,
         units: tuple[nn.Module, ...] = (),
+        cast: CastOnce | None = None,
     ):
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
         self.dp_group, self.host, self.stage_group = dp_group, host, stage_group
+        self.cast = cast  # the compute copies of a model that runs unwrapped below fp32 (runtime.precision)
         self.lr = optim.lr
         self.scaler = LossScale() if plan.compute_dtype == "float16" else None
         if host is not None:
@@ -201,7 +205,9 @@ class Engine:
         # None when every unit is offloaded (torch refuses an optimizer without parameters).
         self.optimizer = make_adamw(device_params, optim) if device_params else None
         sources = [host.memory] if host is not None else []
-        self.memory = MemoryTracker(model, [self.optimizer] if self.optimizer else [], sources, units)
+        sources += [cast.memory] if cast is not None else []
+        self.memory = MemoryTracker(model, [self.optimizer] if self.optimizer else [], sources, units,
+                                    not_saved=lambda: cast.storages if cast is not None else set())
         # Counting saved tensors costs a Python hook per tensor (~20% of a small model's step on CPU),
         # so the trainer turns it on only for the steps whose memory it reports.
         self.track_memory = True
@@ -243,6 +249,8 @@ class Engine:
             # reduce gradients once, after the last microbatch (or every microbatch: sharding.reduce_every_microbatch)
             if isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            elif self.cast is not None:
+                self.cast.keep = i < len(micro) - 1  # the last backward drops each compute copy once used
             with vocab_parallel_loss(self.plan):
                 with self._span("F", i), self.memory.track_activations() if self.track_memory else nullcontext():
                     loss = local(self.model(inputs, targets)) / divisors[i]
@@ -251,6 +259,8 @@ class Engine:
                     (loss * self.loss_scale).backward()
             total += loss.detach()
         self._sample()
+        if self.cast is not None:
+            self.cast.release()  # the optimizer changes the masters; the next step casts them again
         return self._update(total)
 
     def _update(self, loss: torch.Tensor) -> StepResult:

@@ -62,7 +62,7 @@ class _Unit:
     pending: Future | None = None
 
 
-def _weak_hook(method):
+def weak_hook(method):
     """A parameter hook that calls `method` while its object lives. A tensor's hooks are held where the garbage
     collector does not look (the parameter is also referenced from C++: FSDP2, autograd), so a hook bound to the
     HostOffload would keep it, its units and so the whole model alive after the engine is dropped: measured on an
@@ -125,7 +125,7 @@ class HostOffload:
                 u.masters.append(master)
                 u.staged.append(_host_empty_like(master, p.dtype) if p.dtype != torch.float32 else None)
                 u.filled.append(False)
-                p.register_post_accumulate_grad_hook(_weak_hook(self._grad_ready))
+                p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
             u.optimizer = make_optimizer(u.masters)
             for m in u.masters:  # states exist from the start: counted, and loadable from a checkpoint
                 u.optimizer.state[m] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(m),
