@@ -145,7 +145,8 @@ def run(name: str, cfg: ModelConfig, seq: int, batch: int, m: int, env: DistEnv,
                      "compiled time": s["snugfit compiled"] / s["plain compiled"],
                      "compile speed-up": s["snugfit eager"] / s["snugfit compiled"]}
     row["predicted_step_s"] = predicted(cfg, plan, env, measure=not args.smoke)
-    row["predicted_vs_measured"] = {k: row["predicted_step_s"][k] / s[f"snugfit {k}"] - 1 for k in ("eager", "compiled")}
+    row["predicted_vs_measured"] = {k: row["predicted_step_s"][k] / s[f"snugfit {k}"] - 1
+                                    for k in ("eager", "compiled")}
     return row
 
 

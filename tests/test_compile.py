@@ -103,7 +103,8 @@ def check(results: list[dict], plans: list[tuple[Plan, str]]) -> None:
 ONE = [plan(1, BlockPlan()), plan(1, BlockPlan(activations="recompute")),
        plan(1, BlockPlan(activations="selective")), plan(1, BlockPlan(activations="recompute"), tune="qlora")]
 TWO = [plan(2, BlockPlan(zero=0)), plan(2, BlockPlan(zero=3, activations="recompute")),
-       plan(2, BlockPlan(activations="selective"), pp=2), plan(2, BlockPlan(zero=3, activations="recompute"), tune="qlora")]
+       plan(2, BlockPlan(activations="selective"), pp=2),
+       plan(2, BlockPlan(zero=3, activations="recompute"), tune="qlora")]
 FOUR = [plan(4, BlockPlan(zero=3, activations="selective")), plan(4, BlockPlan(zero=2, activations="recompute"), pp=2),
         plan(4, BlockPlan(), pp=4, m=4, schedule="bpipe", layers=4)]  # BPipe evicts from pp 4 on
 
@@ -197,3 +198,17 @@ def test_time_model_charges_a_compiled_block_its_launches():
     assert (fwd, bwd) == (block.fwd_ops * 0.25, block.bwd_ops * 0.25)
     assert piece_compute(eager, host_bound, "float32", None)[0] == eager.fwd_ops * 1.0
     assert recompute_time(block, "selective", fwd, host_bound, "float32", None) == block.fwd_ops * 0.25
+
+
+def test_hugging_face_blocks_are_profiled_compiled():
+    """A Hugging Face layer, called with its rotary module, traces as torch.compile runs it."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64).to_dict()
+    eager = profile_model(config, micro_batch_size=MBS, seq_len=SEQ, use_cache=False)
+    compiled = profile_model(config, micro_batch_size=MBS, seq_len=SEQ, use_cache=False, compile=True)
+    assert compiled.compiled
+    assert compiled.blocks[0].saved_bytes["keep"] < eager.blocks[0].saved_bytes["keep"]
+    assert compiled.blocks[0].fwd_ops < eager.blocks[0].fwd_ops

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,17 @@ def graph_cost(gm: torch.fx.GraphModule, skip: set[str] = frozenset()) -> GraphC
     return cost
 
 
+class _Call(nn.Module):
+    """A block's call with the modules it is given, so that functional_call swaps all their tensors for inputs."""
+
+    def __init__(self, block: nn.Module, given: list[nn.Module]):
+        super().__init__()
+        self.block, self.given = block, nn.ModuleList(given)
+
+    def forward(self, x: torch.Tensor, rest: tuple, kwargs: dict):
+        return self.block(x, *rest, **kwargs)
+
+
 def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> tuple[GraphCost, GraphCost]:
     """(forward, backward) costs of `block` compiled, called with fake `args`/`kwargs` (the first: its input)."""
     from functorch.compile import make_boxed_func
@@ -117,8 +128,6 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> tuple[GraphCost,
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
-    params = dict(block.named_parameters())
-    buffers = dict(block.named_buffers())
     graphs: dict[str, torch.fx.GraphModule] = {}
 
     def capture(name):
@@ -127,20 +136,30 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict) -> tuple[GraphCost,
             return make_boxed_func(gm)
         return compiler
 
-    def run(params, buffers, x, args, kwargs):
-        return torch.func.functional_call(block, {**params, **buffers}, (x, *args), kwargs)
+    # the graph takes tensors only: the block's other arguments are closed over, and modules among them (a Hugging
+    # Face rotary embedding) have their tensors passed in beside the block's, as a call's own modules
+    leaves, spec = tree_flatten((tuple(args[1:]), kwargs))
+    slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    call = _Call(block, [v for v in leaves if isinstance(v, nn.Module)])
+    params, buffers = dict(call.named_parameters()), dict(call.named_buffers())
+
+    def run(params, buffers, x, tensors):
+        filled = list(leaves)
+        for i, t in zip(slots, tensors):
+            filled[i] = t
+        rest, kw = tree_unflatten(filled, spec)
+        return torch.func.functional_call(call, {**params, **buffers}, (x, rest, kw))
 
     x = torch.empty_like(args[0]).requires_grad_(True)
     traced = aot_function(run, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
                           partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
-    out = traced(params, buffers, x, tuple(args[1:]), kwargs)
+    out = traced(params, buffers, x, [leaves[i] for i in slots])
     out = out[0] if isinstance(out, tuple) else out
     out.sum().backward()
-    # the graph's placeholders follow the flattened inputs: parameters, buffers, the input, the rest
+    # the graph's placeholders follow the flattened inputs: parameters, buffers, the input, the other tensors
+    # (rotary tables and the like), none of them activations of this block
     placeholders = [n.name for n in graphs["fw"].graph.nodes if n.op == "placeholder"]
-    static = set(placeholders[:len(params) + len(buffers)])
-    rest = [t for t in tree_flatten((args[1:], kwargs))[0] if isinstance(t, torch.Tensor)]
-    static |= set(placeholders[len(params) + len(buffers) + 1:][:len(rest)])  # rotary tables and the like
+    static = set(placeholders[:len(params) + len(buffers)]) | set(placeholders[len(params) + len(buffers) + 1:])
     return graph_cost(graphs["fw"], static), graph_cost(graphs["bw"])
 
 

@@ -107,7 +107,8 @@ def _compiled(piece: PieceProfile, fwd: GraphCost, bwd: GraphCost) -> PieceProfi
                    fwd_ops=fwd.launches, bwd_ops=bwd.launches, compiled=True)
 
 
-def _trace_compiled(model: nn.Module, parts: ModelParts, tokens: torch.Tensor) -> list[tuple[GraphCost, GraphCost]] | None:
+def _trace_compiled(model: nn.Module, parts: ModelParts,
+                    tokens: torch.Tensor) -> list[tuple[GraphCost, GraphCost]] | None:
     """The blocks' compiled costs, or None (with the reason logged) where they cannot be traced: the plan then
     runs them eager, as the runtime would."""
     try:

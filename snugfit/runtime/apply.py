@@ -123,10 +123,8 @@ def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, dims: ParallelDims,
         apply_tp(model, dims.tp_mesh)
     apply_activations(dict(model.blocks.items()), plan)
     host = place(model, plan, env.device, weights)
-    cast = None
-    if plan.runs_unwrapped:
-        cast = apply_mixed_precision(model, DTYPES[plan.compute_dtype])
-    else:
+    if not plan.runs_unwrapped:
         apply_fsdp(model, dict(model.blocks.items()), plan, dims)
     read_weights(model, plan, env.device, weights)
+    cast = apply_mixed_precision(model, DTYPES[plan.compute_dtype]) if plan.runs_unwrapped else None
     return model, host, cast

@@ -18,9 +18,10 @@ How it layers with the other techniques of a block (runtime.activations applies 
   the compiled block): parameters are gathered before the graph runs and resharded after;
 - tensor parallelism's DTensors and torchao's NF4 weights trace as tensor subclasses.
 
-Evaluation (no gradient), and any step under a Python dispatch mode, runs the eager forward: it would otherwise compile a second, inference graph at start-up
-for a few evaluations. A block that cannot be traced whole (a Hugging Face layer with a graph break, a missing C
-compiler) runs eager, with the reason logged once, rather than failing the run.
+Evaluation (no gradient), and any step under a Python dispatch mode, runs the eager forward: evaluation would
+otherwise compile a second, inference graph at start-up for a few evaluations. A block that cannot be traced whole
+(a Hugging Face layer with a graph break, a missing C compiler) runs eager, with the reason logged once, rather
+than failing the run.
 """
 
 from __future__ import annotations
