@@ -145,7 +145,8 @@ def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int
         return profiles[tune]
 
     rows = []
-    specs = [(name, dp, pp, b, rz, m, tp, *(*rest, "", "step")[:2]) for name, dp, pp, b, rz, m, tp, *rest in MULTI]
+    defaults = ("", "step")  # fine-tuning, gradient reduction
+    specs = [(name, dp, pp, b, rz, m, tp, *rest, *defaults[len(rest):]) for name, dp, pp, b, rz, m, tp, *rest in MULTI]
     for world in sorted({dp * pp * tp for _, dp, pp, _, _, _, tp, _, _ in specs}):
         plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, reduce), tune)
                  for name, dp, pp, b, rz, m, tp, tune, reduce in specs if dp * pp * tp == world}
