@@ -47,6 +47,7 @@ from snugfit.runtime.dist import DistEnv  # noqa: E402
 from snugfit.runtime.engine import OptimConfig, make_adamw  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
+os.environ.setdefault("SNUGFIT_HARDWARE_PROFILE", str(Path.home() / ".cache" / "snugfit" / "hardware-bench.json"))
 OPTIM = OptimConfig()
 # (model, sequence length, global batch, microbatches): the README's default run, and Llama-3.2-1B's shape (16
 # blocks, 4:1 grouped-query attention, MLP 4x, a 32k vocabulary) at a width a 2-core CPU steps in under a second
@@ -144,22 +145,17 @@ def run(name: str, cfg: ModelConfig, seq: int, batch: int, m: int, env: DistEnv,
                      "eager ops": o["snugfit eager"] / o["plain eager"],
                      "compiled time": s["snugfit compiled"] / s["plain compiled"],
                      "compile speed-up": s["snugfit eager"] / s["snugfit compiled"]}
-    row["predicted_step_s"] = predicted(cfg, plan, env, measure=not args.smoke)
+    row["predicted_step_s"] = predicted(cfg, plan, env)
     row["predicted_vs_measured"] = {k: row["predicted_step_s"][k] / s[f"snugfit {k}"] - 1
                                     for k in ("eager", "compiled")}
     return row
 
 
-def predicted(cfg: ModelConfig, plan: Plan, env: DistEnv, measure: bool) -> dict:
-    """The plan's predicted step eager and compiled, on this machine as snugfit plans for it (`measure`: measured
-    first where it was not, as `snugfit train` measures it)."""
-    from snugfit.train.autoplan import local_cluster, measure_compiled_once, measure_once
+def predicted(cfg: ModelConfig, plan: Plan, env: DistEnv) -> dict:
+    """The plan's predicted step eager and compiled, on this machine as snugfit plans for it (as main measured it)."""
+    from snugfit.train.autoplan import local_cluster
 
     on_cpu = env.device.type == "cpu"
-    if measure:
-        measure_once(1, on_cpu)
-        if on_cpu:
-            measure_compiled_once()
     cluster = local_cluster(env)
     out = {}
     for compiled in (False, True):
@@ -182,6 +178,11 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     env = DistEnv(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if env.device.type == "cpu" and not args.smoke:
+        # the predictions use this machine as it is now (a profile of its own, never the one `snugfit train` uses)
+        from snugfit.calibrate.hardware import profile_hardware
+
+        profile_hardware(collectives=False, compiled=True)
     names = ["default", "1b-shaped"] if args.model == "all" else [args.model]
     rows = []
     for name in names:
