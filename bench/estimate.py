@@ -12,8 +12,13 @@ prediction (no allocator sees transients on CPU), time the slowest rank's wall
 clock. Prints per-plan errors, their median and max, and the Spearman rank
 correlation of predicted vs measured step time (over all plans, and per group).
 
+The multi-rank plans include the optimizer setups of full fine-tuning at the memory floor (plan.OptimizerPlan:
+8- and 4-bit states, bf16 weights, the step in backward; streamed states); torchao compiles their update on the
+first step, which the warm-up step takes.
+
 Targets: time median error <= 10%, rank correlation >= 0.9, memory error <= 5%.
 Usage: .venv/bin/python bench/estimate.py [--dim 128] [--layers 4] [--steps 5] [--rounds 2] [--no-multi]
+       [--no-single] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.model.lora import apply_lora, freeze  # noqa: E402
 from snugfit.model.quantize import quantize_base  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
-from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
+from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan  # noqa: E402
 from snugfit.profile import profile_model  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.engine import OptimConfig  # noqa: E402
@@ -59,9 +64,11 @@ PLANS = [
     (4, 2, "selective", "eager"),
 ]
 
-# (name, dp, pp, block plan, root zero, microbatches, tp[, fine-tuning[, gradient reduction]]); micro-batch 2, keep,
-# sdpa. fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears), "freeze" (the
-# embedding and the first two blocks frozen); gradient reduction: plan.GRAD_REDUCE (default "step")
+# (name, dp, pp, block plan, root zero, microbatches, tp[, fine-tuning[, gradient reduction[, optimizer]]]); micro-batch
+# 2, keep, sdpa. fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears),
+# "freeze" (the embedding and the first two blocks frozen); gradient reduction: plan.GRAD_REDUCE (default "step");
+# optimizer: plan.OptimizerPlan (default fp32 weights and states, stepped after backward; the root streams its
+# states where the blocks do)
 MULTI = [
     ("dp2 zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1),
     ("dp2 zero2", 2, 1, BlockPlan(zero=2), 2, 2, 1),
@@ -81,6 +88,14 @@ MULTI = [
     ("dp2 zero3 reduce/mb", 2, 1, BlockPlan(zero=3), 3, 4, 1, "", "microbatch"),
     ("dp2 zero2+offload_opt reduce/mb", 2, 1, BlockPlan(zero=2, offload_optimizer=True), 2, 4, 1, "", "microbatch"),
     ("dp2 pp2 zero3 reduce/mb", 2, 2, BlockPlan(zero=3), 3, 4, 1, "", "microbatch"),
+    ("dp2 zero3 8-bit states", 2, 1, BlockPlan(zero=3), 3, 2, 1, "", "step", OptimizerPlan(states="8bit")),
+    ("dp2 zero3 4-bit, bf16 weights", 2, 1, BlockPlan(zero=3), 3, 2, 1, "", "step",
+     OptimizerPlan(master_weights="bf16", states="4bit")),
+    ("dp2 zero3 step in backward", 2, 1, BlockPlan(zero=3), 3, 1, 1, "", "step", OptimizerPlan(in_backward=True)),
+    ("dp2 zero3 states streamed", 2, 1, BlockPlan(zero=3, stream_states=True), 3, 2, 1),
+    ("dp2 zero2 8-bit streamed in bwd/mb", 2, 1, BlockPlan(zero=2, stream_states=True), 2, 4, 1, "", "microbatch",
+     OptimizerPlan(master_weights="bf16", states="8bit", in_backward=True)),
+    ("pp2 step in backward/mb", 1, 2, BlockPlan(), 0, 4, 1, "", "microbatch", OptimizerPlan(in_backward=True)),
 ]
 LORA_RANK, FROZEN = 4, "embed,blocks:0-1"
 
@@ -100,9 +115,11 @@ MULTI_MBS = 2
 
 
 def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int, tp: int,
-               grad_reduce: str) -> Plan:
-    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, block=block, root=BlockPlan(zero=root_zero),
-                        micro_batch_size=MULTI_MBS, num_microbatches=m, seq_len=seq, grad_reduce=grad_reduce)
+               grad_reduce: str, optimizer: OptimizerPlan) -> Plan:
+    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, block=block,
+                        root=BlockPlan(zero=root_zero, stream_states=block.stream_states),
+                        micro_batch_size=MULTI_MBS, num_microbatches=m, seq_len=seq, grad_reduce=grad_reduce,
+                        optimizer=optimizer)
 
 
 def run_multi(env, cfg: ModelConfig, plans: dict[str, tuple[Plan, str]],
@@ -145,11 +162,12 @@ def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int
         return profiles[tune]
 
     rows = []
-    defaults = ("", "step")  # fine-tuning, gradient reduction
-    specs = [(name, dp, pp, b, rz, m, tp, *rest, *defaults[len(rest):]) for name, dp, pp, b, rz, m, tp, *rest in MULTI]
-    for world in sorted({dp * pp * tp for _, dp, pp, _, _, _, tp, _, _ in specs}):
-        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, reduce), tune)
-                 for name, dp, pp, b, rz, m, tp, tune, reduce in specs if dp * pp * tp == world}
+    defaults = ("", "step", OptimizerPlan())  # fine-tuning, gradient reduction, optimizer
+    specs = [(name, dp, pp, b, rz, m, tp, *rest, *defaults[len(rest):]) for name, dp, pp, b, rz, m, tp, *rest in MULTI
+             if any(part in name for part in args.only.split(","))]
+    for world in sorted({dp * pp * tp for _, dp, pp, _, _, _, tp, _, _, _ in specs}):
+        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, reduce, opt), tune)
+                 for name, dp, pp, b, rz, m, tp, tune, reduce, opt in specs if dp * pp * tp == world}
         per_rank = run_ranks(run_multi, world, cfg, plans, args.steps)
         for name, (plan, tune) in plans.items():
             if any(name not in r for r in per_rank):
@@ -171,6 +189,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per plan and round (best is kept)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over all plans (best is kept)")
     ap.add_argument("--no-multi", action="store_true", help="single-process plans only")
+    ap.add_argument("--no-single", action="store_true", help="multi-rank plans only")
+    ap.add_argument("--only", default="", help="multi-rank plans whose name holds one of these (comma-separated)")
     args = ap.parse_args()
     # One thread, timed by process CPU time: other jobs on a shared machine then do not
     # show up in either the profile's piece times or the measured steps.
@@ -185,7 +205,7 @@ def main() -> int:
     # Rounds over all plans: each plan's profile timing and measured step are taken at
     # several moments, and the best of each kept, so a burst of load hits neither alone.
     best: dict[int, list] = {}
-    for _ in range(args.rounds):
+    for _ in range(0 if args.no_single else args.rounds):
         for i, (mbs, m, policy, attention) in enumerate(PLANS):
             cfg = ModelConfig(arch="llama", dim=args.dim, n_layers=args.layers, n_heads=4, vocab_size=1024,
                               max_seq_len=args.seq, attention=attention)
@@ -197,7 +217,8 @@ def main() -> int:
             meas = measure_single_process(cfg, plan, steps=args.steps, clock=clock, track_memory=i not in best)
             row = best.setdefault(i, [pred.step_time_s, meas.step_time_s, pred.peak_memory_bytes, meas.peak_bytes])
             row[0], row[1] = min(row[0], pred.step_time_s), min(row[1], meas.step_time_s)
-    rows = [(f"{mbs}x{m} {policy} {attention}", *best[i]) for i, (mbs, m, policy, attention) in enumerate(PLANS)]
+    rows = [(f"{mbs}x{m} {policy} {attention}", *best[i]) for i, (mbs, m, policy, attention) in enumerate(PLANS)
+            if i in best]
     single = len(rows)
     if not args.no_multi:
         rows += multi_rows(args, ModelConfig(arch="llama", dim=args.dim, n_layers=args.layers, n_heads=4,

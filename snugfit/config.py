@@ -9,13 +9,14 @@ alike (snugfit/commands/options.py): a new field is a new option of both.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 
 from snugfit.errors import SnugfitError
 from snugfit.model import ModelConfig
-from snugfit.plan.plan import GRAD_REDUCE
+from snugfit.plan.plan import GRAD_REDUCE, MASTER_WEIGHTS, OPTIMIZER_STATES, OptimizerPlan
 
 try:
     import tomllib
@@ -46,7 +47,11 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30
     weight_decay: float = 0.1
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    grad_clip: float = 1.0  # max global gradient norm (per unit's share of it when stepping in backward); 0 disables
+    # How weights are stored and updated (plan.OptimizerPlan; each changes the numerics, so only you choose them):
+    master_weights: str = "fp32"  # fp32 | bf16: bf16 weights updated with stochastic rounding, no fp32 copy
+    optimizer_states: str = "fp32"  # fp32 | bf16 | 8bit | 4bit (torchao's blockwise quantized AdamW states)
+    optimizer_in_backward: bool = False  # each unit steps as soon as its gradient is reduced; clipped per unit
     max_bad_steps: int = 5  # non-finite loss or gradient this many steps in a row stops the run
     dtype: str = "auto"  # auto: bf16 on GPUs with it, else fp16 (loss scaling), fp32 on CPU | float32 | bfloat16 | float16
     compile: bool = False  # compile each block (torch.compile): faster steps after a slower first one (README)
@@ -125,7 +130,10 @@ CHOICES = {
     "model.attention": ("sdpa", "eager"),
     "finetune.quantize_base": ("none", "nf4"),
     "parallel.grad_reduce": GRAD_REDUCE,  # or unset: searched
+    "train.master_weights": MASTER_WEIGHTS,
+    "train.optimizer_states": OPTIMIZER_STATES,
 }
+OPTIM_EXTRA = 'pip install -e ".[optim]"'  # torchao, for bf16 weights and bf16, 8- and 4-bit states
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
             "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes"}
 NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
@@ -278,3 +286,32 @@ def validate(cfg: RunConfig) -> None:
         raise SnugfitError(
             f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({t.micro_batch_size})"
         )
+    check_optimizer(cfg)
+
+
+def optimizer_plan(t: TrainConfig) -> OptimizerPlan:
+    """The run's optimizer setup, as plans carry it."""
+    return OptimizerPlan(master_weights=t.master_weights, states=t.optimizer_states,
+                         in_backward=t.optimizer_in_backward)
+
+
+def check_optimizer(cfg: RunConfig) -> None:
+    """Refuse, before any rank starts, an optimizer setup that cannot run: torchao missing, or the step in backward
+    beside what needs the whole gradient first (float16's overflow check) or a step-wide reduction of several
+    microbatches."""
+    t, opt = cfg.train, optimizer_plan(cfg.train)
+    if opt.needs_torchao and importlib.util.find_spec("torchao") is None:
+        what = (f"train.optimizer_states = {t.optimizer_states!r}" if t.optimizer_states != "fp32"
+                else f"train.master_weights = {t.master_weights!r}")
+        raise SnugfitError(f"{what} needs torchao: {OPTIM_EXTRA}")
+    if not opt.in_backward:
+        return
+    if t.dtype == "float16":
+        raise SnugfitError("train.optimizer_in_backward cannot run under float16's loss scaling (an overflow must be "
+                           "found before any unit steps); set train.dtype bfloat16 or drop optimizer_in_backward")
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    micro = t.micro_batch_size
+    if cfg.parallel.grad_reduce == "step" and micro and t.batch_size > micro * ranks:
+        raise SnugfitError(f"train.optimizer_in_backward needs one microbatch per step or gradients reduced every "
+                           f"microbatch, but batch {t.batch_size} in micro-batches of {micro} on {ranks} ranks "
+                           "accumulates under parallel.grad_reduce 'step'; set --grad-reduce microbatch")

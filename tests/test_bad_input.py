@@ -45,6 +45,7 @@ def files(tmp_path):
     (tmp_path / "plan_batch.json").write_text(json.dumps({**plan, "world_size": 1, "micro_batch_size": 2}))
     (tmp_path / "plan_offload.json").write_text(
         json.dumps({**plan, "world_size": 1, "blocks": [{"offload_params": True}, {}]}))
+    (tmp_path / "plan_8bit.json").write_text(json.dumps({**plan, "world_size": 1, "optimizer": {"states": "8bit"}}))
 
 
 CASES = [
@@ -61,6 +62,13 @@ CASES = [
     ("lora-target-matches-nothing", ["--lora-rank", "2", "--lora-targets", "attn.q,attn.qq"],
      "LoRA targets ['attn.qq'] match no layer"),  # tests/test_plan_cli.py: the same line from `snugfit plan`
     ("bad-grad-reduce", ["--grad-reduce", "sometimes"], "parallel.grad_reduce must be one of step, microbatch"),
+    ("bad-optimizer-states", ["--optimizer-states", "2bit"],
+     "train.optimizer_states must be one of fp32, bf16, 8bit, 4bit"),
+    ("bad-master-weights", ["--master-weights", "fp16"], "train.master_weights must be one of fp32, bf16"),
+    ("step-in-backward-accumulating", ["--optimizer-in-backward", "--grad-reduce", "step", "--micro-batch-size", "2"],
+     "needs one microbatch per step or gradients reduced every microbatch"),
+    ("step-in-backward-float16", ["--optimizer-in-backward", "--dtype", "float16"], "float16's loss scaling"),
+    ("plan-optimizer-mismatch", ["--plan", "{t}/plan_8bit.json"], "--optimizer-states 8bit"),
     ("seq-too-long", ["--seq-len", "64"], "exceeds model.max_seq_len"),
     ("heads-not-dividing", ["--n-heads", "3"], "divisible by model.n_heads"),
     ("micro-batch", ["--micro-batch-size", "3"], "multiple of train.micro_batch_size"),
@@ -127,3 +135,18 @@ def test_disk_full_while_saving_keeps_earlier_checkpoints(run_dir, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No space left on device" in err[0] and "earlier checkpoints are untouched" in err[0], err
     assert snapshot(copy / "checkpoints") == before  # nothing new committed, no temporary left behind
+
+
+def test_low_bit_states_without_torchao_name_the_extra(run_dir, capsys, monkeypatch):
+    """torchao is optional (extra `optim`): asking for what needs it without it is refused before any rank
+    starts."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    for args in (["--optimizer-states", "8bit"], ["--master-weights", "bf16"]):
+        before = snapshot(run_dir)
+        assert main(["train", *TINY_ARGS, "--out-dir", str(run_dir), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "needs torchao" in err[0] and 'pip install -e ".[optim]"' in err[0], err
+        assert snapshot(run_dir) == before

@@ -3,9 +3,12 @@ comparison, and this GPU against the catalogue, in one script (under 8 minutes o
 
 (a) every runtime technique on a ~1B built-in Llama (random weights) for a few steps through snugfit's engine:
     replicated, optimizer offload, parameter offload, recompute, selective, activation offload, LoRA, NF4 base
-    weights (where torchao is installed), fp16 with loss scaling, and the other float dtype (fp32 on a GPU, bf16
-    on CPU); each step's loss against a plain PyTorch reference (the same weights, plain forward/backward/AdamW
-    in fp32; NF4: the dequantized weights), within a tolerance per compute dtype;
+    weights (where torchao is installed), fp16 with loss scaling, the other float dtype (fp32 on a GPU, bf16
+    on CPU), and the optimizer setups of full fine-tuning at the memory floor (8-bit states, bf16 master weights
+    with stochastic rounding, the step in backward, states streamed from host, and all of them together; torchao
+    ones where it is installed); each step's loss against a plain PyTorch reference (the same weights, plain
+    forward/backward/AdamW in fp32; NF4: the dequantized weights), within a tolerance per compute dtype (bf16
+    weights: bf16's; low-bit states: twice);
 (b) the allocator's peak (torch.cuda.max_memory_allocated / max_memory_reserved) against the predicted peak;
 (c) measured against predicted step time;
 (d) snugfit's plan against FSDP2 full CPU offload under a capped allocator (0.6 x the replicated plan's peak);
@@ -27,7 +30,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -46,12 +49,12 @@ from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.explain import summary  # noqa: E402
 from snugfit.plan.kernels import attention_rates  # noqa: E402
 from snugfit.plan.memory import device_bytes  # noqa: E402
-from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
+from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan  # noqa: E402
 from snugfit.plan.search import Constraints, NoPlanError, search  # noqa: E402
 from snugfit.profile.profile import profile_model  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.dist import DistEnv, init_distributed  # noqa: E402
-from snugfit.runtime.engine import OptimConfig, param_groups  # noqa: E402
+from snugfit.runtime.optimizer import OptimConfig, param_groups  # noqa: E402
 from snugfit.train.autoplan import local_cluster  # noqa: E402
 
 GIB = 2**30
@@ -80,6 +83,11 @@ class Technique:
     tune: str = ""  # "lora", "qlora" (LoRA over NF4 block linears)
     grad_reduce: str = "step"  # plan.GRAD_REDUCE
     compile: bool = False  # Plan.compile: each block compiled (its first warm-up step compiles)
+    optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
+
+    @property
+    def needs_torchao(self) -> bool:
+        return self.tune == "qlora" or self.optimizer.needs_torchao
 
 
 def techniques(on_gpu: bool) -> list[Technique]:
@@ -99,6 +107,16 @@ def techniques(on_gpu: bool) -> list[Technique]:
         Technique("NF4 base (QLoRA)", BlockPlan(), BlockPlan(), tune="qlora"),
         Technique("fp16 + loss scaling", BlockPlan(), BlockPlan(), dtype="float16"),
         Technique(other, BlockPlan(), BlockPlan(), dtype=other),
+        # full fine-tuning at the memory floor (plan.OptimizerPlan; the rows use two microbatches, so the step in
+        # backward reduces every one)
+        Technique("8-bit states", BlockPlan(), BlockPlan(), optimizer=OptimizerPlan(states="8bit")),
+        Technique("bf16 master weights", BlockPlan(), BlockPlan(), optimizer=OptimizerPlan(master_weights="bf16")),
+        Technique("step in backward", BlockPlan(zero=3), BlockPlan(zero=3), grad_reduce="microbatch",
+                  optimizer=OptimizerPlan(in_backward=True)),
+        Technique("states streamed", BlockPlan(zero=3, stream_states=True), BlockPlan(zero=3, stream_states=True)),
+        Technique("8-bit streamed in backward, bf16 weights", BlockPlan(zero=3, stream_states=True),
+                  BlockPlan(zero=3, stream_states=True), grad_reduce="microbatch",
+                  optimizer=OptimizerPlan(master_weights="bf16", states="8bit", in_backward=True)),
     ] + ([  # compiled blocks: fused kernels, the partitioner's saved tensors (profile.compiled); NF4's dequantization
         # fuses too (eager QLoRA dispatches ~25 operators more per linear and pass). GPU only: on CPU each compiles
         # for tens of seconds, which tests/test_compile.py spends already
@@ -266,8 +284,9 @@ def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, mea
     rows = report["techniques"] = []
     for t in techniques(on_gpu):
         row: dict = {"technique": t.name}
-        if t.tune == "qlora" and importlib.util.find_spec("torchao") is None:
-            rows.append({**row, "skipped": "torchao is not installed (pip install -e \".[qlora]\")"})
+        if t.needs_torchao and importlib.util.find_spec("torchao") is None:
+            extra = "qlora" if t.tune == "qlora" else "optim"
+            rows.append({**row, "skipped": f"torchao is not installed (pip install -e \".[{extra}]\")"})
             continue
         rows.append(row)
         row.update(guarded(t.name, lambda: check_technique(t, args, cfg, env, cluster, measured, dtype, weights,
@@ -282,7 +301,7 @@ def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster:
     on_gpu = env.device.type == "cuda"
     plan = Plan.uniform(cfg.n_layers, block=t.block, root=t.root, micro_batch_size=mbs,
                         num_microbatches=args.batch // mbs, seq_len=args.seq, compute_dtype=t.dtype or dtype,
-                        grad_reduce=t.grad_reduce, compile=t.compile)
+                        grad_reduce=t.grad_reduce, compile=t.compile, optimizer=t.optimizer)
     prof = profile_model(cfg, micro_batch_size=mbs, seq_len=args.seq, dtype=plan.compute_dtype,
                          lora_rank=LORA_RANK if t.tune else None, kernels="gpu" if on_gpu else "cpu",
                          quantize_base="nf4" if t.tune == "qlora" else "none", compile=t.compile)
@@ -293,7 +312,9 @@ def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster:
     if "error" not in row:
         ref = reference_losses(build(cfg, weights, t.tune), batch, mbs, len(row["losses"]), env.device)
         rel = max(abs(a / b - 1) for a, b in zip(row["losses"], ref))
-        tol = TOLERANCE[plan.compute_dtype] * (2 if t.tune == "qlora" else 1)
+        weights_dtype = "bfloat16" if t.optimizer.master_weights == "bf16" else plan.compute_dtype
+        tol = max(TOLERANCE[plan.compute_dtype], TOLERANCE[weights_dtype]) * (
+            2 if t.tune == "qlora" or t.optimizer.states in ("8bit", "4bit") else 1)
         row.update(reference_losses=ref, loss_error=rel, loss_tolerance=tol, loss_ok=rel <= tol)
     return row
 

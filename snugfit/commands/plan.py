@@ -18,15 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snugfit.commands.options import add_config_options, config_from_args
+from snugfit.config import optimizer_plan
 from snugfit.errors import SnugfitError
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import dtype_for_cluster
-from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result, rank_runs
+from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result, rank_runs, switches
 from snugfit.plan.options import POLICY_ALIASES, fixed_parts, fixed_parts_of, refuse_fixed_parts_beside
-from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, BlockPlan, Plan, PlanError, Prediction
+from snugfit.plan.optimizer import describe as describe_optimizer
+from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, BlockPlan, OptimizerPlan, Plan, PlanError, Prediction
 from snugfit.plan.search import NoPlanError, search
 from snugfit.profile.types import ModelProfile
 
@@ -63,6 +65,7 @@ class PlanOptions:
     reduce_dtype: str = "float32"
     evict_bound: int | None = None
     grad_reduce: str = "step"
+    optimizer: OptimizerPlan | None = None  # how weights are stored and updated (the run config's train keys)
 
 
 def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
@@ -108,6 +111,7 @@ def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
                            and not o.offload_params),
             micro_batch_size=o.micro_batch, num_microbatches=m, seq_len=o.seq, compute_dtype=o.dtype,
             reduce_dtype=o.reduce_dtype, evict_bound=o.evict_bound, grad_reduce=o.grad_reduce,
+            optimizer=o.optimizer or OptimizerPlan(),
         )
         for b in plan.blocks[:n_off]:
             b.offload_optimizer = not o.offload_params
@@ -168,7 +172,7 @@ def format_prediction(plan: Plan, pred: Prediction) -> str:
     every = ", gradients reduced every microbatch" if plan.grad_reduce == "microbatch" else ""
     lines += [f"plan: dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
              f"{plan.num_microbatches} microbatches{every}, seq {plan.seq_len}, {plan.compute_dtype}; "
-             f"global batch {plan.global_batch}"]
+             f"global batch {plan.global_batch}", f"optimizer: {describe_optimizer(plan.optimizer)}"]
     lines.append("peak memory per rank (GiB):")
     cats = sorted({c for m in pred.memory_by_rank for c in m}, key=lambda c: (c.startswith("host:"), c))
     lines.append("  rank  " + "  ".join(f"{c:>16}" for c in cats) + f"  {'device total':>13}")
@@ -246,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
             virtual_stages=par.virtual_stages or 1, num_microbatches=par.num_microbatches, global_batch=gb,
             zero=par.zero, recompute=par.recompute, offload_optimizer=par.offload_optimizer,
             offload_params=bool(par.offload_params), dtype=dtype, reduce_dtype=args.reduce_dtype,
-            evict_bound=par.evict_bound, grad_reduce=par.grad_reduce or "step"), n_blocks, cluster.world_size)
+            evict_bound=par.evict_bound, grad_reduce=par.grad_reduce or "step", optimizer=optimizer_plan(t)),
+            n_blocks, cluster.world_size)
         plan.compile = t.compile
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
@@ -261,11 +266,13 @@ def run(args: argparse.Namespace) -> int:
     prof = target.profile(micro or 1, seq, dtype)
     try:
         res = search(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget,
-                     reduce_dtype=args.reduce_dtype, alternatives=args.alternatives, compare_bpipe=args.explain_bpipe)
+                     reduce_dtype=args.reduce_dtype, alternatives=args.alternatives, compare_bpipe=args.explain_bpipe,
+                     optimizer=optimizer_plan(t))
     except NoPlanError as e:
         if not e.result.candidates:
             raise SnugfitError(str(e)) from None
-        advice = advise(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget, result=e.result)
+        advice = advise(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget, result=e.result,
+                        optimizer=optimizer_plan(t))
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "advice": advice,
                               "rejected": [vars(r) for r in e.result.rejected]}, indent=2))
@@ -280,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(res.best.to_json())
     else:
-        print("\n".join([format_result(res, cluster), *notes]))
+        advice = switches(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget, result=res)
+        print("\n".join([format_result(res, cluster), *notes, *advice]))
         if args.explain_bpipe:
             print(explain_bpipe(res))
     _draw(args, res.best, target, cluster, budget)

@@ -76,16 +76,20 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
                   and tensor_parallel_problem(prof, t) is None]
 
 
-def grad_reduce_modes(dp: int, m: int, c: Constraints) -> list[str]:
+def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False) -> list[str]:
     """When gradients may be reduced: per microbatch only where it can differ from once a step (accumulation
-    over data-parallel ranks); the same math but for summation order, so searched freely unless fixed."""
-    if c.grad_reduce:
-        return [c.grad_reduce]
-    return ["step", "microbatch"] if dp > 1 and m > 1 else ["step"]
+    over data-parallel ranks); the same math but for summation order, so searched freely unless fixed. The step
+    in backward needs every microbatch reduced where there are several (Plan.validate)."""
+    modes = [c.grad_reduce] if c.grad_reduce else ["step", "microbatch"] if dp > 1 and m > 1 else ["step"]
+    if in_backward and m > 1:
+        return [g for g in [c.grad_reduce or "microbatch"] if g == "microbatch"]
+    return modes
 
 
-def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints) -> list[Candidate]:
-    """Every outer candidate the launch and the fixed parts allow (unsolved)."""
+def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
+                     in_backward: bool = False) -> list[Candidate]:
+    """Every outer candidate the launch and the fixed parts allow (unsolved); in_backward: the optimizer steps in
+    backward (plan.OptimizerPlan)."""
     w, n, gb, out = cluster.world_size, len(prof.blocks), global_batch, []
     for tp, pp in [(tp, pp) for tp in tp_degrees(prof, cluster, c) for pp in ([c.pp] if c.pp else divisors(w))]:
         dp = w // (pp * tp)
@@ -105,5 +109,5 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                 if sched == "interleaved" and (m % pp or n < pp * v):
                     continue
                 out += [Candidate(dp, pp, mbs, m, sched, v, tp=tp, grad_reduce=g)
-                        for g in grad_reduce_modes(dp, m, c)]
+                        for g in grad_reduce_modes(dp, m, c, in_backward)]
     return out

@@ -173,7 +173,8 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
         ranks_on_host = cluster.nodes[cluster.node_of(rank)].count
         opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
-                                           ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies)
+                                           ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies,
+                                           optimizer=plan.optimizer)
         phases = {
             "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
             "recompute": m * sum(st.recompute for st in sts.values()),
@@ -187,7 +188,8 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
         total = sim.makespan + reduce + opt_host + phases["optimizer"]
         if total > step:
             step, phases_of = total, phases
-    phases_of["bubble"] = max(0.0, step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble"))
+    bubble = step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble")
+    phases_of["bubble"] = bubble if bubble > 1e-9 * step else 0.0  # not the rounding of the others' sum
     pred = _finish(plan, prof, cluster, [mem[kind[r]] for r in range(plan.world_size)], step, phases_of, sim,
                    notes, memory_budget_bytes)
     pred.tracked_by_rank = [tracked[kind[r]] for r in range(plan.world_size)]

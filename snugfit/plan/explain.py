@@ -10,7 +10,8 @@ from dataclasses import replace
 from snugfit.hardware.cluster import Cluster, with_host_ram
 from snugfit.plan.estimate import HOST_USABLE, node_host_need
 from snugfit.plan.memory import FRAGMENTATION, device_bytes
-from snugfit.plan.plan import Plan
+from snugfit.plan.optimizer import describe as describe_optimizer
+from snugfit.plan.plan import OptimizerPlan, Plan
 from snugfit.plan.options import Constraints, describe
 from snugfit.plan.search import NoPlanError, SearchResult, search
 from snugfit.profile.types import ModelProfile
@@ -30,8 +31,9 @@ def summary(plan: Plan) -> str:
     stages = f" stages {plan.stage_blocks}" if plan.pp > 1 else ""
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
     every = " (gradients reduced every microbatch)" if plan.grad_reduce == "microbatch" else ""
+    optimizer = "" if plan.optimizer == OptimizerPlan() else f"; {describe_optimizer(plan.optimizer, clip=False)}"
     return (f"dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
-            f"{plan.num_microbatches}{every}; blocks: {blocks}; root: {describe(plan.root, root=True)}")
+            f"{plan.num_microbatches}{every}; blocks: {blocks}; root: {describe(plan.root, root=True)}{optimizer}")
 
 
 def _figures(plan: Plan) -> str:
@@ -62,7 +64,8 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
     safety margin."""
     best = res.best
     lines = [describe_model(best.model)] if best.model else []
-    lines += [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {best.predicted.mfu:.1%})"]
+    lines += [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {best.predicted.mfu:.1%})",
+              f"  optimizer: {describe_optimizer(best.optimizer)}"]
     peaks = [device_bytes(m) for m in best.predicted.memory_by_rank]
     runs = rank_runs([round(b / GIB, 2) for b in peaks])
     lines.append("  peak memory per rank (GiB): " + (" ".join(f"{v:.2f}" for _, v in runs) if len(runs) == len(peaks)
@@ -120,12 +123,69 @@ def explain_bpipe(res: SearchResult) -> str:
 
 
 def _fits(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
-          budget: int | None) -> Plan | None:
+          budget: int | None, optimizer: OptimizerPlan | None = None) -> Plan | None:
     try:
         return search(profile, cluster, global_batch=global_batch, constraints=c, memory_budget=budget,
-                      alternatives=0).best
+                      alternatives=0, optimizer=optimizer).best
     except NoPlanError:
         return None
+
+
+# The optimizer setups a user may switch to, from the mildest change of the numerics to the strongest: 8-bit states
+# (the default of popular fine-tuning tools), bf16 weights, both, then the step in backward (per-unit clipping), then
+# 4-bit states. The search never picks them (plan.OptimizerPlan); the advice names the first that pays.
+SWITCHES = (OptimizerPlan(states="8bit"), OptimizerPlan(master_weights="bf16"),
+            OptimizerPlan(master_weights="bf16", states="8bit"),
+            OptimizerPlan(master_weights="bf16", states="8bit", in_backward=True),
+            OptimizerPlan(master_weights="bf16", states="4bit", in_backward=True))
+PAYS = 1.2  # a switch worth naming is at least this much faster
+
+
+def _switch_flags(opt: OptimizerPlan) -> str:
+    flags = [f"--optimizer-states {opt.states}"] * (opt.states != "fp32")
+    flags += [f"--master-weights {opt.master_weights}"] * (opt.master_weights != "fp32")
+    return " ".join(flags + ["--optimizer-in-backward"] * opt.in_backward)
+
+
+def _stronger(opt: OptimizerPlan, than: OptimizerPlan) -> bool:
+    """Whether `opt` goes at least as far as `than` in every respect, and further in one."""
+    bits = {"fp32": 32, "bf16": 16, "8bit": 8, "4bit": 4}
+    return opt != than and bits[opt.states] <= bits[than.states] and (
+        bits[opt.master_weights] <= bits[than.master_weights]) and opt.in_backward >= than.in_backward
+
+
+def _offloads(plan: Plan) -> bool:
+    return any(b.states_on_host for b in [plan.root, *plan.blocks])
+
+
+def _switch_effect(before: Plan, after: Plan) -> str:
+    held = lambda p: sum(not b.offload_params for b in p.blocks)  # noqa: E731 - blocks whose weights stay
+    if held(after) > held(before):
+        where = ("every block's parameters stay on the card" if held(after) == len(after.blocks)
+                 else f"{held(after)} of {len(after.blocks)} blocks' parameters stay on the card")
+    elif not _offloads(after):
+        where = "nothing offloaded"
+    else:
+        where = summary(after)
+    ratio = before.predicted.step_time_s / after.predicted.step_time_s
+    return f"{where}, {ratio:.1f}x faster ({_figures(after)})"
+
+
+def switches(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None,
+             memory_budget: int | None, result: SearchResult) -> list[str]:
+    """Where the fastest plan offloads, the mildest optimizer switch (SWITCHES) that makes it at least PAYS times
+    faster, checked by a search: the advice's line, or none."""
+    best = result.best
+    if best is None or not _offloads(best) or cluster.gpu_of(0).name == "cpu":
+        return []
+    for opt in SWITCHES:
+        if not _stronger(opt, best.optimizer):
+            continue
+        plan = _fits(profile, cluster, global_batch, constraints or Constraints(), memory_budget, opt)
+        if plan is not None and best.predicted.step_time_s >= PAYS * plan.predicted.step_time_s:
+            return [f"advice: with {_switch_flags(opt)}: {_switch_effect(best, plan)}; it changes the numerics "
+                    f"({describe_optimizer(opt)}), so only you can choose it"]
+    return []
 
 
 def _bigger(cluster: Cluster, factor: int) -> Cluster:
@@ -140,14 +200,21 @@ def _lora(profile: ModelProfile) -> ModelProfile:
 
 
 def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None,
-           memory_budget: int | None, result: SearchResult) -> list[str]:
+           memory_budget: int | None, result: SearchResult, optimizer: OptimizerPlan | None = None) -> list[str]:
     """The smallest changes that make a plan fit, each checked by a search (so never a plan that won't)."""
     c = constraints or Constraints()
+    opt = optimizer or OptimizerPlan()
     out: list[str] = []
+    for switch in (s for s in SWITCHES if _stronger(s, opt)):  # the mildest optimizer switch that fits
+        plan = _fits(profile, cluster, global_batch, c, memory_budget, switch)
+        if plan:
+            out.append(f"with {_switch_flags(switch)} (changes the numerics: {describe_optimizer(switch)}): fits "
+                       f"as {summary(plan)} ({_figures(plan)})")
+            break
     if cluster.gpu_of(0).name != "cpu":  # CPU ranks: host and device are one memory, the budget covers it
         has = max(n.host.ram_bytes for n in cluster.nodes)
         for factor in (2, 4, 8):
-            plan = _fits(profile, with_host_ram(cluster, has * factor), global_batch, c, memory_budget)
+            plan = _fits(profile, with_host_ram(cluster, has * factor), global_batch, c, memory_budget, opt)
             if plan:
                 # The least RAM the search finds a plan in, from what this one needs (the search's host cap is
                 # coarser than the estimate's, so a little more may be needed) up to what it was found with.
@@ -156,7 +223,7 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
                 least = math.ceil(need / HOST_USABLE / GIB)
                 for ram in sorted({least, math.ceil(least * 1.25), math.ceil(least * 1.5), round(has * factor / GIB)}):
                     found = ram * GIB <= has * factor and _fits(profile, with_host_ram(cluster, ram * GIB),
-                                                               global_batch, c, memory_budget)
+                                                               global_batch, c, memory_budget, opt)
                     if found:
                         plan = found
                         break
@@ -167,15 +234,17 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
                            f"node, {HOST_USABLE:.0%} of RAM usable)")
                 break
     for key, value in c.fixed().items():
-        plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget)
+        plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget, opt)
         if plan:
             out.append(f"drop {FLAGS[key]} {value}: fits as {summary(plan)} ({_figures(plan)})")
     if c.micro_batch != 1 and global_batch > 1:
-        plan = _fits(profile, cluster, global_batch, replace(c, micro_batch=1, num_microbatches=None), memory_budget)
+        plan = _fits(profile, cluster, global_batch, replace(c, micro_batch=1, num_microbatches=None), memory_budget,
+                     opt)
         if plan and not any(a.startswith("drop --micro-batch") for a in out):
             out.append(f"micro-batch 1: fits as {summary(plan)}")
     for factor in (2, 4, 8):
-        plan = _fits(profile, _bigger(cluster, factor), global_batch, replace(c, dp=None, pp=None), memory_budget)
+        plan = _fits(profile, _bigger(cluster, factor), global_batch, replace(c, dp=None, pp=None), memory_budget,
+                     opt)
         if plan:
             out.append(f"{cluster.world_size * factor} GPUs ({factor}x): fits as {summary(plan)}")
             break
@@ -189,7 +258,7 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
         if seq >= 64:
             out.append(f"sequence length <= about {seq} (activations scale with it; re-run snugfit plan --seq {seq} "
                        f"to check)")
-    plan = _fits(_lora(profile), cluster, global_batch, c, memory_budget)
+    plan = _fits(_lora(profile), cluster, global_batch, c, memory_budget, opt)
     if plan:
         out.append(f"LoRA fine-tuning (frozen base weights, ~{LORA_TRAINABLE:.0%} trainable): fits as {summary(plan)}")
     return out or ["GPU memory is the binding limit: nothing short of a larger GPU fits, even every block sharded, "

@@ -23,7 +23,8 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.memory import (
     FRAGMENTATION, StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, param_state,
 )
-from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.optimizer import master_bytes
+from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
 from snugfit.plan.timing import TensorParallel, grad_reduce_exposed, optimizer_time, reduce_time, stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
@@ -47,12 +48,16 @@ class Cost:
     # device gradient bytes at the peak: unsharded (accumulating, or fresh in the first backward); the reduced
     # shard where every microbatch reduces (grad_reduce "microbatch")
     grads: int
-    grads_reduced: int  # the same with one microbatch: only the reduced shard (sync is on as it is made)
+    grads_reduced: int  # the same with one microbatch: only the reduced shard (sync is on as it is made); none
+    # where each unit steps in backward (the stepping unit's is a once-per-stage buffer, StageCosts.stepping)
     act: int  # device bytes per resident microbatch
     t_mb: float  # seconds per microbatch (forward, backward, recompute, exposed transfers)
     t_step: float  # seconds once per step (optimizer, gradient reduction)
     host: int = 0  # host bytes held all step (offloaded parameters, gradients, optimizer states)
     host_act: int = 0  # host bytes per resident microbatch (offloaded activations)
+    # the root's: what its reduce and step, the backward's last moment, hold beyond `static` (its streamed states, less
+    # its gathered copy, freed before the reduce)
+    at_root: int = 0
 
     def mem(self, resident: float, m: int) -> float:
         return self.static + (self.grads if m > 1 else self.grads_reduced) + resident * self.act
@@ -97,7 +102,7 @@ class StageCosts:
 
     def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str,
                  busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1,
-                 grad_reduce: str = "step"):
+                 grad_reduce: str = "step", optimizer: OptimizerPlan | None = None):
         self.node = cluster.nodes[cluster.node_of(rank)]
         self.gpu = self.node.gpu
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
@@ -108,7 +113,9 @@ class StageCosts:
         tp = tensor.size if tensor else 1
         self.dp_link = cluster.link_for(list(range(rank, rank + dp * tp, tp)))  # plan.RankLayout: tp innermost
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype,
-                         grad_reduce=grad_reduce)
+                         grad_reduce=grad_reduce, optimizer=optimizer or OptimizerPlan())
+        # one process whose blocks shard and offload nothing runs the model unwrapped (Plan.runs_unwrapped)
+        self.unwrapped = cluster.world_size == 1 and self.stub.optimizer.master_weights == "fp32"
         self._cache: dict[tuple, Cost] = {}
         self._walks: dict[tuple, float] = {}  # working_peak's
         self._computed: dict[tuple, tuple[float, float]] = {}  # piece_compute's, the same for every option
@@ -119,22 +126,23 @@ class StageCosts:
         gradient buffers of the backward that syncs (memory.sync_held), at the leanest options. The held bytes
         include the piece's own saved activations of the microbatch in flight, which working() counts too
         (memory.stage_walk counts them once), so they come off, at the piece's leanest option to stay an upper
-        bound. Cached: the search asks for it per candidate and stage (`opts`/`ropts` are the search's own
-        cached lists, so their identity names them)."""
+        bound. Stepping in backward, the stepping unit's gradient comes on top (`stepping`). Cached: the search
+        asks for it per candidate and stage (`opts`/`ropts` are the search's own cached lists, so their identity
+        names them)."""
         every = m == 1 or self.grad_reduce == "microbatch"  # every backward syncs (Plan.reduces_every_microbatch)
         key = (blk.name, tuple(p.name for p in roots), every, id(opts), id(ropts))
         if key not in self._walks:
             sync = (min(self._reduce_held(blk, o) for o in opts)
                     + (min(self._head_held(roots, ro) for ro in ropts) if every else 0.0))
             self._walks[key] = max(working(p) - min(self.cost(p, o).act for o in (opts if p is blk else ropts))
-                                   + (sync if p is blk else 0) for p in [blk, *roots])
+                                   + (sync if p is blk else 0) for p in [blk, *roots]) + self.stepping(blk, opts)
         return self._walks[key]
 
     def _reduce_held(self, blk: PieceProfile, block: BlockPlan) -> float:
         """During a block's backward that syncs: the reduce-scatter input of the block reduced before it, less
-        that block's gathered copy, freed after its backward (zero 0-2). None on one fp32 rank, which runs
+        that block's gathered copy, freed after its backward (zero 0-2). None on one rank, which runs
         unwrapped (nearly always)."""
-        if self.stub.world_size == 1 and self.dtype == "float32":
+        if self.unwrapped:
             return 0.0
         freed = gathered_bytes(self.stub, StagePiece(blk, block, blk.num_params)) if block.zero < 3 else 0
         return max(0.0, DTYPE_BYTES[self.rdtype] * blk.num_trainable - freed)
@@ -142,23 +150,32 @@ class StageCosts:
     def _head_held(self, roots: list[PieceProfile], root: BlockPlan) -> float:
         """Where every backward syncs: the head's unsharded gradient where it exceeds the shard the costs count
         for it (the root is reduced last)."""
-        if self.stub.world_size == 1 and self.dtype == "float32":
+        if self.unwrapped:
             return 0.0
-        shard = 0 if root.offload_optimizer or root.offload_params else 4 / (self.dp if root.zero >= 1 else 1)
+        stepped = self.stub.optimizer.in_backward  # its shard is freed once it steps
+        shard = 0 if root.offload_optimizer or root.offload_params or stepped else (
+            master_bytes(self.stub.optimizer) / (self.dp if root.zero >= 1 else 1))
         return sum(p.num_trainable for p in roots if p.name == "head") * max(0.0, DTYPE_BYTES[self.dtype] - shard)
 
     def root_reduce(self, roots: list[PieceProfile], m: int) -> float:
         """FSDP2's bytes at the root unit's reduce, the backward's last, beyond the held static bytes: the root's
         unsharded gradients and its reduce-scatter input (memory.rank_memory's last reduce moment)."""
-        if self.stub.world_size == 1 and self.dtype == "float32":
+        if self.unwrapped:
             return 0.0
         own = DTYPE_BYTES[self.rdtype if m > 1 and self.grad_reduce == "step" else self.dtype]
         return (own + DTYPE_BYTES[self.rdtype]) * sum(p.num_trainable for p in roots)
 
+    def stepping(self, blk: PieceProfile, opts: list[BlockPlan]) -> float:
+        """Stepping in backward: the device gradient of the unit stepping (a block's reduced shard, at its
+        leanest option), which the costs leave out (Cost.grads_reduced)."""
+        if not self.stub.optimizer.in_backward:
+            return 0.0
+        return min(param_state(self.stub, StagePiece(blk, o, blk.num_params))[0].get("gradients", 0) for o in opts)
+
     def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
         """A block under option o (what one more such block adds to the stage). Called in the search's inner
         loops: the cache lookup is kept to one tuple."""
-        key = (p.name, o.zero, o.offload_optimizer, o.offload_params, o.activations)
+        key = (p.name, o.zero, o.offload_optimizer, o.offload_params, o.activations, o.stream_states)
         found = self._cache.get(key)
         if found is None:
             found = self._cache[key] = self._cost((p,), o)
@@ -166,7 +183,8 @@ class StageCosts:
 
     def root(self, pieces: list[PieceProfile], o: BlockPlan) -> Cost:
         """The stage's root pieces (embedding, final norm, head) under option o: one FSDP2 unit."""
-        key = ("+".join(p.name for p in pieces), o.zero, o.offload_optimizer, o.offload_params, o.activations)
+        key = ("+".join(p.name for p in pieces), o.zero, o.offload_optimizer, o.offload_params, o.activations,
+               o.stream_states)
         if key not in self._cache:
             self._cache[key] = self._cost(tuple(pieces), o)
         return self._cache[key]
@@ -174,20 +192,24 @@ class StageCosts:
     def _cost(self, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> Cost:
         sps = [StagePiece(p, o, p.num_params) for p in pieces]
         block = sps[0].is_block
-        static = reduced = grads = host_bytes = act = host_act = 0
+        static = reduced = grads = host_bytes = act = host_act = at_root = 0
         for sp in sps:
             dev, host = param_state(self.stub, sp)
             reduced += dev.pop("gradients", 0)  # the reduced shard: below the unsharded gradients the peak holds
             static += sum(dev.values())
             if not block and o.zero == 3:  # the root's gathered copy stays from forward through backward
                 static += gathered_bytes(self.stub, sp)
+            if not block:  # at its reduce FSDP2 has freed its gathered copy; its streamed states come for its step
+                at_root += host.get("optimizer_states", 0) * o.stream_states - gathered_bytes(self.stub, sp)
             grads += accumulating_grad_bytes(self.stub, sp)
             host_bytes += sum(host.values())
             act += device_saved(sp)
             host_act += host_saved(sp)
         if self.grad_reduce == "microbatch":  # each backward reduces what it made: only the shard accumulates
             grads = reduced
-        unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
+        if self.stub.optimizer.in_backward:  # each unit steps once reduced and frees its gradient
+            reduced = 0
+        unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
                   computed=self._computed, gathers=self.gathers)
@@ -200,7 +222,7 @@ class StageCosts:
         # a block's host step hides behind its own backward, as estimate() hides the sum behind the whole one
         opt_dev, opt_host = optimizer_time(sps, gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
                                            reduce_dtype=self.rdtype, pcie=self.node.pcie,
-                                           ranks_on_host=self.node.count,
+                                           ranks_on_host=self.node.count, optimizer=self.stub.optimizer,
                                            bwd_last=one.bwd + one.recompute if block else 0.0)
         if self.gpu.name == "cpu":  # CPU ranks: what estimate() charges, the measured FSDP2 cost, all exposed
             reduce = grad_reduce_exposed([(one, sps)], self.dp, self.dp_link, 0.0, cpu=self.node)
@@ -211,7 +233,8 @@ class StageCosts:
                 reduce = max(0.0, reduce - one.bwd - one.recompute)
         if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
             t_mb, reduce = t_mb + reduce, 0.0
-        return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act)
+        return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act,
+                    at_root)
 
 
 def pareto(items: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
@@ -289,6 +312,7 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root
     every = 0
     for k in [*kinds, *root_kinds]:
         every |= k
+
     for mask in [x for x in range(1 << len(buffers)) if x & ~every == 0]:
         c = cap - buffer_bytes(buffers, mask)
         if c <= 0:
@@ -299,13 +323,21 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root
         if not items:
             continue
         w = [math.ceil(x / unit) for x, _, _ in items]
-        f, root_sol = np.zeros(buckets + 1), None
+        f, root_sol, ritems = np.zeros(buckets + 1), None, []
         if root is not None:
             ritems = pareto([(r.mem(resident, m), r.time(m), i) for i, r in enumerate(root)
                              if root_kinds[i] & ~mask == 0])
             ritems = [it for it in ritems if it[0] <= c]
             if not ritems:
                 continue
+        used = 0
+        for it in items:
+            used |= kinds[it[2]]
+        for it in ritems:
+            used |= root_kinds[it[2]]
+        if used != mask:  # a buffer no option worth taking needs: the mask without it does better
+            continue
+        if root is not None:
             f, arg = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems], buckets)(f)
             root_sol = (arg, ritems)
         args, layer = [], _Layer(items, w, buckets)

@@ -3,8 +3,8 @@
 It describes what the runtime (FSDP2 per block, runtime/offload.py) holds. Per
 parameter element (c = compute-dtype bytes, g = reduce-dtype bytes, dp = data-parallel
 degree; t = trainable elements: frozen ones have no gradient, master or optimizer state):
-  parameters  the local shard at rest: trainable elements fp32 (the master weight; FSDP2 casts
-              when it gathers), 4 each; frozen ones in the compute dtype, c each (no master
+  parameters  the local shard at rest: trainable elements in the master dtype (plan.optimizer: fp32 4 each, bf16 2;
+              FSDP2 casts when it gathers); frozen ones in the compute dtype, c each (no master
               to keep; their own category, frozen_parameters); /dp for zero >= 1 (FSDP2 shards at rest for zero 1-2 too: zero 1 runs
               as zero 2). offload_optimizer units keep trainable shards in c.
   comm_buffers the unsharded compute copies FSDP2 all-gathers (c per element): the root
@@ -16,12 +16,17 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
               unsharded) and the head's unsharded gradient (plan.reduce_memory).
   gradients   accumulating (gradient sync off, microbatches after the first): unsharded,
               g per trainable element, whatever the ZeRO stage; after the reduction: the
-              fp32 shard (/dp for zero >= 1), on host for offloaded units. With grad_reduce
-              "microbatch" every backward reduces, so only the shard accumulates.
-  optimizer_states  AdamW: 8 per trainable element, /dp for zero >= 1.
-  offload_optimizer: fp32 master shard, its gradient and the states on host (and the
+              shard in the master dtype (/dp for zero >= 1), on host for offloaded units. With grad_reduce
+              "microbatch" every backward reduces, so only the shard accumulates. With the step in backward
+              (plan.optimizer.in_backward) a unit's shard is freed once it has stepped: no step-wide buffer, but
+              the stepping unit's.
+  optimizer_states  AdamW's two states (plan.optimizer: fp32, bf16, or torchao's 8- and 4-bit ones with their
+              scales), /dp for zero >= 1.
+  offload_optimizer: master shard, its gradient and the states on host (and the
               master cast to the compute dtype, staged for the copy back).
-  offload_params (zero 3): fp32 shard, gradient shard and states on host.
+  offload_params (zero 3): shard, gradient shard and states on host.
+  stream_states: the states on host; the update runs on the device, which holds two units' states around each
+              unit's step (the one stepping, the next copied in): `stream_windows`.
 
 Activations: each (stage, microbatch) a rank holds costs the bytes its pieces save
 under their policy (profile.saved_bytes; "offload" and "recompute_offload" keep
@@ -44,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU
+from snugfit.plan.optimizer import master_bytes, state_bytes
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.reduce_memory import reduce_moments
 from snugfit.plan.simulate import SimResult
@@ -131,6 +137,11 @@ def accumulating_grad_bytes(plan: Plan, sp: StagePiece) -> int:
     return sp.n_trainable * DTYPE_BYTES[plan.reduce_dtype]
 
 
+def optimizer_state_bytes(plan: Plan, sp: StagePiece) -> int:
+    """This rank's bytes of the piece's optimizer states (plan.optimizer), wherever they live."""
+    return state_bytes(plan.optimizer, sp.piece.matrices, sp.n_trainable, plan.dp if sp.decision.zero >= 1 else 1)
+
+
 def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, int]]:
     """(device, host) bytes of one piece held through a step (see the module docstring).
 
@@ -139,9 +150,10 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
     """
     t, d, dp = sp.n_trainable, sp.decision, plan.dp
     div = dp if d.zero >= 1 else 1
-    if d.offload_params:  # host shards serve as master weights (trainable ones fp32); the device only gathers
-        host = {**_sharded(stored_params(plan, sp), dp), "gradients": _ceil_div(t * 4, dp),
-                "optimizer_states": _ceil_div(t * 8, dp)}
+    mb, states = master_bytes(plan.optimizer), optimizer_state_bytes(plan, sp)
+    if d.offload_params:  # host shards serve as master weights; the device only gathers
+        host = {**_sharded(stored_params(plan, sp, mb), dp), "gradients": _ceil_div(t * mb, dp),
+                "optimizer_states": states}
         if dp == 1 and sp.piece.quantized:  # NF4 weights FSDP2 leaves out (wrapped_params) stay on the device
             nf4 = nf4_bytes(sp.piece.quantized)
             host["frozen_parameters"] -= nf4
@@ -151,14 +163,48 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
     if d.offload_optimizer:  # trainable shards are stored in the compute dtype; masters, gradients, states on host
         cbytes = DTYPE_BYTES[plan.compute_dtype]
         dev.update(_sharded(stored_params(plan, sp, cbytes), div))
-        host = {"master_weights": _ceil_div(t * 4, div), "gradients": _ceil_div(t * 4, div),
-                "optimizer_states": _ceil_div(t * 8, div)}
-        if cbytes != 4:  # the masters cast for the copy back (runtime.offload's staged copies)
+        host = {"master_weights": _ceil_div(t * mb, div), "gradients": _ceil_div(t * mb, div),
+                "optimizer_states": states}
+        if cbytes != mb:  # the masters cast for the copy back (runtime.offload's staged copies)
             host["staging"] = _ceil_div(t * cbytes, div)
         return dev, host
-    dev.update(_sharded(stored_params(plan, sp), div), gradients=_ceil_div(t * 4, div),
-               optimizer_states=_ceil_div(t * 8, div))
+    dev.update(_sharded(stored_params(plan, sp, mb), div), gradients=_ceil_div(t * mb, div))
+    if d.stream_states:
+        return dev, {"optimizer_states": states}
+    dev["optimizer_states"] = states
     return dev, {}
+
+
+def unit_pieces(pieces: list[StagePiece]) -> list[list[StagePiece]]:
+    """The FSDP2 units (and optimizer units) among a rank's pieces: each block, and the root pieces together."""
+    return [[sp] for sp in pieces if sp.is_block] + ([root] if (root := [sp for sp in pieces if not sp.is_block])
+                                                      else [])
+
+
+def stream_windows(plan: Plan, pieces: list[StagePiece]) -> tuple[dict[str, int], dict[str, int]]:
+    """Device bytes of streamed optimizer states at each unit's reduce and at its step, by the unit's first
+    piece's name (runtime.stream_states): a unit steps with its own states, and the next streamed block's coming
+    in; it has them at its reduce already where the unit before it copied them in. Units step in the order
+    backward finishes them: the last block first, then the root pieces, whose states (the largest: embedding and
+    head) come in only for their own step."""
+    units = unit_pieces(pieces)
+    order = [u for u in units if u[0].is_block][::-1] + [u for u in units if not u[0].is_block]
+    states = [sum(optimizer_state_bytes(plan, sp) for sp in u) if u[0].decision.stream_states else 0 for u in order]
+    at_reduce, at_step = {}, {}
+    prefetched = 0
+    for k, u in enumerate(order):
+        name = u[0].piece.name
+        at_reduce[name] = prefetched
+        later = next((i for i in range(k + 1, len(order)) if states[i]), None)
+        prefetched = states[later] if states[k] and later is not None and order[later][0].is_block else 0
+        at_step[name] = states[k] + prefetched if states[k] else at_reduce[name]
+    return at_reduce, at_step
+
+
+def stepping_gradients(plan: Plan, pieces: list[StagePiece]) -> int:
+    """With the step in backward, the device gradient of the unit stepping: the largest unit's reduced shard."""
+    return max((sum(param_state(plan, sp)[0].get("gradients", 0) for sp in u) for u in unit_pieces(pieces)),
+               default=0)
 
 
 def device_saved(sp: StagePiece) -> int:
@@ -265,6 +311,7 @@ class Peak:
     reduce_buffers: int  # FSDP2's reduce-scatter inputs (and the head's unsharded gradient, between reduces)
     working: int
     piece: str  # the piece running (or being reduced)
+    states: int = 0  # streamed optimizer states on the device (stepping in backward)
 
 
 @dataclass
@@ -298,7 +345,15 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
     fresh = {sp.piece.name: accumulating_grad_bytes(plan, sp) for sp in all_pieces}
     if plan.reduces_every_microbatch:  # each piece's gradient is reduced as it is made: only shards accumulate
         fresh = shard_grads
+    in_backward = plan.optimizer.in_backward
+    if in_backward and plan.num_microbatches == 1:  # each unit steps and frees its gradient once it is reduced
+        fresh = dict.fromkeys(fresh, 0)
     accum = sum(fresh.values())
+    at_reduce_states, at_step = stream_windows(plan, all_pieces)
+    # the optimizer's moment: every reduced gradient (or, stepping in backward, the unit's that steps) and the
+    # streamed states around it
+    step = {"gradients": stepping_gradients(plan, all_pieces) if in_backward else reduced,
+            "optimizer_states": max(at_step.values(), default=0)}
     offloaded = [host_saved(sp) for sp in all_pieces if host_saved(sp)]
     window = 2 * max(offloaded) if offloaded else 0
     per_mb = {k: sum(device_saved(sp) for sp in sps) for k, sps in stages.items()}
@@ -320,8 +375,8 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         walks[(k, "F", False)] = walks[(k, "F", True)] = stage_walk(sps, False)
         walks[(k, "B", False)] = stage_walk(sps, True, made, released)
         walks[(k, "B", True)] = stage_walk(sps, True, None, released)
-        walks[(k, "sync", False)] = stage_walk(sps, True, made, released, sync_held(plan, sps, shard_grads, False))
-        walks[(k, "sync", True)] = stage_walk(sps, True, None, released, sync_held(plan, sps, shard_grads, True))
+        walks[(k, "sync", False)] = stage_walk(sps, True, made, released, sync_held(plan, sps, fresh, False))
+        walks[(k, "sync", True)] = stage_walk(sps, True, None, released, sync_held(plan, sps, fresh, True))
         walks[(k, "tracked")] = tracked_walk(plan, sps)
     gathered = copies + 2 * max(zero3, default=0)
     best_total, best, tracked_best, tracked_at = -1, None, -1, None
@@ -345,39 +400,55 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         last_backward_held = held if ev.kind == "B" else last_backward_held
     # the copies of reduce: FSDP2 reshards a unit before reducing it, and has prefetched the next zero-3 block
     order = [sp.piece.name for sp in all_pieces]
+    root_copy = sum(gathered_bytes(plan, sp) for sp in all_pieces if not sp.is_block)
     for m in reduce_moments(plan, stages, {sp.piece.name: device_saved(sp) for sp in all_pieces}):
         start = order.index(m.unit) if m.unit.startswith("block") else 0
         at_reduce = copies - sum(copy_of[n] for n in order[start:]) + max(zero3, default=0)
-        total = last_backward_held + m.saved_before + m.gradients + m.reduce_input + at_reduce
-        if total > best_total:
-            best_total, best = total, Peak(last_backward_held + m.saved_before + window, m.gradients, at_reduce,
-                                           m.reduce_input, 0, m.unit)
+        if not m.unit.startswith("block"):  # the root unit too is resharded before its reduce (reshard_after_backward)
+            at_reduce -= root_copy
+        # stepping in backward, the unit steps right after its reduce: its own gradients copied in and freed, its
+        # shard and the streamed states beside it
+        moments = [(m.gradients, at_reduce_states.get(m.unit, 0) if in_backward else 0)]
+        if in_backward:
+            moments.append((m.gradients - m.own + m.shard, at_step.get(m.unit, 0)))
+        for grads, states in moments:
+            total = last_backward_held + m.saved_before + grads + m.reduce_input + at_reduce + states
+            if total > best_total:
+                best_total, best = total, Peak(last_backward_held + m.saved_before + window, grads, at_reduce,
+                                               m.reduce_input, 0, m.unit, states)
+        if in_backward:  # the tracker samples each unit's step (FSDP2's reduce buffers are out of its sight)
+            held = {"activations": last_backward_held + m.saved_before, "gradients": moments[-1][0],
+                    "buffers": at_reduce, "optimizer_states": moments[-1][1]}
+            if sum(held.values()) > sum(step.values()):
+                step = held
     cats = dict(static)
     notes: list[str] = []
-    if reduced >= best_total + window:
-        cats["gradients"] = reduced
+    if not in_backward and sum(step.values()) >= best_total + window:
+        _add(cats, step)
         notes.append(f"rank {rank}: peak at the optimizer step")
     else:
         cats.update(gradients=best.gradients, activations=best.activations, comm_buffers=best.gathered,
                     reduce_buffers=best.reduce_buffers)
         cats["logits_loss" if best.piece == "head" else "working"] = best.working
+        cats["optimizer_states"] = cats.get("optimizer_states", 0) + best.states
     if gpu.name != "cpu":
         cats["reserve"] = gpu.context_bytes + int(FRAGMENTATION * sum(cats.values()))
     cats = {k: v for k, v in cats.items() if v}
     cats.update({f"host:{k}": v for k, v in host.items() if v})
-    return RankMemory(cats, notes, _tracked(static, host, reduced, tracked_at))
+    return RankMemory(cats, notes, _tracked(static, host, step, tracked_at))
 
 
-def _tracked(static: dict[str, int], host: dict[str, int], reduced: int, at: tuple[int, int, int]) -> dict[str, int]:
+def _tracked(static: dict[str, int], host: dict[str, int], step: dict[str, int],
+             at: tuple[int, int, int]) -> dict[str, int]:
     """The MemoryTracker's peak: the held part of the step's busiest moment, or the optimizer step's."""
     saved, copy, g = at
     moving = {"activations": saved, "buffers": copy, "gradients": g}
-    if reduced >= saved + copy + g:
-        moving = {"gradients": reduced}
+    if sum(step.values()) >= saved + copy + g:
+        moving = dict(step)
     out: dict[str, int] = {}
     # offloaded activations live under their policy's own saved-tensor hooks, out of the tracker's sight
     host = {k: v for k, v in host.items() if k != "activations"}
-    for place, cats in (("device", {**static, **moving}), ("host", host)):
+    for place, cats in (("device", static), ("device", moving), ("host", host)):
         for k, v in cats.items():
             key = f"{place}.{TRACKER_KEYS.get(k, k)}"
             out[key] = out.get(key, 0) + v

@@ -95,24 +95,32 @@ def fixed_parts(world_size: int, *, dp: int | None = None, tp: int | None = None
 
 
 def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan]:
-    """Every per-block decision the constraints allow (with dp 1, ZeRO matters only for offload_params)."""
+    """Every per-block decision the constraints allow. With dp 1, ZeRO 1 and 2 hold what ZeRO 0 holds, and ZeRO 3
+    differs in memory only: FSDP2 gathers a unit's compute copy even on one rank, which ZeRO 3 frees after forward
+    (the copy is the whole model again where the weights are stored in the compute dtype: bf16 masters)."""
     acts = ["keep"] if root else ([c.activations] if c.activations else list(ACTIVATION_POLICIES))
     out = []
     for z in [c.zero] if c.zero is not None else [0, 1, 2, 3]:
-        for mode in ("none", "optimizer", "params"):
+        for mode in ("none", "optimizer", "params", "stream"):
             params = mode == "params"
             if (params and z != 3) or (c.offload_params is not None and params != c.offload_params):
                 continue
             if (c.offload_optimizer is not None and (mode == "optimizer") != c.offload_optimizer) or \
-                    (dp == 1 and c.zero is None and z != (3 if mode == "params" else 0)):
+                    (dp == 1 and c.zero is None and z not in ((3,) if mode == "params" else (0, 3))):
                 continue
-            out += [BlockPlan(z, mode == "optimizer", mode == "params", a) for a in acts]
+            # streaming states pays where the device is short of memory, where ZeRO-3 holds the least too (and at
+            # dp 1 costs no communication); "none": every unit's states on the device
+            if mode == "stream" and (c.offload_optimizer is False or z != 3):
+                continue
+            out += [BlockPlan(z, mode == "optimizer", mode == "params", a, stream_states=mode == "stream")
+                    for a in acts]
     return out
 
 
 def describe(o: BlockPlan, root: bool = False) -> str:
     parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
     parts += ["optimizer offload"] * o.offload_optimizer + ["parameter offload"] * o.offload_params
+    parts += ["states streamed"] * o.stream_states
     acts = {"keep": "activations kept", "offload": "activations offloaded",
             "recompute_offload": "recompute, checkpoints offloaded",
             "selective_half": "selective, half the matmuls"}.get(o.activations, o.activations)
@@ -124,11 +132,12 @@ def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
     (copies over PCIe, the optimizer on the host), so where the constraints allow options that offload nothing,
     the fastest of them is as fast as any (tests/test_search.py checks it). Recomputation is not left out: it
     lengthens the backward that hides a block's gradient reduction."""
-    lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
+    lean = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
     return lean or opts
 
 
 def buffer_kinds(o: BlockPlan) -> int:
     """Once-per-stage buffers the option needs (`Searcher._buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
-    activation-offload window, bit 4 the checkpoint-offload window."""
-    return (o.zero == 3) | 2 * (o.activations == "offload") | 4 * (o.activations == "recompute_offload")
+    activation-offload window, bit 4 the checkpoint-offload window, bit 8 the streamed states' window."""
+    return ((o.zero == 3) | 2 * (o.activations == "offload") | 4 * (o.activations == "recompute_offload")
+            | 8 * o.stream_states)

@@ -19,6 +19,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 # When FSDP2 reduces gradients over data-parallel ranks: once a step, after the last microbatch (the unsharded
 # gradient accumulates through the step), or after every microbatch (only the fp32 shard accumulates)
 GRAD_REDUCE = ("step", "microbatch")
+# How trainable parameters are stored and updated (OptimizerPlan): the dtype of the weights the optimizer updates
+# (bf16: no fp32 copy, updated with stochastic rounding), and of AdamW's two states (8bit, 4bit: torchao's blockwise
+# quantized states)
+MASTER_WEIGHTS = ("fp32", "bf16")
+OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "4bit")
 
 
 class PlanError(ValueError):
@@ -33,6 +38,14 @@ class BlockPlan:
     offload_optimizer: bool = False  # fp32 master weights + optimizer states on host, compute params on device
     offload_params: bool = False  # parameters on host between uses (FSDP2 CPUOffloadPolicy); needs zero 3
     activations: str = "keep"  # what happens to the block's saved activations
+    # optimizer states on host, copied to the device for the unit's update and back (runtime.stream_states); the
+    # weights and their gradients stay on the device: the alternative to offload_optimizer's update on the host
+    stream_states: bool = False
+
+    @property
+    def states_on_host(self) -> bool:
+        """Whether the unit's optimizer states live on host between steps (updated there or on the device)."""
+        return self.offload_optimizer or self.offload_params or self.stream_states
 
     @property
     def offloads_activations(self) -> bool:
@@ -48,6 +61,34 @@ class BlockPlan:
             raise PlanError(f"{where}: offload_params needs zero 3 (parameters are offloaded as shards); set zero=3")
         if self.offload_params and self.offload_optimizer:
             raise PlanError(f"{where}: offload_params already keeps optimizer states on host; drop offload_optimizer")
+        if self.stream_states and (self.offload_params or self.offload_optimizer):
+            raise PlanError(f"{where}: stream_states updates on the device what offload_optimizer and offload_params "
+                            "update on the host; keep one of them")
+
+
+@dataclass
+class OptimizerPlan:
+    """How the trainable parameters are stored and updated: the user's choice, since each changes the numerics
+    (the search never picks one, it models the one given), which the runtime follows (runtime.optimizer)."""
+
+    master_weights: str = "fp32"  # MASTER_WEIGHTS: the dtype of the weights the optimizer updates
+    states: str = "fp32"  # OPTIMIZER_STATES: AdamW's two states per parameter
+    # each unit steps as soon as its gradient is reduced, and the gradient is freed at once (no step-wide gradient
+    # buffer); gradients are then clipped per unit, not by their global norm
+    in_backward: bool = False
+
+    def check(self) -> None:
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise PlanError(f"plan.optimizer.master_weights must be one of {MASTER_WEIGHTS}, "
+                            f"got {self.master_weights!r}")
+        if self.states not in OPTIMIZER_STATES:
+            raise PlanError(f"plan.optimizer.states must be one of {OPTIMIZER_STATES}, got {self.states!r}")
+
+    @property
+    def needs_torchao(self) -> bool:
+        """Whether torchao's AdamW updates the weights (bf16 weights or states other than fp32); torch's fused
+        AdamW does fp32 weights with fp32 states."""
+        return (self.master_weights, self.states) != ("fp32", "fp32")
 
 
 @dataclass(frozen=True)
@@ -108,6 +149,7 @@ class Plan:
     compute_dtype: str = "float32"  # dtype of parameters in forward/backward
     reduce_dtype: str = "float32"  # dtype of gradient reduction
     grad_reduce: str = "step"  # GRAD_REDUCE: reduce once a step, or every microbatch (ZeRO-2/3 then hold shards)
+    optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
     # each block compiled once (torch.compile, runtime.compile): fused kernels, what the partitioner saves; the math
     # is the same up to float order, so the search weighs it as any other choice (its profile: profile.compiled)
     compile: bool = False
@@ -144,8 +186,8 @@ class Plan:
         twice a plain loop's time on an H200 (docs/gpu.md); below fp32, runtime.precision casts the compute copies
         once a step."""
         units = [self.root, *self.blocks]
-        plain = all(u.zero == 0 and not (u.offload_optimizer or u.offload_params) for u in units)
-        return self.world_size == 1 and plain
+        plain = all(u.zero == 0 and not u.states_on_host for u in units)
+        return self.world_size == 1 and plain and self.optimizer.master_weights == "fp32"
 
     @property
     def reduces_every_microbatch(self) -> bool:
@@ -237,6 +279,14 @@ class Plan:
         self.root.check("plan.root")
         for i, b in enumerate(self.blocks):
             b.check(f"plan.blocks[{i}]")
+        self.optimizer.check()
+        if self.optimizer.in_backward and not self.reduces_every_microbatch:
+            raise PlanError(f"the step in backward needs one microbatch per step or gradients reduced every "
+                            f"microbatch, but the plan accumulates {self.num_microbatches} microbatches and reduces "
+                            "once a step; set grad_reduce 'microbatch' (--grad-reduce microbatch) or one microbatch")
+        if self.optimizer.in_backward and self.compute_dtype == "float16":
+            raise PlanError("the step in backward cannot run under float16's loss scaling (an overflow must be found "
+                            "before any unit steps); compute in bfloat16 or step after backward")
 
     # -- serialisation --
     def to_dict(self) -> dict:
@@ -254,6 +304,7 @@ class Plan:
         d = dict(d)
         d["root"] = BlockPlan(**d.get("root", {}))
         d["blocks"] = [BlockPlan(**b) for b in d.get("blocks", [])]
+        d["optimizer"] = OptimizerPlan(**d.get("optimizer", {}))
         if d.get("predicted") is not None:
             d["predicted"] = Prediction(**d["predicted"])
         return cls(**d)

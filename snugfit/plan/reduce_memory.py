@@ -5,8 +5,8 @@ by a probe of the live tensors at every reduce-scatter copy-in (tests/test_reduc
 of a unit, the device holds:
 - the unit's unsharded gradients (the compute dtype; the reduce dtype when accumulated over microbatches) and
   its reduce-scatter input (the reduce dtype, unsharded), both at once;
-- units reduced before: their gradient shards (fp32; nothing when the unit's optimizer or parameters are
-  offloaded, whose shards go to host);
+- units reduced before: their gradient shards (the master dtype; nothing when the unit's optimizer or parameters
+  are offloaded, whose shards go to host, or when it has stepped in backward and freed them);
 - units not reduced yet: their accumulated gradients (several microbatches), or, where every backward reduces
   (one microbatch, or grad_reduce "microbatch"), what their backward has already made, beside the shards
   earlier microbatches left them. That is the root unit's head: its backward runs first but the root is
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from snugfit.plan.optimizer import master_bytes
 from snugfit.plan.plan import Plan
 from snugfit.profile.types import DTYPE_BYTES
 
@@ -31,6 +32,8 @@ class ReduceMoment:
     gradients: int  # gradient bytes on the device, unsharded and sharded
     reduce_input: int  # the reduce-scatter input
     saved_before: int  # this microbatch's activations of the pieces before the unit, still held
+    own: int = 0  # of `gradients`, the unit's own unsharded ones (freed once copied in)
+    shard: int = 0  # the unit's reduced shard, which replaces them (where the unit steps in backward, at its step)
 
 
 def _units(stages: dict) -> list[list]:
@@ -62,7 +65,14 @@ def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[Redu
         d = units[i][0].decision
         if d.offload_optimizer or d.offload_params:
             return 0
-        return -(-4 * trainable[i] // (plan.dp if d.zero >= 1 else 1))
+        return -(-master_bytes(plan.optimizer) * trainable[i] // (plan.dp if d.zero >= 1 else 1))
+
+    def holding(i: int) -> range:
+        """The units holding gradient shards at unit i's reduce: those reduced before it, and with shards from
+        earlier microbatches all of them; those that stepped in backward have freed theirs."""
+        if plan.optimizer.in_backward:
+            return range(i, len(units) if left_before else i)
+        return range(len(units) if left_before else i)
 
     order = [sp.piece.name for k in sorted(stages) for sp in stages[k]]
     out = []
@@ -72,6 +82,7 @@ def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[Redu
         own = (reduce if accumulated else compute) * trainable[i]
         first = order.index(unit[0].piece.name)
         before = 0 if not unit[0].is_block else sum(saved[n] for n in order[:first])
-        shards = sum(shard(j) for j in range(len(units) if left_before else i))
-        out.append(ReduceMoment(unit[0].piece.name, shards + pending + own, reduce * trainable[i], before))
+        shards = sum(shard(j) for j in holding(i))
+        out.append(ReduceMoment(unit[0].piece.name, shards + pending + own, reduce * trainable[i], before, own,
+                                shard(i)))
     return out

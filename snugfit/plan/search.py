@@ -31,8 +31,9 @@ from snugfit.plan.knapsack import (
     BUCKETS, INF, StageCosts, buffer_bytes, fine_resolution, knapsack, resident_microbatches, split, usable,
     with_reserve,
 )
+from snugfit.plan.optimizer import state_bytes
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
-from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
 from snugfit.plan.result import NoPlanError, SearchResult, explain_losses
 from snugfit.plan.simulate import simulate
 from snugfit.plan.timing import TensorParallel, gather_every
@@ -49,8 +50,9 @@ class Searcher:
     """One search's state: option costs shared by candidates, solved candidates, estimate() calls."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, global_batch: int, constraints: Constraints,
-                 budget: int, reduce_dtype: str = "float32"):
+                 budget: int, reduce_dtype: str = "float32", optimizer: OptimizerPlan | None = None):
         self.prof, self.cluster, self.gb, self.c, self.budget = profile, cluster, global_batch, constraints, budget
+        self.optimizer = optimizer or OptimizerPlan()  # the user's choice, modelled, never searched
         self.rdtype, self.n = reduce_dtype, len(profile.blocks)
         blocks = profile.blocks
         self.rep = max(range(self.n), key=lambda i: (blocks[i].num_params, blocks[i].saved_bytes["keep"]))
@@ -65,7 +67,7 @@ class Searcher:
         self._node_kind = [next(j for j, other in enumerate(cluster.nodes) if other == n) for n in cluster.nodes]
 
     def candidates(self) -> list[Candidate]:
-        return outer_candidates(self.prof, self.cluster, self.gb, self.c)
+        return outer_candidates(self.prof, self.cluster, self.gb, self.c, self.optimizer.in_backward)
 
     def profile(self, cand: Candidate) -> ModelProfile:
         """The profile at the candidate's micro-batch size, as one of its tensor-parallel ranks holds it."""
@@ -81,7 +83,8 @@ class Searcher:
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
             busy = _working_share(cand.pp, cand.m, cand.v)  # crowded CPU ranks: a pipeline's working share
         gathers = gather_every(cand.pp, cand.m)
-        at = (first, cand.dp, cand.tp, cand.mbs, busy, gathers, cand.grad_reduce)
+        rdtype = self.reduce_dtype(cand)
+        at = (first, cand.dp, cand.tp, cand.mbs, busy, gathers, cand.grad_reduce, rdtype)
         if at in self._costs_at:
             return self._costs_at[at]
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
@@ -89,17 +92,26 @@ class Searcher:
         dp_link = astuple(self.cluster.link_for(list(range(first, first + cand.dp * cand.tp, cand.tp))))
         tp_link = astuple(self.cluster.link_for(list(range(first, first + cand.tp))))
         key = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp, cand.mbs, busy,
-               gathers, cand.grad_reduce)
+               gathers, cand.grad_reduce, rdtype)
         if key not in self._costs:
             prof = self.profile(cand)
             tensor = None
             if cand.tp > 1:
                 tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))),
                                         prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
-            self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, self.rdtype, busy, tensor, gathers,
-                                          cand.grad_reduce)
+            self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, rdtype, busy, tensor, gathers,
+                                          cand.grad_reduce, self.optimizer)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
+
+    def reduce_dtype(self, cand: Candidate) -> str:
+        """The candidate's gradient-reduction dtype: the one asked for, but bf16 where one data-parallel rank reduces
+        each gradient once, unaccumulated (dp 1, one microbatch or a reduction per microbatch): FSDP2 then only
+        casts bf16 gradients into its reduce buffer and back, the same values either way, and an fp32 buffer
+        costs twice the bytes (the embedding's and head's unit: 4 GB of a 24 GB card for an 8B model)."""
+        if cand.dp == 1 and self.prof.dtype == "bfloat16" and (cand.m == 1 or cand.grad_reduce == "microbatch"):
+            return "bfloat16"
+        return self.rdtype
 
     def _stage(self, cand: Candidate, s: int):
         """(costs, representative block, root pieces, block options, root options, resident microbatches)."""
@@ -111,12 +123,21 @@ class Searcher:
 
     def options(self, dp: int, tp: int = 1, root: bool = False) -> list[BlockPlan]:
         """The allowed options; on CPU ranks host and device are one memory, so offloading only costs time, and
-        tensor-parallel plans offload nothing (the runtime does not combine them yet)."""
+        tensor-parallel plans offload nothing (the runtime does not combine them yet). States are streamed only
+        where torchao updates them (bf16 weights, low-bit states)."""
         if (dp, tp, root) not in self._opts:
             opts = block_options(self.c, dp, root)
+            if not self.optimizer.needs_torchao:
+                # fp32 weights with fp32 states: streaming holds the fp32 weight and gradient on the device where host
+                # offload holds a compute copy, and moves 16 bytes a parameter a step where host offload moves about
+                # 6 and the host's fused AdamW takes about as long (RTX 4090 with a 1.5e9/s host: 0.14 s a block
+                # each); left out, it only cost search time (llama-2-7b on 4 RTX 4090s: 0.28 s -> 0.47 s)
+                opts = [o for o in opts if not o.stream_states]
             if self.cpu_only or tp > 1:
-                lean = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
+                lean = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
                 opts = lean if lean or tp > 1 else opts
+                if self.cpu_only:  # nothing to stream states to: the host is the device
+                    opts = [o for o in opts if not o.stream_states]
             self._opts[(dp, tp, root)] = opts
         return self._opts[(dp, tp, root)]
 
@@ -178,8 +199,8 @@ class Searcher:
         for s in range(cand.pp):
             st, blk, roots, opts, ropts, r = self._stage(cand, s)
             if not offload:
-                opts = [o for o in opts if not (o.offload_optimizer or o.offload_params or o.offloads_activations)]
-                ropts = [o for o in ropts if not (o.offload_optimizer or o.offload_params)] or ropts
+                opts = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
+                ropts = [o for o in ropts if not o.states_on_host] or ropts
             if not opts:
                 return worst
             share = math.ceil(self.n / cand.pp)
@@ -189,6 +210,7 @@ class Searcher:
                      + sum(st.cost(p, ro).mem(r, cand.m) for p in roots)
                      + share * st.cost(blk, b).mem(r, cand.m) + self._extra(cand, b))
             at_root_reduce = (static + share * st.cost(blk, b).grads_reduced + st.root_reduce(roots, cand.m)
+                              + sum(st.cost(p, ro).at_root for p in roots)
                               + (self._buffers(cand)[0] / 2 if b.zero == 3 else 0))  # one zero-3 block prefetched
             total = max(total, at_root_reduce)
             if with_reserve(st.gpu, total) > worst[0]:
@@ -203,14 +225,15 @@ class Searcher:
         most = max(((free - self._extra(cand, o)) // max(st.cost(blk, o).mem(r, cand.m), 1) for o in opts), default=0)
         return int(most) if most >= cand.v else 0
 
-    def _buffers(self, cand: Candidate) -> tuple[float, float, float]:
-        """(ZeRO-3 gather buffers, activation-offload window, checkpoint-offload window): two blocks of each, as
-        memory.py counts them."""
+    def _buffers(self, cand: Candidate) -> tuple[float, float, float, float]:
+        """(ZeRO-3 gather buffers, activation-offload window, checkpoint-offload window, streamed states' window):
+        two blocks of each, as memory.py counts them (the states unsharded: an upper bound)."""
         key = (cand.mbs, cand.tp)
         if key not in self._buffers_of:
             blk = self.profile(cand).blocks[self.rep]
+            states = state_bytes(self.optimizer, blk.matrices, blk.num_trainable, 1)
             self._buffers_of[key] = (2 * blk.num_params * DTYPE_BYTES[self.prof.dtype], 2 * blk.saved_bytes["keep"],
-                                     2 * blk.saved_bytes["recompute"])
+                                     2 * blk.saved_bytes["recompute"], 2 * states)
         return self._buffers_of[key]
 
     def _extra(self, cand: Candidate, o: BlockPlan) -> float:
@@ -266,7 +289,7 @@ class Searcher:
                 block, root = st.cost(blk, o), st.root(roots, ro)
                 mem = (self.n * block.mem(r, cand.m) + root.mem(r, cand.m)
                        + buffer_bytes(self._buffers(cand), buffer_kinds(o) | int(ro.zero == 3)))
-                at_root_reduce = (self.n * (block.static + block.grads_reduced) + root.static
+                at_root_reduce = (self.n * (block.static + block.grads_reduced) + root.static + root.at_root
                                   + st.root_reduce(roots, cand.m) + (self._buffers(cand)[0] / 2 if o.zero == 3 else 0))
                 mem = max(mem, at_root_reduce - walk)
                 t = self.n * block.time(cand.m) + root.time(cand.m)
@@ -276,8 +299,9 @@ class Searcher:
             cand.score = best[0]
             cand.plan = Plan(world_size=cand.dp * cand.tp, dp=cand.dp, tp=cand.tp, micro_batch_size=cand.mbs,
                              num_microbatches=cand.m, seq_len=self.prof.seq_len, stage_blocks=[self.n],
-                             compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, grad_reduce=cand.grad_reduce,
-                             compile=self.prof.compiled, root=replace(best[2]),
+                             compute_dtype=self.prof.dtype, reduce_dtype=self.reduce_dtype(cand),
+                             grad_reduce=cand.grad_reduce, compile=self.prof.compiled,
+                             optimizer=replace(self.optimizer), root=replace(best[2]),
                              blocks=[replace(best[1]) for _ in range(self.n)])
 
     def _host_fits(self, cand: Candidate, st: StageCosts, blk, roots, opts: list[BlockPlan],
@@ -312,8 +336,8 @@ class Searcher:
         return Plan(world_size=cand.dp * cand.tp * pp, dp=cand.dp, tp=cand.tp, pp=pp, micro_batch_size=cand.mbs, num_microbatches=cand.m,
                     seq_len=self.prof.seq_len, schedule=cand.schedule, virtual_stages=v, stage_blocks=stage_blocks,
                     evict_bound=self.c.evict_bound if cand.schedule == "bpipe" else None,
-                    compute_dtype=self.prof.dtype, reduce_dtype=self.rdtype, grad_reduce=cand.grad_reduce,
-                    compile=self.prof.compiled, root=replace(root), blocks=blocks)
+                    compute_dtype=self.prof.dtype, reduce_dtype=self.reduce_dtype(cand), grad_reduce=cand.grad_reduce,
+                    compile=self.prof.compiled, optimizer=replace(self.optimizer), root=replace(root), blocks=blocks)
 
 
 @functools.lru_cache(maxsize=256)
@@ -352,28 +376,34 @@ def _without_cyclic_gc() -> Iterator[None]:
 
 def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None = None,
            memory_budget: int | None = None, reduce_dtype: str = "float32", alternatives: int = 3,
-           compare_bpipe: bool = False) -> SearchResult:
+           compare_bpipe: bool = False, optimizer: OptimizerPlan | None = None) -> SearchResult:
     """The fastest plan estimate() says fits, up to `alternatives` runners-up, and why other families lost.
 
     profile: for the run's seq_len and dtype, at any micro-batch size (rescaled per candidate).
     compare_bpipe: also verify the best BPipe and best non-BPipe plan (for --explain-bpipe).
+    optimizer: how weights are stored and updated (the user's choice, never searched: it changes the numerics).
     Raises NoPlanError (its .result has the rejections) when nothing fits; explain.advise() says what would.
     """
     with _without_cyclic_gc():
         return _search(profile, cluster, global_batch, constraints or Constraints(), memory_budget, reduce_dtype,
-                       alternatives, compare_bpipe)
+                       alternatives, compare_bpipe, optimizer)
 
 
 def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, memory_budget: int | None,
-            reduce_dtype: str, alternatives: int, compare_bpipe: bool) -> SearchResult:
+            reduce_dtype: str, alternatives: int, compare_bpipe: bool,
+            optimizer: OptimizerPlan | None) -> SearchResult:
     budget = budget_for(cluster, memory_budget)
     if c.tp and (problem := tensor_parallel_problem(profile, c.tp)):
         raise NoPlanError(f"{problem}; choose another --tp", SearchResult(None, budget_bytes=budget, candidates=0))
-    srch = Searcher(profile, cluster, global_batch, c, budget, reduce_dtype)
+    srch = Searcher(profile, cluster, global_batch, c, budget, reduce_dtype, optimizer)
     cands = srch.candidates()
     res = SearchResult(None, budget_bytes=budget, candidates=len(cands))
     if not cands:
         fixed = ", ".join(f"{k}={v}" for k, v in c.fixed().items()) or "none"
+        if optimizer is not None and optimizer.in_backward and c.grad_reduce == "step":
+            raise NoPlanError(f"the step in backward needs one microbatch per step or gradients reduced every "
+                              f"microbatch, and global batch {global_batch} takes several under --grad-reduce step; "
+                              "set --grad-reduce microbatch", res)
         raise NoPlanError(f"global batch {global_batch} is not divisible into micro-batch x microbatches x dp "
                           f"on {cluster.world_size} GPUs with the fixed parts ({fixed})", res)
     for x in cands:

@@ -35,10 +35,10 @@ from snugfit.hardware.cluster import Node
 from snugfit.plan.cpu_ranks import cpu_fsdp_time, cpu_share, cpu_stage_time, fsdp_units, line_cost, local_ranks
 from snugfit.plan.kernels import attention_rates, gemm_seconds
 from snugfit.plan.memory import StagePiece, host_saved
-from snugfit.plan.plan import SELECTIVE_POLICIES
+from snugfit.plan.optimizer import host_step_slowdown, state_bytes, update_bytes
+from snugfit.plan.plan import SELECTIVE_POLICIES, OptimizerPlan
 from snugfit.profile.types import DTYPE_BYTES, PieceProfile
 
-ADAM_BYTES_PER_PARAM = 32  # fused AdamW on device: read p, g, m, v (+ master), write p, m, v
 
 
 # NCCL's own tuning model (src/graph/tuning.cc, NCCL 2.1x): a tree all-reduce reaches 90% of the ring's bus bandwidth,
@@ -324,23 +324,40 @@ def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: in
 
 def optimizer_time(
     pieces: list[StagePiece], *, gpu: GPU, host: Host, dp: int, dtype: str, reduce_dtype: str, pcie: Link,
-    ranks_on_host: int, bwd_last: float, grad_copies: int = 1,
+    ranks_on_host: int, bwd_last: float, grad_copies: int = 1, optimizer: OptimizerPlan | None = None,
 ) -> tuple[float, float]:
-    """(device optimizer seconds, exposed host-optimizer seconds) for one rank; grad_copies: how often offloaded
-    units' gradient shards go to host in a step (`reductions`: each reduction sends its shard, added up there)."""
+    """(device optimizer seconds, exposed host-optimizer and state-streaming seconds) for one rank; grad_copies: how
+    often offloaded units' gradient shards go to host in a step (`reductions`: each reduction sends its shard, added
+    up there).
+
+    The update's cost follows the optimizer setup (plan.optimizer): on a GPU the bytes it moves, on a CPU the fused
+    AdamW rate profile-hardware measured, slowed for torchao's updates. Streamed states (stream_states) cross PCIe
+    both ways; they hide behind the backward when each unit steps in it, else behind the device's other updates."""
+    opt = optimizer or OptimizerPlan()
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
-    dev_params = host_params = 0.0
+    dev_params = host_params = streamed = streamed_root = 0.0
     for sp in pieces:
         n = sp.n_trainable / (dp if sp.decision.zero >= 1 else 1)
         if sp.decision.offload_optimizer or sp.decision.offload_params:
             host_params += n
         else:
             dev_params += n
-    if gpu.name == "cpu":  # the measured fused AdamW rate is this device's optimizer
-        dev_time = dev_params / (host.adam_params_per_s / ranks_on_host)
+        if sp.decision.stream_states:
+            nbytes = state_bytes(opt, sp.piece.matrices, sp.n_trainable, dp if sp.decision.zero >= 1 else 1)
+            if sp.is_block:
+                streamed += nbytes
+            else:  # the root steps last: no backward left to hide its copies
+                streamed_root += nbytes
+    host_rate = host.adam_params_per_s / ranks_on_host / host_step_slowdown(opt)
+    if gpu.name == "cpu":  # the measured AdamW rate is this device's optimizer
+        dev_time = dev_params / host_rate
     else:
-        dev_time = dev_params * ADAM_BYTES_PER_PARAM / gpu.mem_bytes_per_s()
-    cpu = host_params / (host.adam_params_per_s / ranks_on_host)
+        dev_time = dev_params * update_bytes(opt) / gpu.mem_bytes_per_s()
+    cpu = host_params / host_rate
     moves = grad_copies * transfer_time(host_params * g, pcie) + transfer_time(host_params * c, pcie)
     hidden = 0.0 if gpu.name == "cpu" else bwd_last  # a CPU device has no other work for the host step to hide behind
-    return dev_time, max(0.0, cpu + moves - hidden) if host_params else 0.0
+    exposed = max(0.0, cpu + moves - hidden) if host_params else 0.0
+    if streamed or streamed_root:
+        behind = (bwd_last if opt.in_backward else dev_time) if gpu.name != "cpu" else 0.0
+        exposed += max(0.0, 2 * transfer_time(streamed, pcie) - behind) + 2 * transfer_time(streamed_root, pcie)
+    return dev_time, exposed

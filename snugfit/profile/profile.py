@@ -66,10 +66,12 @@ def fine_tune(model: nn.Module, lora_rank: int | None, frozen: str | None, lora_
         freeze(model, frozen)
 
 
-def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> tuple[dict[str, int], int, int]:
-    """(dtype -> element count, trainable elements, elements of 1-D parameters) of parameters not yet in `seen`."""
+def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> tuple[dict[str, int], int, int, list[int]]:
+    """(dtype -> element count, trainable elements, elements of 1-D parameters, elements of each trainable matrix) of
+    parameters not yet in `seen`."""
     out: dict[str, int] = {}
     trainable = vectors = 0
+    matrices = []
     for m in modules:
         for p in m.parameters():
             if id(p) in seen:
@@ -79,17 +81,21 @@ def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> tuple[dict[str
             out[key] = out.get(key, 0) + p.numel()
             trainable += p.numel() if p.requires_grad else 0
             vectors += p.numel() if p.dim() < 2 else 0
-    return out, trainable, vectors
+            if p.requires_grad and p.dim() >= 2:
+                matrices.append(p.numel())
+    return out, trainable, vectors, matrices
 
 
-def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int], is_block: bool) -> PieceProfile:
+def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int, list[int]],
+           is_block: bool) -> PieceProfile:
     keep = rec.saved
     saved = {"keep": keep}
     if is_block:
         saved["recompute"] = rec.input_bytes
         saved.update({policy: min(keep, rec.input_bytes + extra) for policy, extra in rec.selective_extra.items()})
     return PieceProfile(
-        name=name, params=params[0], trainable=params[1], vectors=params[2], input_bytes=rec.input_bytes,
+        name=name, params=params[0], trainable=params[1], vectors=params[2], matrices=params[3],
+        input_bytes=rec.input_bytes,
         output_bytes=rec.output_bytes,
         saved_bytes=saved,
         fwd_peak_bytes=rec.fwd.peak_delta, bwd_peak_bytes=rec.bwd.peak_delta, fwd_flops=rec.fwd.flops,
@@ -140,15 +146,22 @@ def profile_module(
         retie(model)
         tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len))
         recs = record_step(model, parts, tokens)
+        # again at twice the micro-batch: what of each peak does not grow with it (ModelProfile.scaled)
+        twice = record_step(model, parts, torch.randint(0, vocab_size, (2 * micro_batch_size, seq_len)))
         costs = _trace_compiled(model, parts, tokens) if compile else None
     blocks = [_piece(f"block.{i}", recs[f"block.{i}"], p, True) for i, p in enumerate(block_p)]
     if costs is not None:
         blocks = [_compiled(b, *c) for b, c in zip(blocks, costs)]
-    return ModelProfile(
+    prof = ModelProfile(
         model=name, config=config, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
         embed=_piece("embed", recs["embed"], embed_p, False), blocks=blocks,
         head=_piece("head", recs["head"], head_p, False), tied_params=tied,
     )
+    for piece in prof.pieces:
+        one, two = recs[piece.name], twice[piece.name]
+        piece.fwd_peak_fixed_bytes = min(max(0, 2 * one.fwd.peak_delta - two.fwd.peak_delta), one.fwd.peak_delta)
+        piece.bwd_peak_fixed_bytes = min(max(0, 2 * one.bwd.peak_delta - two.bwd.peak_delta), one.bwd.peak_delta)
+    return prof
 
 
 def _cache_path(cache_dir: str | Path | None, key: dict) -> Path:

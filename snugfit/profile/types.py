@@ -12,9 +12,9 @@ from pathlib import Path
 # 11: no memory traffic for ops that make no tensor (fake tensors' metadata queries) or are views (_unsafe_view);
 # the GPU kernels' RMSNorm one pass each way
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
-# 14: "selective_half"'s saved bytes and measured recompute time
-# 15: compiled blocks (profile.compiled)
-PROFILE_VERSION = 15
+# 14: "selective_half"'s saved bytes and measured recompute time; 15-16: trainable matrices' sizes (quantized states),
+# the peaks' fixed part; 17: compiled blocks (profile.compiled)
+PROFILE_VERSION = 17
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -67,6 +67,14 @@ class PieceProfile:
     # run as a compiled graph (Plan.compile, profile.compiled): saved bytes, memory traffic and operators (then
     # kernel launches) are the compiled graphs'
     compiled: bool = False
+    # elements of each trainable parameter of 2 dimensions or more: whether torchao quantizes a tensor's optimizer
+    # states depends on its size (plan.optimizer); the rest of the trainable elements are 1-D
+    matrices: list[int] = field(default_factory=list)
+    # of fwd_peak_bytes and bwd_peak_bytes, the part no micro-batch size changes (fresh gradients; the chunked
+    # loss's logits, one chunk of tokens at any batch): the intercept of a second recording at twice the
+    # micro-batch (profile.profile_module); -1: not recorded
+    fwd_peak_fixed_bytes: int = -1
+    bwd_peak_fixed_bytes: int = -1
 
     @property
     def num_trainable(self) -> int:
@@ -148,12 +156,17 @@ class ModelProfile:
         def time(t: float | None, fixed: float) -> float | None:
             return None if t is None else fixed + (t - fixed) * r
 
+        def peak(total: int, fixed: int, guess: int) -> int:
+            fixed = guess if fixed < 0 else fixed  # not recorded: the guess (nothing, or the fresh gradients)
+            return fixed + int((total - fixed) * r)
+
         def piece(p: PieceProfile) -> PieceProfile:
             grads = min(p.bwd_peak_bytes, p.param_bytes(itemsize))  # fresh gradients do not scale
             return replace(
                 p, input_bytes=int(p.input_bytes * r), output_bytes=int(p.output_bytes * r),
                 saved_bytes={k: int(v * r) for k, v in p.saved_bytes.items()},
-                fwd_peak_bytes=int(p.fwd_peak_bytes * r), bwd_peak_bytes=grads + int((p.bwd_peak_bytes - grads) * r),
+                fwd_peak_bytes=peak(p.fwd_peak_bytes, p.fwd_peak_fixed_bytes, 0),
+                bwd_peak_bytes=peak(p.bwd_peak_bytes, p.bwd_peak_fixed_bytes, grads),
                 fwd_flops=p.fwd_flops * r, bwd_flops=p.bwd_flops * r, fwd_mem_bytes=p.fwd_mem_bytes * r,
                 bwd_mem_bytes=p.bwd_mem_bytes * r, gemms=[[round(m * r), n, k] for m, n, k in p.gemms],
                 fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s), bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
@@ -190,6 +203,7 @@ class ModelProfile:
             trainable = None if p.trainable is None else share(p.trainable, min(p.vectors, p.trainable))
             out = replace(
                 p, params=params, trainable=trainable, quantized=p.quantized // tp,
+                matrices=[n // tp for n in p.matrices], fwd_peak_fixed_bytes=-1, bwd_peak_fixed_bytes=-1,
                 fwd_flops=p.fwd_flops / tp, bwd_flops=p.bwd_flops / tp, fwd_mem_bytes=p.fwd_mem_bytes / tp,
                 bwd_mem_bytes=p.bwd_mem_bytes / tp, fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s),
                 gemms=[[m, max(1, n // tp), k] for m, n, k in p.gemms],  # a column-wise split; row-wise: the same work

@@ -97,7 +97,7 @@ def timeline_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
         pieces = [sp for k in sorted(sts) for sp in stages_of[pr][k]]
         opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
-                                           ranks_on_host=node.count, bwd_last=bwd_last)
+                                           ranks_on_host=node.count, bwd_last=bwd_last, optimizer=plan.optimizer)
         tail.append({"collective": reduce, "host optimizer": opt_host,
                      "optimizer": opt_dev + sum(s.update for s in sts.values())})
         cats = pred.memory_by_rank[rank]

@@ -25,7 +25,7 @@ from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
 from snugfit.runtime.precision import CastOnce, apply_mixed_precision
-from snugfit.runtime.sharding import DTYPES, apply_fsdp, store_frozen_in_compute_dtype
+from snugfit.runtime.sharding import DTYPES, apply_fsdp, store_frozen_in_compute_dtype, store_masters
 from snugfit.runtime.tensor_parallel import apply_tp, check_tp
 
 log = logging.getLogger(__name__)
@@ -85,11 +85,14 @@ def apply_activations(blocks: dict[str, nn.Module], plan: Plan, indices: list[in
 
 
 def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> HostOffload | None:
-    """Frozen parameters and partial offload's units cast to the compute dtype (before FSDP2), then the model on
-    `device`. A model still on the meta device stays there for `read_weights` after sharding."""
+    """Frozen parameters and partial offload's units cast to the compute dtype, the other trainable ones to the
+    master dtype (before FSDP2), then the model on `device`. A model still on the meta device stays there for
+    `read_weights` after sharding."""
     store_frozen_in_compute_dtype(model, plan)
     units = offload_units(model, plan)
-    host = HostOffload(model, units, DTYPES[plan.compute_dtype], weights) if units else None
+    master = torch.bfloat16 if plan.optimizer.master_weights == "bf16" else torch.float32
+    host = HostOffload(model, units, DTYPES[plan.compute_dtype], weights, master) if units else None
+    store_masters(model, plan, skip={n for _, names in units for n in names})
     if not _on_meta(model):
         model.to(device)
     return host

@@ -11,33 +11,34 @@ optimizer of partially offloaded units (`runtime.offload`).
 
 from __future__ import annotations
 
+import logging
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from snugfit.data.instruct import IGNORE
 from snugfit.plan import Plan, PlanError
+from snugfit.plan.optimizer import describe
 from snugfit.report.trace import StepTrace
+from snugfit.runtime.loss_scale import LossScale
 from snugfit.runtime.memory import MemoryTracker, local
 from snugfit.runtime.offload import HostOffload
 from snugfit.runtime.precision import CastOnce
+from snugfit.runtime.optimizer import (  # noqa: F401 - OptimConfig, make_adamw: where callers have found them
+    OptimConfig, OptimUnit, load_state, make_adamw, make_optimizer, optimizer_units, saved_state, set_lr,
+)
+from snugfit.runtime.step_in_backward import StepInBackward
+from snugfit.runtime.stream_states import StreamedStates
 from snugfit.runtime.tensor_parallel import vocab_parallel_loss
 
-
-@dataclass
-class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,48 +47,6 @@ class StepResult:
     grad_norm: float  # global, before clipping
     skipped: bool  # non-finite loss or gradient: no update was made
     overflow: bool = False  # of which: fp16 gradients overflowed the loss scale (expected now and then)
-
-
-class LossScale:
-    """Dynamic loss scaling for float16: multiply the loss before backward so small gradients survive fp16,
-    halve the scale when gradients overflow (the step is skipped), double it after `growth_interval` clean steps.
-
-    Hand-written rather than torch.amp.GradScaler: that one unscales and checks for infinities per optimizer
-    and device, while here gradients live in FSDP2 shards, on other pipeline stages and on the host (offloaded
-    optimizer units). The engine already reduces one global gradient norm over all of them; its being finite
-    is the overflow check, and the scale folds into the clipping factor.
-    """
-
-    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000):
-        self.scale, self.growth_interval, self.clean_steps = scale, growth_interval, 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale, self.clean_steps = self.scale / 2, 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
-                self.scale, self.clean_steps = self.scale * 2, 0
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
-
-
-def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
-    """Decay matrices, not norms, biases or anything 1-D."""
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
-def make_adamw(params: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
-    """Fused AdamW where the device supports it (CPU included: 5x faster than the default here)."""
-    groups = [g for g in param_groups(params, cfg.weight_decay) if g["params"]]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
 
 
 def split_batch(batch: torch.Tensor, plan: Plan) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -171,7 +130,7 @@ def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: tor
 
 
 class Engine:
-    """Gradient accumulation over microbatches, exact global-norm clipping, AdamW on device and host.
+    """Gradient accumulation over microbatches, clipping, and AdamW per unit on device and host.
 
     model: as `runtime.apply.apply_plan` returned it; dp_group: data-parallel
     process group (None: one process); host: the partially offloaded units;
@@ -180,6 +139,11 @@ class Engine:
     copies of a model that runs unwrapped below fp32 (runtime.precision).
     `memory` (a MemoryTracker) is sampled at each phase of a step; after
     `train_step`, `memory.peak()` is that step's peak by category.
+
+    Each unit (a block, the root pieces) has its own optimizer (runtime.optimizer, as plan.optimizer says), so a
+    unit can step on its own: after backward, clipped by the global gradient norm, or in backward
+    (runtime.step_in_backward), clipped by its share of it; with its states streamed from host
+    (runtime.stream_states) where its BlockPlan says.
     """
 
     def __init__(
@@ -200,14 +164,23 @@ class Engine:
         self.lr = optim.lr
         self.scaler = LossScale() if plan.compute_dtype == "float16" else None
         if host is not None:
-            host.attach(model, lambda masters: make_adamw(masters, optim))
-        device_params = [p for p in model.parameters() if p.requires_grad and not (host and host.owns(p))]
-        # None when every unit is offloaded (torch refuses an optimizer without parameters).
-        self.optimizer = make_adamw(device_params, optim) if device_params else None
-        sources = [host.memory] if host is not None else []
+            host.attach(model, lambda masters: make_optimizer(masters, optim, plan.optimizer))
+        self.units: list[OptimUnit] = optimizer_units(model, plan, optim, skip=lambda p: host and host.owns(p))
+        self.streamed = StreamedStates(self.units, device) if any(u.streamed for u in self.units) else None
+        sources = [x.memory for x in (host, self.streamed) if x is not None]
         sources += [cast.memory] if cast is not None else []
-        self.memory = MemoryTracker(model, [self.optimizer] if self.optimizer else [], sources, units,
+        self.memory = MemoryTracker(model, [u.optimizer for u in self.units], sources, units,
                                     not_saved=lambda: cast.storages if cast is not None else set())
+        self.in_backward = None
+        if plan.optimizer.in_backward:
+            groups = {u.name: u.params for u in self.units}
+            groups.update({("host", i): u.params for i, u in enumerate(host.units)} if host is not None else {})
+            self.in_backward = StepInBackward(groups, plan.num_microbatches, self._unit_ready)
+            self._elements = self._trainable_elements()
+        self._unit_named = {u.name: u for u in self.units}
+        self._step_state = (0.0, False)  # stepping in backward: the squared norms so far, and whether a unit skipped
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info("optimizer: %s", describe(plan.optimizer, optim.grad_clip > 0))
         # Counting saved tensors costs a Python hook per tensor (~20% of a small model's step on CPU),
         # so the trainer turns it on only for the steps whose memory it reports.
         self.track_memory = True
@@ -225,9 +198,8 @@ class Engine:
         """The rate of the next step. Host optimizers get it with that step's queued work, not here: the
         previous step's host updates may still be waiting on the worker thread and must keep their rate."""
         self.lr = lr
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+        for u in self.units:
+            set_lr(u.optimizer, lr)
 
     @property
     def loss_scale(self) -> float:
@@ -236,7 +208,7 @@ class Engine:
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         hosted = [u.optimizer for u in self.host.units] if self.host is not None else []
-        return [opt for opt in (self.optimizer, *hosted) if opt is not None]
+        return [u.optimizer for u in self.units] + hosted
 
     def train_step(self, batch: torch.Tensor) -> StepResult:
         """One optimizer step over this rank's (num_microbatches x micro_batch_size) rows."""
@@ -245,6 +217,7 @@ class Engine:
         divisors = loss_divisors(batch, self.plan, self.dp_group, self.device)
         total = torch.zeros((), device=self.device)
         self.memory.reset_peak()
+        self._begin()
         for i, (inputs, targets) in enumerate(micro):
             # reduce gradients once, after the last microbatch (or every microbatch: sharding.reduce_every_microbatch)
             if isinstance(self.model, FSDPModule):
@@ -263,10 +236,19 @@ class Engine:
             self.cast.release()  # the optimizer changes the masters; the next step casts them again
         return self._update(total)
 
+    def _begin(self) -> None:
+        """A step begins: stepping in backward, no unit has stepped yet."""
+        if self.in_backward is not None:
+            self.in_backward.begin()
+            self._step_state = (0.0, False)
+
+    # -- the update --
     def _update(self, loss: torch.Tensor) -> StepResult:
         if self.dp_group is not None:
             with self._span("collective"):
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
+        if self.in_backward is not None:
+            return self._finish_in_backward(loss)
         device_grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         host_grads = self.host.host_grads() if self.host is not None else []
         scale = self.loss_scale
@@ -280,15 +262,73 @@ class Engine:
         coef = (min(clip / (grad_norm.item() + 1e-6), 1.0) if clip > 0 and not skipped else 1.0) / scale
         if self.host is not None:
             self.host.step(coef, skipped, self.lr)  # runs on a worker thread while the device steps
-        if not skipped and self.optimizer is not None:
+        if not skipped and self.units:
             with self._span("optimizer"):
                 if coef != 1.0:
                     torch._foreach_mul_([local(g) for _, g in device_grads], coef)
-                self.optimizer.step()
+                for u in self.units:
+                    self._step_unit(u)
         self._sample()  # the optimizer moment: gradients and states together
         self.model.zero_grad(set_to_none=True)
         self._sample()  # the next forward starts from here
         return StepResult(loss=loss.item(), grad_norm=grad_norm.item(), skipped=skipped, overflow=overflow)
+
+    def _step_unit(self, u: OptimUnit) -> None:
+        """One unit's update, its states streamed in and out where they live on host."""
+        if u.streamed:
+            self.streamed.load(u)
+        u.optimizer.step()
+        self._sample()  # a unit's update: streamed states on the device
+        if u.streamed:
+            self.streamed.offload(u)
+
+    # -- stepping in backward --
+    def _trainable_elements(self) -> int:
+        """Trainable elements of the whole model (every pipeline stage's): what each unit's clipping share is of."""
+        params = [p for u in self.units for p in u.params] + (
+            [p for u in self.host.units for p in u.params] if self.host is not None else [])
+        total = torch.tensor(float(sum(p.numel() for p in params)), device=self.device)
+        if self.stage_group is not None:
+            dist.all_reduce(total, group=self.stage_group)
+        return int(total.item())
+
+    @torch.no_grad()
+    def _unit_ready(self, key) -> None:
+        """A unit's gradient is final (runtime.step_in_backward): clip it by its share of the threshold, step it,
+        free its gradient. A share of sqrt(its elements / all) keeps the norm of the whole update within the
+        threshold, as global-norm clipping would; a unit whose gradient is not finite does not step."""
+        hosted = isinstance(key, tuple)
+        u = self.host.units[key[1]] if hosted else self._unit_named[key]
+        grads = self.host.unit_grads(u) if hosted else u.grads()
+        norm = global_grad_norm(grads, self.device).item()
+        squares, skipped = self._step_state
+        finite = math.isfinite(norm)
+        self._step_state = (squares + norm**2 if finite else math.inf, skipped or not finite)
+        clip = self.optim_cfg.grad_clip
+        bound = clip * math.sqrt(sum(p.numel() for p, _ in grads) / self._elements)
+        coef = min(bound / (norm + 1e-6), 1.0) if clip > 0 and finite else 1.0
+        if hosted:
+            self.host.submit(u, coef, not finite, self.lr)
+            return
+        if finite:
+            if coef != 1.0:
+                torch._foreach_mul_([local(g) for _, g in grads], coef)
+            self._step_unit(u)
+        for p in u.params:
+            p.grad = None
+
+    def _finish_in_backward(self, loss: torch.Tensor) -> StepResult:
+        self.in_backward.finish()
+        squares, skipped = self._step_state
+        total = torch.tensor(squares, device=self.device)
+        if self.stage_group is not None:
+            dist.all_reduce(total, group=self.stage_group)
+        grad_norm = total.sqrt().item()
+        skipped = skipped or not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
+        self._sample()
+        self.model.zero_grad(set_to_none=True)
+        self._sample()
+        return StepResult(loss=loss.item(), grad_norm=grad_norm, skipped=skipped)
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
@@ -303,68 +343,57 @@ class Engine:
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
         return total.item()
 
+    # -- checkpoints --
+    def _state_owners(self):
+        """(name, parameter, the tensor keying its states, optimizer, streamed unit or None) of every trainable
+        parameter this rank updates: device units' parameters, host offload's masters."""
+        for u in self.units:
+            for name, p in zip(u.names, u.params):
+                yield name, p, p, u.optimizer, u if u.streamed else None
+        if self.host is not None:
+            for name, p, master, opt in self.host.named_masters():
+                yield name, p, master, opt, None
+
     def state_dict(self) -> dict:
         """Model and optimizer keyed by parameter name (FQN), so DCP reshards them under another plan.
 
-        Offloaded units contribute their fp32 masters (not the compute copies)
-        and host AdamW states, in the same FQN-keyed layout.
+        Offloaded units contribute their masters (not the compute copies). Optimizer states are fp32, whatever
+        the optimizer keeps (runtime.optimizer.saved_state), so a checkpoint loads under another world size or
+        optimizer setup.
         """
-        model_sd, optim_sd = get_state_dict(self.model, [self.optimizer] if self.optimizer else [])
-        optim_sd = optim_sd or {"state": {}, "param_groups": []}
+        model_sd = get_model_state_dict(self.model)
+        states = {}
         if self.host is not None:
             self.host.wait()
-            merge_host_state(self.host, model_sd, optim_sd)
-        return {"model": model_sd, "optimizer": optim_sd}
+        for name, p, key, opt, streamed in self._state_owners():
+            if key is not p:  # a host master
+                model_sd[name] = _as_dtensor_like(key.detach(), p)
+            if streamed is not None:
+                self.streamed.load(streamed)
+            states[name] = saved_state(opt.state[key], p, copy=streamed is not None)
+            if streamed is not None:
+                self.streamed.offload(streamed)
+        return {"model": model_sd, "optimizer": {"state": states}}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        model_sd, optim_sd = dict(state["model"]), dict(state["optimizer"])
+        model_sd, saved = dict(state["model"]), state["optimizer"]["state"]
         if self.host is not None:
             self.host.wait()
-            split_host_state(self.host, model_sd, optim_sd)
-        if self.optimizer is None:
-            set_model_state_dict(self.model, model_sd)
-        else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_model_state_dict(self.model, model_sd)
+        for name, p, key, opt, streamed in self._state_owners():
+            if key is not p:  # a host master: the model's entry holds it, and its device copy follows
+                key.copy_(local(model_sd[name]))
+                local(p).copy_(key)
+            if name not in saved:
+                continue
+            if streamed is not None:
+                self.streamed.load(streamed)
+            load_state(opt.state[key], saved[name])
+            if streamed is not None:
+                self.streamed.offload(streamed)
 
 
 def _as_dtensor_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride()) if isinstance(p, DTensor) else t
-
-
-def merge_host_state(host: HostOffload, model_sd: dict, optim_sd: dict) -> None:
-    """Put host masters and AdamW states into the FQN-keyed state dicts (sharing host storage).
-
-    Param groups are merged by hyperparameters and ordered decay-first, as
-    `make_adamw` orders them, so the layout does not depend on what is offloaded:
-    DCP matches param groups by position when another plan loads the checkpoint.
-    """
-    groups: dict[str, dict] = {}
-
-    def add(hyper: dict, names: list[str]) -> None:
-        groups.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})["params"].extend(names)
-
-    for g in optim_sd["param_groups"]:
-        add({k: v for k, v in g.items() if k != "params"}, list(g["params"]))
-    for name, p, master, opt in host.named_masters():
-        model_sd[name] = _as_dtensor_like(master.detach(), p)
-        optim_sd["state"][name] = {k: _as_dtensor_like(v, p) if v.dim() else v for k, v in opt.state[master].items()}
-        group = next(g for g in opt.param_groups if any(m is master for m in g["params"]))
-        add({k: v for k, v in group.items() if k != "params"}, [name])
-    optim_sd["param_groups"] = sorted(groups.values(), key=lambda g: -g["weight_decay"])
-
-
-def split_host_state(host: HostOffload, model_sd: dict, optim_sd: dict) -> None:
-    """Load the host entries of the state dicts into the host masters and states; drop them from the optimizer's."""
-    optim_sd["state"] = dict(optim_sd["state"])
-    hosted = set()
-    with torch.no_grad():
-        for name, p, master, opt in host.named_masters():
-            hosted.add(name)
-            master.copy_(local(model_sd[name]))  # left in model_sd too: the model's strict load wants every key
-            local(p).copy_(master)
-            saved = optim_sd["state"].pop(name, None)
-            if saved:
-                opt.state[master] = {k: local(v).clone() for k, v in saved.items()}
-    groups = [{**g, "params": [n for n in g["params"] if n not in hosted]} for g in optim_sd["param_groups"]]
-    optim_sd["param_groups"] = [g for g in groups if g["params"]]

@@ -1,10 +1,11 @@
-"""Partial offload: fp32 master weights and AdamW states of some units live on host.
+"""Partial offload: master weights and AdamW states of some units live on host.
 
 FSDP2 offers only whole-parameter offload (CPUOffloadPolicy: the shard itself
 lives on host and is copied in for every use). What ZeRO-Offload/Elixir do for
 the blocks that fit on the device but whose optimizer does not is hand-written
 here: the device keeps the compute parameters (in compute dtype), the host
-keeps the fp32 master shard, its gradient and AdamW's states.
+keeps the master shard (fp32, or bf16: Plan.optimizer), its gradient and AdamW's states (runtime.optimizer's
+AdamW: fused torch, or torchao's for bf16 masters and low-bit states).
 
 One optimizer step of an offloaded unit (a block, or the root pieces):
   backward   FSDP2 reduces the unit's gradient, then calls the parameter's
@@ -16,14 +17,16 @@ One optimizer step of an offloaded unit (a block, or the root pieces):
              before any update, so no host step starts during backward. The
              engine computes the global norm (host gradients included) right
              after backward and hands `step()` the clip factor.
-  step       a worker thread runs each unit's fused CPU AdamW step, scaled by
+  step       a worker thread runs each unit's CPU AdamW step, scaled by
              the clip factor, then copies the master back into the device
              parameters (through a pinned copy in their dtype, so the copy
              overlaps). Units are queued in forward order, and the next
              forward waits for a unit only right before running it, so host
              steps of late blocks overlap the device optimizer step and the
              forward of early blocks. Where the device is the CPU itself there
-             is nothing to overlap, and the steps run in place.
+             is nothing to overlap, and the steps run in place. Stepping in backward
+             (runtime.step_in_backward), each unit's step is queued (`submit`) as soon as
+             its gradient is on host, clipped by its own share.
 With sharding, everything above is the local shard: host state is 1/dp of the unit.
 """
 
@@ -39,6 +42,7 @@ import torch.nn as nn
 
 from snugfit.model.shards import local_shard
 from snugfit.runtime.memory import local, tensor_bytes
+from snugfit.runtime.optimizer import set_lr
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +89,12 @@ class HostOffload:
     """
 
     def __init__(self, model: nn.Module, units: list[tuple[nn.Module, list[str]]], compute_dtype: torch.dtype,
-                 weights=None):
+                 weights=None, master_dtype: torch.dtype = torch.float32):
         """weights: what fills a model built on the meta device (runtime.apply.Weights); its masters are then
-        read from it after sharding, this rank's rows only, instead of copied whole here."""
+        read from it after sharding, this rank's rows only, instead of copied whole here. master_dtype: the
+        masters' (and their gradients') dtype."""
         self.units = [_Unit(module, names) for module, names in units]
-        self._weights = weights
+        self._weights, self.master_dtype = weights, master_dtype
         params = dict(model.named_parameters())
         # Whole fp32 copies until attach() knows which shard this rank keeps (a model built whole).
         self._full = {n: params[n].detach().to("cpu", torch.float32, copy=True)
@@ -109,30 +114,28 @@ class HostOffload:
     def attach(self, model: nn.Module, make_optimizer) -> None:
         """Take this rank's master shards and set up hooks and one host optimizer per unit.
 
-        make_optimizer(masters) -> the engine's AdamW over host tensors (its states are created here,
-        zero, as AdamW's first step would).
+        make_optimizer(masters) -> the engine's AdamW over host tensors, its states already created
+        (runtime.optimizer.make_optimizer).
         """
         params = dict(model.named_parameters())
         for u in self.units:
             for n in u.names:
                 p = params[n]
-                master = _host_empty_like(local(p))
+                master = _host_empty_like(local(p), self.master_dtype)
                 master.copy_(self._master_rows(model, n, p))
                 master.requires_grad_(True)
-                master.grad = _host_empty_like(master)
+                master.grad = _host_empty_like(master, master.dtype)  # a gradient has its parameter's dtype
                 self._by_param[id(p)] = (u, len(u.params))
                 u.params.append(p)
                 u.masters.append(master)
-                u.staged.append(_host_empty_like(master, p.dtype) if p.dtype != torch.float32 else None)
+                u.staged.append(_host_empty_like(master, p.dtype) if p.dtype != master.dtype else None)
                 u.filled.append(False)
                 p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready))
             u.optimizer = make_optimizer(u.masters)
-            for m in u.masters:  # states exist from the start: counted, and loadable from a checkpoint
-                u.optimizer.state[m] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(m),
-                                        "exp_avg_sq": torch.zeros_like(m)}
             u.module.register_forward_pre_hook(lambda *_, u=u: self._wait(u), prepend=True)
         self.overlap = any(p.device.type != "cpu" for u in self.units for p in u.params)
-        log.info("offload: %d units, master weights + AdamW on host (%.1f MB)", len(self.units),
+        log.info("offload: %d units, %s master weights + AdamW on host (%.1f MB)", len(self.units),
+                 str(self.master_dtype).removeprefix("torch."),
                  self.memory()["host.optimizer"] / 2**20)
 
     def _master_rows(self, model: nn.Module, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -172,15 +175,24 @@ class HostOffload:
         """Queue every unit's host step (forward order) at learning rate `lr`; `skip` drops this step's
         gradients."""
         for u in self.units:
-            if self.overlap:
-                u.pending = self._worker.submit(self._step_unit, u, clip_coef, skip, lr)
-            else:
-                self._step_unit(u, clip_coef, skip, lr)
+            self.submit(u, clip_coef, skip, lr)
+
+    def submit(self, u: _Unit, clip_coef: float, skip: bool, lr: float) -> None:
+        """Queue one unit's host step (on the worker thread where the device is not this CPU)."""
+        if self.overlap:
+            u.pending = self._worker.submit(self._step_unit, u, clip_coef, skip, lr)
+        else:
+            self._step_unit(u, clip_coef, skip, lr)
+
+    def unit_grads(self, u: _Unit) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(device parameter, host gradient) of the unit's parameters that received one this step, copied."""
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()  # its non-blocking gradient copies
+        return [(p, m.grad) for p, m, f in zip(u.params, u.masters, u.filled) if f]
 
     @torch.no_grad()
     def _step_unit(self, u: _Unit, clip_coef: float, skip: bool, lr: float) -> None:
-        for group in u.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(u.optimizer, lr)
         if not skip and any(u.filled):
             if clip_coef != 1.0:
                 torch._foreach_mul_([m.grad for m in u.masters], clip_coef)

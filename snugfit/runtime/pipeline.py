@@ -216,6 +216,7 @@ class PipelineEngine(Engine):
         self.acts.recording = self.track_memory or self.plan.schedule == "bpipe"  # BPipe evicts what it records
         self.acts.reset(external=(batch, inputs))  # the tracker reads what is held as the step starts
         self.memory.reset_peak()
+        self._begin()
         if self.host is not None:
             self.host.wait()  # the root unit waits in a Decoder.forward hook, and stages never call Decoder.forward
         for c in self.chunks:

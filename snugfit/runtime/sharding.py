@@ -62,14 +62,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def mixed_precision(plan: Plan, root: bool) -> MixedPrecisionPolicy:
-    """Compute in plan.compute_dtype, reduce in plan.reduce_dtype.
+    """Compute in plan.compute_dtype, reduce in plan.reduce_dtype. FSDP2 casts a parameter stored in another dtype
+    (fp32 or bf16 masters, `store_masters`) when it gathers it, and none stored in the compute dtype.
 
     Only the root casts its output back to fp32: on a block, output_dtype breaks
     the next block's fp32 norm on CPU ("mixed dtype") and costs a cast per block.
     """
-    param = DTYPES[plan.compute_dtype]
     return MixedPrecisionPolicy(
-        param_dtype=None if param == torch.float32 else param,
+        param_dtype=DTYPES[plan.compute_dtype],
         reduce_dtype=DTYPES[plan.reduce_dtype],
         output_dtype=torch.float32 if root else None,
     )
@@ -89,6 +89,18 @@ def store_frozen_in_compute_dtype(model: nn.Module, plan: Plan) -> None:
         for p in model.parameters():
             if not p.requires_grad and p.dtype != dtype and not is_quantized(p):  # NF4 stays 4-bit
                 p.data = p.data.to(dtype)
+
+
+def store_masters(model: nn.Module, plan: Plan, skip: set[str] = frozenset()) -> None:
+    """Cast the trainable parameters to the master dtype (plan.optimizer.master_weights: bf16 weights are updated
+    in place, with stochastic rounding) before FSDP2 fixes their dtype; `skip`: names host offload keeps masters of
+    on host, whose device copies are in the compute dtype."""
+    if plan.optimizer.master_weights != "bf16":
+        return
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and name not in skip and p.dtype != torch.bfloat16:
+                p.data = p.data.to(torch.bfloat16)
 
 
 def shard_unit(module: nn.Module, block: BlockPlan, dims: ParallelDims, mp: MixedPrecisionPolicy) -> None:

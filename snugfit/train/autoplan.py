@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from snugfit.config import RunConfig
+from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import SnugfitError
 from snugfit.hardware.cluster import Cluster, Node, get_link, make_node, parse_cluster
 from snugfit.plan import Plan
@@ -149,12 +149,14 @@ def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
     profile = _profile(cfg, 1, env)
     cluster = local_cluster(env)
     try:
-        res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0)
+        res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0,
+                     optimizer=optimizer_plan(t))
     except NoPlanError as e:
         if not e.result.candidates:
             raise SnugfitError(f"--plan auto: {e}") from None
         advice = advise(profile, cluster, global_batch=t.batch_size, constraints=fixed, memory_budget=None,
-                        result=e.result)  # the binding limit and the smallest change that lifts it, first
+                        result=e.result, optimizer=optimizer_plan(t))  # the binding limit and the smallest change
+        # that lifts it, first
         raise SnugfitError(f"--plan auto: {e}; {advice[0]}") from None
     log.info("auto plan for %s:\n%s", cluster_name(cluster), format_result(res, cluster))
     return res.best

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from snugfit.config import RunConfig
+from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.report.trace import StepTrace
@@ -77,6 +77,13 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         except PlanError as e:
             raise SnugfitError(f"plan {cfg.parallel.plan}: {e}") from None
         plan.compile = plan.compile or t.compile  # --compile compiles a plan file's blocks too
+        if plan.optimizer != optimizer_plan(t):
+            o = plan.optimizer
+            raise SnugfitError(
+                f"plan {cfg.parallel.plan} updates {o.master_weights} weights with {o.states} states"
+                f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
+                f"{o.master_weights} --optimizer-states {o.states} "
+                f"--optimizer-in-backward {str(o.in_backward).lower()}")
         return plan
     if t.batch_size % env.world_size:
         raise SnugfitError(f"train.batch_size ({t.batch_size}) must be divisible by the {env.world_size} ranks")
@@ -88,7 +95,8 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         )
     return Plan.uniform(
         model_cfg.n_layers, dp=env.world_size, micro_batch_size=micro, num_microbatches=per_rank // micro,
-        seq_len=t.seq_len, compute_dtype=t.dtype, compile=t.compile,
+        seq_len=t.seq_len, compute_dtype=t.dtype, compile=t.compile, optimizer=optimizer_plan(t),
+        grad_reduce="microbatch" if t.optimizer_in_backward else "step",  # the step in backward needs it
     )
 
 
