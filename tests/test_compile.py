@@ -46,11 +46,11 @@ def shared_inductor_cache(tmp_path_factory):
     mp.undo()
 
 
-def plan(world: int, block: BlockPlan, *, pp: int = 1, m: int = 2, tune: str = "", layers: int = CFG.n_layers,
-         **kw) -> tuple[Plan, str]:
+def plan(world: int, block: BlockPlan, *, pp: int = 1, tp: int = 1, m: int = 2, tune: str = "",
+         layers: int = CFG.n_layers, **kw) -> tuple[Plan, str]:
     """A plan and its fine-tuning ("", "lora", "qlora": LoRA adapters beside NF4 base weights)."""
-    return Plan.uniform(layers, dp=world // pp, pp=pp, block=block, micro_batch_size=MBS, num_microbatches=m,
-                        seq_len=SEQ, **kw), tune
+    return Plan.uniform(layers, dp=world // pp // tp, pp=pp, tp=tp, block=block, micro_batch_size=MBS,
+                        num_microbatches=m, seq_len=SEQ, **kw), tune
 
 
 def model(tune: str, layers: int) -> Decoder:
@@ -100,12 +100,18 @@ def check(results: list[dict], plans: list[tuple[Plan, str]]) -> None:
         assert row["compiled"] == pytest.approx(row["eager"], rel=REL), (p.blocks[0], p.pp, p.schedule, tune)
 
 
+# every activation policy at one rank (offload's hooks wrap the keep and recompute graphs, which they reuse)
 ONE = [plan(1, BlockPlan()), plan(1, BlockPlan(activations="recompute")),
-       plan(1, BlockPlan(activations="selective")), plan(1, BlockPlan(activations="recompute"), tune="qlora")]
+       plan(1, BlockPlan(activations="selective")), plan(1, BlockPlan(activations="recompute"), tune="qlora"),
+       plan(1, BlockPlan(activations="selective_half")), plan(1, BlockPlan(activations="offload")),
+       plan(1, BlockPlan(activations="recompute_offload"))]
 TWO = [plan(2, BlockPlan(zero=0)), plan(2, BlockPlan(zero=3, activations="recompute")),
        plan(2, BlockPlan(activations="selective"), pp=2),
-       plan(2, BlockPlan(zero=3, activations="recompute"), tune="qlora")]
-FOUR = [plan(4, BlockPlan(zero=3, activations="selective")), plan(4, BlockPlan(zero=2, activations="recompute"), pp=2),
+       plan(2, BlockPlan(zero=3, activations="recompute"), tune="qlora"),
+       plan(2, BlockPlan(), tp=2)]  # the block's DTensors and their collectives traced into the graph
+FOUR = [plan(4, BlockPlan(zero=0)), plan(4, BlockPlan(zero=3, activations="selective")),
+        plan(4, BlockPlan(zero=3, activations="recompute"), tune="qlora"),
+        plan(4, BlockPlan(zero=2, activations="recompute"), pp=2),
         plan(4, BlockPlan(), pp=4, m=4, schedule="bpipe", layers=4)]  # BPipe evicts from pp 4 on
 
 
@@ -119,8 +125,9 @@ def test_one_rank_compiled_matches_eager(one_rank):
 
 
 def test_every_block_shares_one_graph(one_rank):
-    """Two blocks, one graph; LoRA's first block (its input needs no gradient) makes a second."""
-    assert [row["graphs"] for row in one_rank] == [1, 1, 1, 2]
+    """Two blocks, one graph; LoRA's first block (its input needs no gradient) makes a second; offloading the
+    saved tensors wraps the graph keep or recompute made, and compiles none."""
+    assert [row["graphs"] for row in one_rank] == [1, 1, 1, 2, 1, 0, 0]
 
 
 def test_profile_predicts_what_a_compiled_block_saves(one_rank):

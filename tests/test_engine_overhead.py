@@ -82,3 +82,34 @@ def test_mixed_precision_without_fsdp2_trains_as_fsdp2_did():
             assert peak["device.total"] == pytest.approx(pred["device.total"], rel=0.05)
             assert eng.cast.copies is None  # dropped before the optimizer ran
     assert losses[0] == losses[3]
+
+
+FROZEN = "blocks:0-1"  # of CFG's 4 blocks
+
+
+def _frozen_run(env: DistEnv, root_zero: int) -> tuple[list[float], list[bool]]:
+    """Two steps of a model whose first two blocks are frozen, over this rank's rows of the same batches."""
+    from snugfit.model.lora import freeze
+
+    plan = Plan.uniform(CFG.n_layers, dp=env.world_size, block=BlockPlan(zero=0), root=BlockPlan(zero=root_zero),
+                        micro_batch_size=MBS // env.world_size, num_microbatches=M, seq_len=SEQ)
+    torch.manual_seed(0)
+    model = Decoder(CFG)
+    freeze(model, FROZEN)
+    eng = build_engine(model, plan, OPT, env)
+    rows = MBS // env.world_size  # of each microbatch, this rank's
+    losses = [eng.train_step(batch(s).view(M, MBS, -1)[:, env.rank * rows:(env.rank + 1) * rows].reshape(M * rows, -1))
+              .loss for s in range(2)]
+    return losses, [isinstance(b, FSDPModule) for b in eng.model.blocks.values()]
+
+
+@pytest.mark.parametrize("root_zero", [0, 3])
+def test_frozen_blocks_run_without_fsdp2(root_zero):
+    """A zero-0 block frozen whole has nothing for FSDP2 to gather, reduce or cast: at 2 ranks it is no FSDP2 unit
+    (nor is it managed by the root unit, sharded or not), and training matches one process's."""
+    from tests.distributed import run_ranks
+
+    reference, _ = _frozen_run(DistEnv(), 0)
+    for losses, units in run_ranks(_frozen_run, 2, root_zero):
+        assert units == [False, False, True, True]
+        assert losses == pytest.approx(reference, rel=1e-5)

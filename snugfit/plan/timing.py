@@ -253,8 +253,10 @@ def stage_time(
         p, d = sp.piece, sp.decision
         policy = d.activations if p.name.startswith("block") else "keep"
         # host time beyond dispatch: FSDP2's per unit, half each way (each block is a unit, the stage's root pieces
-        # share one); selective checkpointing's policy on every forward operator
-        unit = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and not on_cpu else 0.0
+        # share one; a zero-0 block frozen whole is none: runtime.sharding.needs_unit); selective checkpointing's
+        # policy on every forward operator
+        unit_of = not sp.is_block or d.zero > 0 or sp.n_trainable > 0
+        unit = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and unit_of and not on_cpu else 0.0
         sac = policy in SELECTIVE_POLICIES and not p.compiled  # a compiled block ran its policy once, when traced
         extra = (unit + (p.fwd_ops * gpu.sac_overhead_s if sac else 0.0), unit)
         if computed is None or (p.name, extra) not in computed:
