@@ -39,7 +39,9 @@ from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.profile.compiled import GraphCost, compiled_costs
 from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
-from snugfit.profile.types import DTYPE_BYTES, NF4_LINEAR_OPS, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
+from snugfit.profile.types import (
+    DTYPE_BYTES, NF4_LINEAR_BYTES, NF4_LINEAR_OPS, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -231,15 +233,17 @@ def profile_model(
 
 def count_quantized(prof: ModelProfile, net: nn.Module) -> None:
     """Mark the weights NF4 will hold, block by block, and charge their dequantization to each forward and
-    backward, which recomputation repeats: memory traffic (read 4-bit, write the compute dtype) and its operators
-    (NF4_LINEAR_OPS per linear, one fused kernel compiled; the meta-device recording never runs torchao's)."""
+    backward, which recomputation repeats (the meta-device recording never runs torchao's): eager, torchao's
+    operators and their traffic (NF4_LINEAR_OPS per linear, NF4_LINEAR_BYTES per weight); compiled, one fused
+    kernel per linear that reads the 4-bit weight and writes it in the compute dtype."""
     from snugfit.model.quantize import quantizable
 
     c = DTYPE_BYTES[prof.dtype]
     for piece, block in zip(prof.blocks, net.blocks.values()):
         linears = quantizable(block).values()
         piece.quantized = sum(m.weight.numel() for m in linears)
-        moved = nf4_bytes(piece.quantized) + piece.quantized * c
+        moved = (nf4_bytes(piece.quantized) + piece.quantized * c if piece.compiled
+                 else piece.quantized * NF4_LINEAR_BYTES)
         piece.fwd_mem_bytes += moved
         piece.bwd_mem_bytes += moved
         # compiled, each weight's dequantization fuses into one kernel per pass

@@ -13,8 +13,8 @@ from pathlib import Path
 # the GPU kernels' RMSNorm one pass each way
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
 # 14: "selective_half"'s saved bytes and measured recompute time; 15-16: trainable matrices' sizes (quantized states),
-# the peaks' fixed part; 17: compiled blocks (profile.compiled)
-PROFILE_VERSION = 17
+# the peaks' fixed part; 17: compiled blocks (profile.compiled); 18: eager NF4 traffic as torchao moves it
+PROFILE_VERSION = 18
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -27,6 +27,11 @@ NF4_SCALER_BLOCK = 256  # scales per block of their own 8-bit quantization (QLoR
 # them up, rescales by the double-quantized scales and reshapes, once in forward and again for the input's
 # gradient. Each is a kernel launch and a host dispatch; a GPU plan whose blocks are dispatch-bound pays them.
 NF4_LINEAR_OPS = (25, 24)
+# Bytes those operators read and write per NF4 weight, in each pass, counted as the profile counts eager traffic
+# (tests/test_qlora.py recounts it, at bf16): the codes unpacked to int64 indices, looked up, rescaled, and stacked
+# into the bf16 weight: 35 bytes where the fused kernel a compiled block runs moves the 4-bit codes in and the
+# bf16 weight out (2.5 bytes). Eager QLoRA's cost beside LoRA is mostly this traffic.
+NF4_LINEAR_BYTES = 35.11
 
 
 def nf4_bytes(n: int) -> int:
