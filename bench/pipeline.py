@@ -1,4 +1,4 @@
-"""Per-stage peak activation memory and step time of 1F1B, BPipe and recompute-all, p=4, in one run.
+"""Per-stage peak activation memory and step time of 1F1B, BPipe, recompute-all and zero-bubble V, p=4, in one run.
 
     python bench/pipeline.py [--dim 64 --blocks 8 --microbatches 8 --steps 3]
 
@@ -14,10 +14,11 @@ import torch
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
 from snugfit.runtime.engine import OptimConfig
-from snugfit.runtime.pipeline import build_pipeline_engine
+from snugfit.runtime.build import build_engine
 from snugfit.runtime.spawn import run_ranks
 
-VARIANTS = {"1f1b": ("1f1b", "keep"), "bpipe": ("bpipe", "keep"), "recompute-all": ("1f1b", "recompute")}
+VARIANTS = {"1f1b": ("1f1b", "keep"), "bpipe": ("bpipe", "keep"), "recompute-all": ("1f1b", "recompute"),
+            "zbv": ("zbv", "keep")}
 
 
 def _bench(env, args):
@@ -29,7 +30,7 @@ def _bench(env, args):
         plan = Plan.uniform(args.blocks, pp=4, schedule=schedule, block=BlockPlan(activations=policy),
                             micro_batch_size=args.mbs, num_microbatches=args.microbatches, seq_len=args.seq)
         torch.manual_seed(0)
-        engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env)
+        engine = build_engine(Decoder(cfg), plan, OptimConfig(), env)
         batch = torch.randint(0, args.vocab, (args.mbs * args.microbatches, args.seq + 1))
         engine.train_step(batch)  # warm-up (shape inference, allocator)
         start = time.perf_counter()

@@ -2,8 +2,9 @@
 
 A tiny decoder on 2 (and 4) local gloo ranks with a per-rank memory budget below the
 replicated footprint, so the choice matters. The grid: every (dp, pp, micro-batch,
-schedule, gradient reduction) the search would consider, each with uniform block options (ZeRO 0/2/3 x
-keep/selective/recompute), kept where estimate() says it fits, plus the searched plan.
+schedule, gradient reduction) the search would consider but interleaved (zero-bubble ones included), each with
+uniform block options (ZeRO 0/2/3 x keep/selective/recompute, those a split backward can run), kept where
+estimate() says it fits, plus the searched plan.
 All of them are run through runtime.apply.build_engine and engine.train_step in one
 launch per world size (plans build_engine refuses are reported and skipped), in several
 shuffled passes. Prints the Spearman correlation of predicted vs measured step time over the
@@ -38,7 +39,9 @@ from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.explain import summary  # noqa: E402
 from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
-from snugfit.plan.search import Constraints, Searcher, budget_for, search  # noqa: E402
+from snugfit.plan.rules import allows_unit  # noqa: E402
+from snugfit.plan.cost_model import CostModel  # noqa: E402
+from snugfit.plan.search import Constraints, budget_for, search  # noqa: E402
 from snugfit.profile.profile import profile_model  # noqa: E402
 from snugfit.runtime.spawn import run_ranks  # noqa: E402
 
@@ -102,17 +105,17 @@ def measured_times(world: int, plans: list[Plan], passes: int, steps: int) -> tu
 
 def grid(prof, cluster, budget: int) -> list[Plan]:
     """Uniform plans over the search's outer candidates that estimate() says fit."""
-    srch = Searcher(prof, cluster, GLOBAL_BATCH, Constraints(), budget)
+    model = CostModel(prof, cluster, GLOBAL_BATCH, Constraints(), budget)
     plans = []
-    for cand in srch.candidates():
+    for cand in model.candidates():
         if cand.schedule == "interleaved":
             continue
         for o in OPTIONS:
-            if cand.dp == 1 and o.zero:
+            if (cand.dp == 1 and o.zero) or not allows_unit(o, schedule=cand.schedule, grad_reduce=cand.grad_reduce):
                 continue
             plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=cand.pp, block=o, schedule=cand.schedule,
-                                micro_batch_size=cand.mbs, num_microbatches=cand.m, seq_len=SEQ,
-                                grad_reduce=cand.grad_reduce)
+                                virtual_stages=cand.virtual_stages, micro_batch_size=cand.micro_batch_size,
+                                num_microbatches=cand.num_microbatches, seq_len=SEQ, grad_reduce=cand.grad_reduce)
             if estimate(plan, prof, cluster, budget).fits:
                 plans.append(plan)
     return plans

@@ -42,6 +42,8 @@ def _setup_logging(rank: int) -> None:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("snugfit: %(message)s"))
         logger.addHandler(handler)
+    else:  # called again in one process (tests): to this call's stdout, not a closed earlier one
+        logger.handlers[0].stream = sys.stdout
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 

@@ -16,7 +16,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 from snugfit.errors import SnugfitError
 from snugfit.model import ModelConfig
+from snugfit.plan.options import Constraints
 from snugfit.plan.plan import GRAD_REDUCE, MASTER_WEIGHTS, OPTIMIZER_STATES, OptimizerPlan
+from snugfit.plan.policies import ALIASES, POLICY_NAMES
+from snugfit.plan.rules import Parts, problem
+from snugfit.plan.schedules import SCHEDULE_NAMES
 
 try:
     import tomllib
@@ -82,7 +86,12 @@ class FinetuneConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Constraints):
+    """The [parallel] section: the fixed parts of the plan `auto` searches (plan.options.Constraints: dp, tp, pp,
+    schedule, virtual_stages, num_microbatches, zero, recompute, offload_optimizer, offload_params, evict_bound,
+    grad_reduce; unset: searched, as `snugfit plan` takes them; train.micro_batch_size fixes the micro-batch), and
+    how the ranks launch."""
+
     nproc: int = 1  # local ranks to start (through torchrun's launcher)
     plan: str = "auto"  # "auto": search the fastest plan that fits; a plan JSON to run as is; "dp": data parallel
     nnodes: int = 1
@@ -90,20 +99,6 @@ class ParallelConfig:
     rdzv_endpoint: str = ""  # host:port of node 0, for multi-node runs
     max_restarts: int = 0  # torchrun elastic restarts after a rank fails; the run resumes from its last checkpoint
     timeout_s: float = 300.0  # a collective or transfer that waits longer fails the step
-    # Fixed parts of the plan `auto` searches (unset: searched), as `snugfit plan` takes them; train.micro_batch_size
-    # fixes the micro-batch.
-    dp: int | None = None
-    tp: int | None = None  # tensor-parallel degree (ranks of one node)
-    pp: int | None = None
-    schedule: str | None = None  # 1f1b | interleaved | bpipe
-    virtual_stages: int | None = None
-    num_microbatches: int | None = None
-    zero: int | None = None  # 0 | 1 | 2 | 3
-    recompute: str | None = None  # keep | recompute | selective | selective_half | offload | recompute_offload
-    offload_optimizer: str | None = None  # all | none
-    offload_params: bool | None = None
-    evict_bound: int | None = None  # BPipe: most microbatches resident per stage
-    grad_reduce: str | None = None  # step: reduce gradients once a step | microbatch: every microbatch (holds shards)
 
 
 DEFAULT_MODEL = {"dim": 192, "n_layers": 4, "n_heads": 6, "max_seq_len": 128}  # ~1.9M parameters
@@ -118,7 +113,11 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for sec, body in d.items():
+            for name in [f.name for f in fields(getattr(self, sec)) if not f.metadata.get("config", True)]:
+                del body[name]
+        return d
 
 
 SECTIONS = {f.name: f.type for f in fields(RunConfig)}
@@ -130,6 +129,8 @@ CHOICES = {
     "model.attention": ("sdpa", "eager"),
     "finetune.quantize_base": ("none", "nf4"),
     "parallel.grad_reduce": GRAD_REDUCE,  # or unset: searched
+    "parallel.schedule": SCHEDULE_NAMES,
+    "parallel.recompute": (*POLICY_NAMES, *ALIASES),
     "train.master_weights": MASTER_WEIGHTS,
     "train.optimizer_states": OPTIMIZER_STATES,
 }
@@ -151,7 +152,8 @@ def all_keys() -> dict[str, tuple[str, type]]:
     for sec, cls in section_classes().items():
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
-            out[f"{sec}.{f.name}"] = (sec, hints[f.name])
+            if f.metadata.get("config", True):  # not a config key: set from another (Constraints.micro_batch)
+                out[f"{sec}.{f.name}"] = (sec, hints[f.name])
     return out
 
 
@@ -297,8 +299,8 @@ def optimizer_plan(t: TrainConfig) -> OptimizerPlan:
 
 def check_optimizer(cfg: RunConfig) -> None:
     """Refuse, before any rank starts, an optimizer setup that cannot run: torchao missing, or the step in backward
-    beside what needs the whole gradient first (float16's overflow check) or a step-wide reduction of several
-    microbatches."""
+    beside what a rule (plan.rules) says needs the whole gradient first (float16's overflow check, a step-wide
+    reduction of several microbatches)."""
     t, opt = cfg.train, optimizer_plan(cfg.train)
     if opt.needs_torchao and importlib.util.find_spec("torchao") is None:
         what = (f"train.optimizer_states = {t.optimizer_states!r}" if t.optimizer_states != "fp32"
@@ -306,12 +308,10 @@ def check_optimizer(cfg: RunConfig) -> None:
         raise SnugfitError(f"{what} needs torchao: {OPTIM_EXTRA}")
     if not opt.in_backward:
         return
-    if t.dtype == "float16":
-        raise SnugfitError("train.optimizer_in_backward cannot run under float16's loss scaling (an overflow must be "
-                           "found before any unit steps); set train.dtype bfloat16 or drop optimizer_in_backward")
-    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
-    micro = t.micro_batch_size
-    if cfg.parallel.grad_reduce == "step" and micro and t.batch_size > micro * ranks:
-        raise SnugfitError(f"train.optimizer_in_backward needs one microbatch per step or gradients reduced every "
-                           f"microbatch, but batch {t.batch_size} in micro-batches of {micro} on {ranks} ranks "
-                           "accumulates under parallel.grad_reduce 'step'; set --grad-reduce microbatch")
+    ranks, micro = cfg.parallel.nproc * cfg.parallel.nnodes, t.micro_batch_size
+    # the microbatches a step takes at the most data parallelism the launch allows (unknown while searched)
+    m = -(-t.batch_size // (micro * ranks)) if micro else None
+    broken = problem(Parts(in_backward=True, compute_dtype=None if t.dtype == "auto" else t.dtype,
+                           grad_reduce=cfg.parallel.grad_reduce, num_microbatches=m))
+    if broken:
+        raise SnugfitError(f"train.optimizer_in_backward: {broken}")

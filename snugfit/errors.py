@@ -5,6 +5,11 @@ class SnugfitError(Exception):
     """Bad input or an impossible request. The CLI prints `error: <message>` and exits with status 2."""
 
 
+class PlanError(SnugfitError, ValueError):
+    """A plan that cannot run as written (or a name no registry entry has); the message names the field and
+    the fix."""
+
+
 class Stopped(SnugfitError):
     """A run stopped on request (a signal) with its state saved. The CLI prints the message as is and exits with
     128 + the signal's number, as a shell reports a process the signal ended."""

@@ -104,7 +104,7 @@ def test_bpipe_respects_the_bound_and_balances_memory():
     p, m = 4, 8
     plan_1f1b = _plan(pp=p, num_microbatches=m)
     plan_bpipe = _plan(pp=p, num_microbatches=m, schedule="bpipe")
-    bound = plan_bpipe.bpipe_bound()
+    bound = plan_bpipe.eviction_bound
     sim = simulate("bpipe", p, m, [1.0] * p, [2.0] * p, bound=bound, move=[0.1] * p)
     assert max(sim.max_resident(s) for s in range(p)) <= bound
     assert any(e.kind == "evict" for e in sim.events) and any(e.kind == "load" for e in sim.events)

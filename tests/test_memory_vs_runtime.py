@@ -12,6 +12,7 @@ with frozen parameters, so LoRA plans are checked here only).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,8 +34,8 @@ SEQ, MBS, LORA = 32, 2, 4
 
 
 def _plan(dp: int, block: BlockPlan | None = None, root: BlockPlan | None = None, m: int = 1, mbs: int = MBS,
-          **kw) -> Plan:
-    return Plan.uniform(CFG.n_layers, dp=dp, block=block, root=root, micro_batch_size=mbs, num_microbatches=m,
+          blocks: int = CFG.n_layers, **kw) -> Plan:
+    return Plan.uniform(blocks, dp=dp, block=block, root=root, micro_batch_size=mbs, num_microbatches=m,
                         seq_len=SEQ, **kw)
 
 
@@ -62,6 +63,8 @@ TWO = {
     "zero3_offload_optimizer": (_plan(2, BlockPlan(zero=3, offload_optimizer=True), BlockPlan(zero=1)), ""),
     "offload_params": (_plan(2, BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3), m=2), ""),
     "lora_zero3": (_plan(2, BlockPlan(zero=3, activations="recompute"), BlockPlan(zero=2), m=2), "lora"),
+    # zero bubble, V: a microbatch is held from its forward to its weight backward (after the input backward)
+    "pp2_zbv": (_plan(1, m=4, pp=2, schedule="zbv", blocks=4), ""),
     "lora_zero0": (_plan(2, m=2), "lora"),
     "qlora_zero3": (_plan(2, BlockPlan(zero=3), BlockPlan(zero=2), m=2), "qlora"),
     # pipeline stages count their own activations and are FSDP2 root units of their own
@@ -85,6 +88,8 @@ FOUR = {
     # held while it runs, and the stage tracker must see it then
     "pp2_dp2_zero2": (_plan(2, BlockPlan(zero=2), BlockPlan(zero=2), m=4, pp=2, schedule="1f1b"), ""),
     "pp2_dp2_zero3_bpipe": (_plan(2, BlockPlan(zero=3), BlockPlan(zero=3), m=4, pp=2, schedule="bpipe"), ""),
+    "pp2_dp2_interleaved_zb": (_plan(2, BlockPlan(zero=2, activations="recompute"), BlockPlan(zero=2), m=4, pp=2,
+                                     schedule="interleaved_zb", virtual_stages=2, blocks=4), ""),
     "zero3_reduce_every_microbatch": (_plan(4, BlockPlan(zero=3), BlockPlan(zero=3), m=4, grad_reduce="microbatch"),
                                       ""),
     "pp2_dp2_zero2_reduce_every_microbatch": (
@@ -95,9 +100,10 @@ FOUR = {
 
 
 @functools.cache
-def _profile(tune: str, dtype: str = "float32") -> ModelProfile:
-    return profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, dtype=dtype, use_cache=False,
-                         lora_rank=LORA if tune else None, quantize_base="nf4" if tune == "qlora" else "none")
+def _profile(tune: str, dtype: str = "float32", blocks: int = CFG.n_layers) -> ModelProfile:
+    return profile_model(replace(CFG, n_layers=blocks), micro_batch_size=MBS, seq_len=SEQ, dtype=dtype,
+                         use_cache=False, lora_rank=LORA if tune else None,
+                         quantize_base="nf4" if tune == "qlora" else "none")
 
 
 def tracked_peaks(env: DistEnv, plans: dict[str, tuple[Plan, bool]]) -> dict[str, dict[str, int]]:
@@ -105,7 +111,7 @@ def tracked_peaks(env: DistEnv, plans: dict[str, tuple[Plan, bool]]) -> dict[str
     out = {}
     for name, (plan, tune) in plans.items():
         torch.manual_seed(0)
-        model = Decoder(CFG)
+        model = Decoder(replace(CFG, n_layers=len(plan.blocks)))
         if tune:
             apply_lora(model, LORA)
         if tune == "qlora":
@@ -121,7 +127,7 @@ def tracked_peaks(env: DistEnv, plans: dict[str, tuple[Plan, bool]]) -> dict[str
 def _check(measured: list[dict[str, dict[str, int]]], plans: dict[str, tuple[Plan, bool]]) -> None:
     for name, (plan, tune) in plans.items():
         cluster = parse_cluster(f"{plan.world_size}xcpu" if plan.world_size > 1 else "cpu")
-        pred = estimate(plan, _profile(tune, plan.compute_dtype), cluster)
+        pred = estimate(plan, _profile(tune, plan.compute_dtype, len(plan.blocks)), cluster)
         for rank, peaks in enumerate(measured):
             for place in ("device", "host"):
                 want, got = pred.tracked_by_rank[rank][f"{place}.total"], peaks[name][f"{place}.total"]

@@ -15,12 +15,13 @@ import torch
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan, PlanError
+from snugfit.plan.schedules import SCHEDULES, programs
 from snugfit.plan.simulate import simulate
 from snugfit.runtime.engine import OptimConfig, split_batch
 from snugfit.runtime.memory import local
 from snugfit.model.shards import local_shard
-from snugfit.runtime.pipeline import build_pipeline_engine
-from snugfit.runtime.schedules import PipelineError, bpipe_program, one_f_one_b
+from snugfit.runtime.build import build_engine
+from snugfit.runtime.p2p import PipelineError
 from tests.distributed import run_ranks
 
 SEQ, MICRO = 16, 4
@@ -41,6 +42,12 @@ CONFIGS = {
     # BPipe with recomputation on ZeRO-2 blocks whose optimizer lives on host (selective's kept outputs evicted too)
     "pp2xdp2-bpipe-zero2-offload": (4, dict(pp=2, dp=2, schedule="bpipe", block=BlockPlan(zero=2, offload_optimizer=True)),
                                     ["selective", "recompute"], 64, dict(evict_bound=1)),
+    # zero bubble, V-shaped: 8 stages of one block on 4 ranks; the weight backward unpacks what the input backward
+    # did once more (recomputed blocks recompute again, offloaded ones copy back again)
+    "zbv": (8, dict(pp=4, schedule="zbv"), ["recompute", "keep", "offload", "keep"], 64, {}),
+    # interleaved zero bubble over pp x dp, ZeRO-3 blocks gathered again for the weight backward
+    "pp2xdp2-interleaved_zb-zero2": (4, dict(pp=2, dp=2, schedule="interleaved_zb", virtual_stages=2,
+                                             block=BlockPlan(zero=2)), KEEP, 64, {}),
 }
 
 
@@ -86,7 +93,7 @@ def _run(env, name: str) -> dict:
     cfg, plan, batch = _setup(name)
     ref_loss, ref_grads = _reference(cfg, plan, batch)
     torch.manual_seed(0)
-    engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(grad_clip=0.0), env)
+    engine = build_engine(Decoder(cfg), plan, OptimConfig(grad_clip=0.0), env)
     checked, bad = [], []
     update = engine._update
 
@@ -205,8 +212,9 @@ def test_bpipe_program_keeps_bound(p):
     for m in (p, p + 1, 2 * p):
         for bound in range(1, p + 1):
             for stage in range(p):
-                program = bpipe_program(p, m, stage, bound)
-                assert [a for a in program if a[0] in "FB"] == one_f_one_b(p, m, stage)
+                program = [(a.kind, a.mb) for a in programs("bpipe", p, 1, m, bound)[stage]]
+                assert [a for a in program if a[0] in "FB"] == [(a.kind, a.mb) for a in
+                                                               SCHEDULES["1f1b"].order(p, 1, m, stage)]
                 resident, evicted = set(), set()
                 for op, mb in program:
                     if op == "F":
@@ -230,8 +238,8 @@ def test_time_model_moves_activations_as_bpipe_program_does(p):
         for bound in range(1, p + 1):
             sim = simulate("bpipe", p, m, [1.0] * p, [2.0] * p, bound=bound, move=[0.1] * p)
             for stage in range(p):
-                moves = [(e.kind.upper(), e.mb) for e in sim.events if e.rank == stage]
-                assert moves == bpipe_program(p, m, stage, bound), (m, bound, stage)
+                moves = [(e.kind.upper(), e.stage, e.mb) for e in sim.events if e.rank == stage]
+                assert moves == [tuple(a) for a in programs("bpipe", p, 1, m, bound)[stage]], (m, bound, stage)
 
 
 def test_split_batch_takes_instruction_pairs():
@@ -252,7 +260,7 @@ def _dead_peer(env) -> dict:
     engines = {}
     for schedule in ("bpipe", "1f1b"):
         plan = Plan.uniform(2, pp=2, schedule=schedule, micro_batch_size=1, num_microbatches=2, seq_len=SEQ)
-        engines[schedule] = build_pipeline_engine(Decoder(_cfg(2, 64)), plan, OptimConfig(),
+        engines[schedule] = build_engine(Decoder(_cfg(2, 64)), plan, OptimConfig(),
                                                   replace(env, timeout_s=DEAD_PEER_TIMEOUT_S))
     if env.rank == 1:
         return {}  # built its stages, then leaves without stepping
@@ -303,7 +311,7 @@ def test_a_stage_posts_its_sends_in_one_batch_with_its_next_receive(monkeypatch)
     """NCCL blocks an unbatched send until matched: neighbours that both send, then receive, must batch."""
     from types import SimpleNamespace
 
-    import snugfit.runtime.schedules as schedules
+    import snugfit.runtime.p2p as schedules
 
     batches = []
     monkeypatch.setattr(schedules.dist, "batch_isend_irecv",
@@ -326,7 +334,8 @@ def test_bpipe_partner_receives_evicted_activations_into_device_memory(monkeypat
     """The heavy stage sends device buffers; the partner must receive on its device (one backend for both)."""
     from types import SimpleNamespace
 
-    import snugfit.runtime.schedules as schedules
+    import snugfit.runtime.bpipe as schedules
+    from snugfit.plan.schedules import Action
 
     received = []
 
@@ -337,7 +346,7 @@ def test_bpipe_partner_receives_evicted_activations_into_device_memory(monkeypat
     comms = SimpleNamespace(recv=recv, timeout_s=1, stage=3)
     accepted = {}
     acts = SimpleNamespace(accept=lambda key, flat: accepted.update({key: flat}))
-    store = schedules.PartnerStore(comms, None, heavy=0, moves=[("EVICT", 0)], acts=acts,
+    store = schedules.PartnerStore(comms, None, heavy=0, moves=[Action("EVICT", 0, 0)], acts=acts,
                                    device=torch.device("meta"))
     store.accept(0)
     count, sizes, *parts = received  # 7 storages of 7 bytes, one message each
@@ -377,9 +386,9 @@ def _bf16_stages(env) -> dict:
         plan = Plan.uniform(2, pp=2, schedule=schedule, micro_batch_size=2, num_microbatches=2, seq_len=SEQ,
                             compute_dtype="bfloat16")
         torch.manual_seed(0)
-        engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env)
+        engine = build_engine(Decoder(cfg), plan, OptimConfig(), env)
         sent = []
-        engine.chunks[0].register_forward_hook(lambda m, a, y: sent.append(y.dtype))
+        engine.runner.stages[0].register_forward_hook(lambda m, a, y: sent.append(y.dtype))
         batch = torch.randint(0, 64, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
         out[schedule] = (engine.train_step(batch).loss, sent[-1])
     return out

@@ -70,12 +70,12 @@ WHOLE = ["--micro-batch", "1", "--zero", "0", "--recompute", "keep"]  # with --p
     (["--cluster", "2xA10", "--global-batch", "5", "--dp", "2"], "not divisible"),
     (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2", *WHOLE], "num_microbatches"),
     (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2"], "--num-microbatches 2 must be >= --pp 4"),
-    (["--cluster", "2xA10", "--offload-params", "--zero", "2"], "--zero 3"),
+    (["--cluster", "2xA10", "--offload-params", "--zero", "2"], "offload_params needs zero 3"),
     (["--cluster", "2xA10", "--offload-optimizer", "2"], "'all' or 'none'"),
     (["--cluster", "2xA01"], "A10"),
     (["--cluster", "4xA10", "--tp", "3"], "--tp 3 does not divide"),
     (["--cluster", "4xA10", "--tp", "4"], "tp 4 does not divide the model's heads"),
-    (["--cluster", "4xA10", "--tp", "2", "--zero", "3", "--offload-params"], "does not combine with BPipe or host"),
+    (["--cluster", "4xA10", "--tp", "2", "--zero", "3", "--offload-params"], "does not combine with host offload"),
 ])
 def test_impossible_plans_are_one_line_errors(tiny_model, argv, match, capsys):
     with pytest.raises(SnugfitError, match=match) as e:

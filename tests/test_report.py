@@ -79,3 +79,36 @@ def test_an_accelerator_allocator_peak_is_logged_beside_the_tracked_one(monkeypa
     record = {"step": 5, "loss": 1.0, "step_time_s": 0.1, **measured_memory(Engine())}
     assert (record["allocator_peak_bytes"], record["allocator_reserved_bytes"], resets) == ([3 * 2**20], [4 * 2**20], [1])
     assert "allocator MiB 3.0 (reserved 4.0)" in compare_line(record)
+
+
+def test_each_row_of_a_tp_pipeline_is_the_estimate_of_its_rank():
+    """tp 2 x pp 2: a row stands for pipeline rank r's dp x tp ranks and draws the estimate of its first rank,
+    plan.layout.rank(r) (rank 2 for the second row; its tensor-parallel peer rank 1 belongs to the first)."""
+    from snugfit.plan.estimate import estimate_step
+    from snugfit.plan.memory import device_bytes
+    from snugfit.report.timeline import _memory_curve, _predicted_rows, stage_detail
+
+    plan = _plan(tp=2, pp=2, num_microbatches=4, block=BlockPlan(activations="selective"))
+    est = estimate_step(plan, synthetic_profile(), parse_cluster("4xRTX4090"))
+    sim, detail = timeline_for(plan, synthetic_profile(), parse_cluster("4xRTX4090"))
+    assert detail == stage_detail(est, plan)
+    rows, _, end = _predicted_rows(sim, detail, plan.pp, plan.virtual_stages)
+    firsts = [plan.layout.rank(r) for r in range(plan.pp)]
+    assert firsts == [0, 2]
+    for r, first in enumerate(firsts):
+        mine = est.rank(first)
+        cats = plan.predicted.memory_by_rank[first]
+        assert detail.peak_bytes[r] == device_bytes(cats) == device_bytes(mine.memory.cats)
+        assert detail.tail[r] == mine.tail
+        # the row's bars after the pipeline drains are that rank's tail, in order, and end at its step time
+        after = [(kind, w) for kind, bars in rows[r].items() for s, w in bars if s >= sim.makespan - 1e-12
+                 and kind in mine.tail]
+        assert sorted(after) == sorted((k, w) for k, w in mine.tail.items() if w > 0)
+        assert sim.makespan + sum(mine.tail.values()) <= plan.predicted.step_time_s + 1e-12
+        # its memory curve starts from that rank's static bytes
+        _, ys = _memory_curve(sim, r, detail)
+        assert min(ys) * 2**30 == pytest.approx(detail.static_bytes[r], rel=1e-9)
+        # its compute events are its own stages', at the times the estimate simulated
+        assert {e.stage for e in sim.events if e.rank == r} == set(plan.stages_of(r))
+    assert detail.peak_bytes[0] != detail.peak_bytes[1]  # the rows differ: embedding on one, head on the other
+    assert end == pytest.approx(plan.predicted.step_time_s, rel=1e-9)

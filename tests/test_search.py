@@ -11,7 +11,9 @@ from snugfit.plan.estimate import estimate
 from snugfit.plan.explain import advise, explain_bpipe, format_result
 from snugfit.plan.knapsack import BUCKETS, Cost, fine_resolution, knapsack, split
 from snugfit.plan.plan import BlockPlan, Plan
-from snugfit.plan.search import Constraints, NoPlanError, Searcher, budget_for, search
+from snugfit.plan.cost_model import CostModel
+from snugfit.plan.search import SPLIT_MARGIN, Constraints, NoPlanError, budget_for, search
+from snugfit.plan.solve import leanest_plan
 from snugfit.profile.types import ModelProfile, PieceProfile
 
 GiB = 2**30
@@ -62,12 +64,14 @@ def test_never_returns_a_plan_its_model_says_does_not_fit(model, spec):
             pred = estimate(plan, prof, cluster, budget_gib * GiB)  # re-checked independently
             assert pred.fits and pred.peak_memory_bytes <= budget_gib * GiB
             assert plan.global_batch == 8
-        times = [float(f"{p.predicted.step_time_s:.3g}") for p in [res.best, *res.alternatives]]
-        assert times == sorted(times)  # fastest first, as finely as the time model tells plans apart
+        # fastest first, as finely as the time model tells plans apart (a split backward must win by SPLIT_MARGIN)
+        times = [float(f"{p.predicted.step_time_s * (1 + SPLIT_MARGIN * p.schedule_entry.splits_backward):.3g}")
+                 for p in [res.best, *res.alternatives]]
+        assert times == sorted(times)
 
 
 def test_fixed_parts_are_respected():
-    c = Constraints(pp=2, zero=3, micro_batch=1, activations="recompute", schedule="1f1b")
+    c = Constraints(pp=2, zero=3, micro_batch=1, recompute="recompute", schedule="1f1b")
     res = search(MODELS["mid"], parse_cluster("4xA10"), global_batch=16, constraints=c)
     p = res.best
     assert (p.pp, p.dp, p.micro_batch_size, p.num_microbatches, p.schedule) == (2, 2, 1, 8, "1f1b")
@@ -103,13 +107,13 @@ def test_reported_need_is_what_that_plan_evaluates_to(model, spec, pp):
     every piece's activations beside the largest working peak; where it is near the budget, the search takes
     estimate()'s figure instead (verify.rescue; test_the_search_refuses_only_what_the_estimate_refuses)."""
     prof, cluster = MODELS[model], parse_cluster(spec)
-    c = Constraints(pp=pp, zero=0, activations="recompute", offload_optimizer=True, schedule="1f1b" if pp > 1 else None)
-    srch = Searcher(prof, cluster, 8, c, budget_for(cluster, None))
-    for cand in srch.candidates():
-        need, _, option = srch.need(cand)
+    c = Constraints(pp=pp, zero=0, recompute="recompute", offload_optimizer="all", schedule="1f1b" if pp > 1 else None)
+    model = CostModel(prof, cluster, 8, c, budget_for(cluster, None))
+    for cand in model.candidates():
+        need, _, option = model.need(cand)
         plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=pp, block=option, schedule=cand.schedule,
-                            root=BlockPlan(zero=0, offload_optimizer=True), micro_batch_size=cand.mbs,
-                            num_microbatches=cand.m, seq_len=prof.seq_len, compute_dtype=prof.dtype,
+                            root=BlockPlan(zero=0, offload_optimizer=True), micro_batch_size=cand.micro_batch_size,
+                            num_microbatches=cand.num_microbatches, seq_len=prof.seq_len, compute_dtype=prof.dtype,
                             grad_reduce=cand.grad_reduce)
         exact = estimate(plan, prof, cluster).peak_memory_bytes
         assert exact <= need <= 1.03 * exact, cand
@@ -123,6 +127,9 @@ def test_bpipe_only_when_it_beats_the_best_plan_without_it():
         elif res.bpipe is not None:
             assert res.best.predicted.step_time_s <= res.bpipe.predicted.step_time_s
         assert "verdict" in explain_bpipe(res) or "BPipe:" in explain_bpipe(res)
+        # the best V schedule is named beside it, as fast as any verified zbv plan
+        assert res.best_v is not None and res.best_v.schedule == "zbv"
+        assert f"{res.best_v.predicted.tokens_per_s:,.0f} tokens/s" in explain_bpipe(res).splitlines()[-1]
 
 
 def test_mixed_cluster_gives_faster_gpus_more_blocks_and_like_dp_groups():
@@ -204,12 +211,12 @@ def test_no_uniform_plan_that_fits_beats_the_choice(model, spec):
             best = search(prof, cluster, global_batch=8, memory_budget=budget, alternatives=0).best
         except NoPlanError:
             continue
-        srch = Searcher(prof, cluster, 8, Constraints(), budget)
-        for cand in srch.candidates():
-            for o in srch.options(cand.dp, cand.tp):
+        model = CostModel(prof, cluster, 8, Constraints(), budget)
+        for cand in model.candidates():
+            for o in model.options(cand):
                 plan = Plan.uniform(len(prof.blocks), dp=cand.dp, tp=cand.tp, pp=cand.pp, block=o, root=o, seq_len=prof.seq_len,
-                                    schedule=cand.schedule, virtual_stages=cand.v, micro_batch_size=cand.mbs,
-                                    num_microbatches=cand.m, compute_dtype=prof.dtype)
+                                    schedule=cand.schedule, virtual_stages=cand.virtual_stages, micro_batch_size=cand.micro_batch_size,
+                                    num_microbatches=cand.num_microbatches, compute_dtype=prof.dtype)
                 pred = estimate(plan, prof, cluster, budget)
                 assert not pred.fits or best.predicted.step_time_s <= pred.step_time_s * 1.01, (
                     f"{budget_gib} GiB: uniform {plan.to_dict()} beats the choice")
@@ -252,16 +259,17 @@ def test_lower_bounds_may_leave_offload_out(model, spec):
     from snugfit.plan.options import may_be_fastest
 
     prof, cluster = MODELS[model], parse_cluster(spec)
-    srch = Searcher(prof, cluster, 16, Constraints(), budget_for(cluster, None))
+    model = CostModel(prof, cluster, 16, Constraints(), budget_for(cluster, None))
     checked = 0
-    for cand in srch.candidates():
+    for cand in model.candidates():
         for s in range(cand.pp):
-            st, blk, _, opts, ropts, _ = srch._stage(cand, s)
-            roots = [srch.profile(cand).embed, srch.profile(cand).head]  # as the lower bound costs them
+            view = model.stage(cand, s)
+            st, blk, opts, ropts = view.costs, view.block, view.options, view.root_options
+            roots = [model.profile_at(cand).embed, model.profile_at(cand).head]  # as the lower bound costs them
             for options, cost in ((opts, lambda o: st.cost(blk, o)), (ropts, lambda o: st.root(roots, o))):
                 lean = may_be_fastest(options)
                 checked += len(lean) < len(options)  # offload allowed (not with tp)
-                for measure in (lambda c: c.time(cand.m), lambda c: c.t_mb):
+                for measure in (lambda c: c.time(cand.num_microbatches), lambda c: c.t_mb):
                     best = min(measure(cost(o)) for o in lean)
                     assert all(measure(cost(o)) >= best * (1 - 1e-9) for o in options), (cand, s)
     assert checked > 20
@@ -279,7 +287,8 @@ def test_candidates_more_room_could_make_the_fastest_get_it(monkeypatch):
     from snugfit.plan.candidates import Candidate
 
     def cand(lower: float, score: float, step_s: float) -> Candidate:
-        c = Candidate(dp=1, pp=1, mbs=1, m=1, schedule="none", lower=lower, score=score, solved=True)
+        c = Candidate(dp=1, pp=1, micro_batch_size=1, num_microbatches=1, schedule="none", lower=lower, score=score,
+                      solved=True)
         c.plan = SimpleNamespace(predicted=SimpleNamespace(step_time_s=step_s))
         return c
 
@@ -287,14 +296,14 @@ def test_candidates_more_room_could_make_the_fastest_get_it(monkeypatch):
     high_bound, underestimated = cand(10.4, 10.8, 10.8), cand(9.0, 9.9, 11.5)
     polished = []
 
-    def polish(srch, c, fastest):
+    def polish(model, log, c, fastest):
         polished.append(c)
         c.polished = True
         c.plan.predicted.step_time_s = {id(far): 9.68}.get(id(c), c.plan.predicted.step_time_s)
 
-    monkeypatch.setattr(verify, "verify", lambda srch, c: setattr(c, "fits", True) or True)
+    monkeypatch.setattr(verify, "verify", lambda model, log, c: setattr(c, "fits", True) or True)
     monkeypatch.setattr(verify, "polish", polish)
-    found = verify.best_first(None, [near, far, high_bound, underestimated], 4)
+    found = verify.best_first(None, None, [near, far, high_bound, underestimated], 4)
     assert polished == [near, far]  # fastest first
     assert found[0] is far
 
@@ -340,9 +349,9 @@ def test_the_search_refuses_only_what_the_estimate_refuses(name, tmp_path):
 
     prof = Target(resolve_model(name), name, 8, "", "none", str(tmp_path), kernels="gpu").profile(1, 2048, "bfloat16")
     cluster = parse_cluster("2xRTX4090")
-    srch = Searcher(prof, cluster, 2, Constraints(), budget_for(cluster, None))
+    model = CostModel(prof, cluster, 2, Constraints(), budget_for(cluster, None))
     least = min(max(p.peak_memory_bytes, p.startup_bytes["device"])
-                for p in (estimate(srch.leanest_plan(x), prof, cluster) for x in srch.candidates()))
+                for p in (estimate(leanest_plan(model, x), prof, cluster) for x in model.candidates()))
     res = search(prof, cluster, global_batch=2, memory_budget=least + 2**20, alternatives=0)
     assert res.best.predicted.fits and res.best.predicted.peak_memory_bytes <= least + 2**20
     with pytest.raises(NoPlanError):  # below it nothing fits: the search is not looser than the estimate

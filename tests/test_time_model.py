@@ -5,6 +5,7 @@ import pytest
 from snugfit.hardware import get_link, parse_cluster
 from snugfit.plan.estimate import estimate
 from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.simulate import simulate
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.kernels import attention_rates, gemm_seconds
@@ -71,7 +72,8 @@ def test_selective_half_adds_the_forward_gemms_it_dropped():
                         kernels="cuda").blocks[0]
     gpu = parse_cluster("A100-80GB").gpu_of(0)
     fwd = piece_compute(blk, gpu, "bfloat16", None)[0]
-    t = {pol: recompute_time(blk, pol, fwd, gpu, "bfloat16", None) for pol in ("selective", "selective_half")}
+    t = {pol: recompute_time(blk, ACTIVATION_POLICIES[pol], fwd, gpu, "bfloat16", None)
+         for pol in ("selective", "selective_half")}
     dropped = gemm_seconds([blk.gemms[i] for i in (1, 3, 5)], gpu, "bfloat16", 0.0)[0]
     assert dropped > 0.2 * t["selective"]
     assert t["selective_half"] == pytest.approx(t["selective"] + dropped)

@@ -1,5 +1,8 @@
-"""Traced steps of torch.distributed.pipelining's schedules: each rank records F and B spans per microbatch
-and stage, in the order the time model's simulation assumes, and they draw beside the prediction."""
+"""Traced pipeline steps: each rank records its actions (F, B, I, W, BPipe's evict and load) per microbatch and
+stage, in exactly the order the time model's simulation runs them, for every schedule of the registry at pp 2
+and 4; the step's loss equals a one-process reference; the trace draws beside the prediction.
+
+One spawn per pipeline degree runs every schedule (engines built one after another)."""
 
 import matplotlib.image
 import pytest
@@ -8,86 +11,98 @@ import torch.distributed as dist
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import Plan
-from snugfit.plan.simulate import action_order, simulate
+from snugfit.plan.schedules import COMPUTE, SCHEDULES
+from snugfit.plan.simulate import simulate
 from snugfit.report.timeline import draw_timeline
 from snugfit.report.trace import StepTrace
-from snugfit.runtime.engine import OptimConfig
-from snugfit.runtime.pipeline import build_pipeline_engine
+from snugfit.runtime.build import build_engine
+from snugfit.runtime.engine import OptimConfig, split_batch
 from tests.distributed import run_ranks
 
-SEQ, MICRO, PP = 8, 4, 2
-# schedule -> (virtual stages, blocks: one per stage at least)
-CONFIGS = {"1f1b": (1, 2), "interleaved": (2, 4)}
+SEQ, MICRO = 8, 4
+PIPELINED = [name for name, s in SCHEDULES.items() if s.pipelined]
+ACTIONS = (*COMPUTE, "evict", "load")
 
 
-def _plan(schedule: str) -> Plan:
-    v, n = CONFIGS[schedule]
-    plan = Plan.uniform(n, pp=PP, schedule=schedule, virtual_stages=v, micro_batch_size=1,
-                        num_microbatches=MICRO, seq_len=SEQ)
-    plan.validate(n_blocks=n, world_size=PP)
+def _plan(schedule: str, pp: int) -> Plan:
+    entry = SCHEDULES[schedule]
+    v = entry.stages_per_rank or entry.search_stages_per_rank
+    plan = Plan.uniform(pp * v, pp=pp, schedule=schedule, virtual_stages=v, micro_batch_size=1,
+                        num_microbatches=MICRO, seq_len=SEQ, evict_bound=1 if entry.evicts else None)
+    plan.validate(n_blocks=pp * v, world_size=pp)
     return plan
 
 
-def _traced(env, schedule: str) -> StepTrace:
-    """The first step traced (it includes pipelining's shape inference), the second not."""
-    plan = _plan(schedule)
-    cfg = ModelConfig(dim=32, n_layers=CONFIGS[schedule][1], n_heads=4, vocab_size=64, max_seq_len=SEQ)
-    torch.manual_seed(0)
-    engine = build_pipeline_engine(Decoder(cfg), plan, OptimConfig(), env)
+def _cfg(plan: Plan) -> ModelConfig:
+    return ModelConfig(dim=32, n_layers=len(plan.blocks), n_heads=4, vocab_size=64, max_seq_len=SEQ)
+
+
+def _traced(env, schedule: str, pp: int) -> tuple[StepTrace, float, float]:
+    """The first step traced (it includes pipelining's shape inference), the second not; and the first step's
+    loss beside a one-process reference's."""
+    plan = _plan(schedule, pp)
     batch = torch.randint(0, 64, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    reference = Decoder(_cfg(plan))
+    ref_loss = sum(reference(x, y).item() for x, y in split_batch(batch, plan)) / MICRO
+    torch.manual_seed(0)
+    engine = build_engine(Decoder(_cfg(plan)), plan, OptimConfig(), env)
     trace = engine.trace = StepTrace()
     dist.barrier()
     trace.begin()
-    engine.train_step(batch)
+    loss = engine.train_step(batch).loss
     engine.trace = None
     recorded = len(trace.spans)
     engine.train_step(batch)
     assert len(trace.spans) == recorded, "an untraced step recorded spans"
-    return trace
+    del engine  # one pipeline engine at a time: live ones would share the gloo pairs
+    return trace, loss, ref_loss
 
 
-def _both(env) -> dict:
-    return {schedule: _traced(env, schedule) for schedule in CONFIGS}
+def _every_schedule(env, pp: int) -> dict:
+    return {schedule: _traced(env, schedule, pp) for schedule in PIPELINED}
 
 
 @pytest.fixture(scope="module")
 def traces():
-    results = run_ranks(_both, PP)
-    return {schedule: [r[schedule] for r in results] for schedule in CONFIGS}
+    out = {}
+    for pp in (2, 4):
+        results = run_ranks(_every_schedule, pp, pp)
+        out[pp] = {schedule: [r[schedule] for r in results] for schedule in PIPELINED}
+    return out
 
 
-@pytest.mark.parametrize("schedule", list(CONFIGS))
-def test_each_rank_times_every_microbatch_of_its_stages(traces, schedule):
-    v, _ = CONFIGS[schedule]
-    for rank, trace in enumerate(traces[schedule]):
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", PIPELINED)
+def test_runtime_runs_the_simulated_order(traces, schedule, pp):
+    plan = _plan(schedule, pp)
+    n = pp * plan.virtual_stages
+    sim = simulate(schedule, pp, MICRO, [1e-3] * n, [2e-3] * n, v=plan.virtual_stages, bound=plan.eviction_bound)
+    for rank, (trace, loss, ref_loss) in enumerate(traces[pp][schedule]):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert all(s.rank == rank and s.end >= s.start >= 0 for s in trace.spans)
-        work = [s for s in trace.spans if s.kind in ("F", "B")]
-        stages = list(range(rank, PP * v, PP))
-        assert sorted({s.stage for s in work}) == stages
-        for k in stages:
-            for kind in ("F", "B"):
-                assert sorted(s.mb for s in work if s.stage == k and s.kind == kind) == list(range(MICRO)), (k, kind)
-            for mb in range(MICRO):
-                f, = (s for s in work if (s.stage, s.mb, s.kind) == (k, mb, "F"))
-                b, = (s for s in work if (s.stage, s.mb, s.kind) == (k, mb, "B"))
-                assert b.start >= f.end
-        # one rank computes one thing at a time, in the order the time model simulates
-        work.sort(key=lambda s: s.start)
-        assert all(a.end <= b.start for a, b in zip(work, work[1:]))
-        assert [(s.kind, s.stage, s.mb) for s in work] == action_order(schedule, PP, v, MICRO, rank)
+        work = sorted((s for s in trace.spans if s.kind in ACTIONS), key=lambda s: s.start)
+        assert all(a.end <= b.start for a, b in zip(work, work[1:])), "one rank does one thing at a time"
+        simulated = [(e.kind, e.stage, e.mb) for e in sim.events if e.rank == rank]
+        assert [(s.kind, s.stage, s.mb) for s in work] == simulated, (schedule, pp, rank)
+        assert sorted({s.stage for s in work}) == plan.stages_of(rank)
         assert any(s.kind == "optimizer" for s in trace.spans)
-    if schedule == "1f1b":  # spelled out: two warm-up forwards on rank 0, then alternate
-        first = [(s.kind, s.mb) for s in sorted(traces[schedule][0].spans, key=lambda s: s.start)][:4]
+    kinds = {s.kind for trace, _, _ in traces[pp][schedule] for s in trace.spans}
+    assert kinds >= ({"I", "W"} if SCHEDULES[schedule].splits_backward else {"B"})
+    if SCHEDULES[schedule].evicts:
+        assert kinds >= {"evict", "load"}
+    if schedule == "1f1b" and pp == 2:  # spelled out: two warm-up forwards on rank 0, then alternate
+        first = [(s.kind, s.mb) for s in sorted(traces[pp][schedule][0][0].spans, key=lambda s: s.start)][:4]
         assert first == [("F", 0), ("F", 1), ("B", 0), ("F", 2)]
 
 
-@pytest.mark.parametrize("schedule", list(CONFIGS))
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_merged_trace_draws_beside_the_prediction(traces, schedule, tmp_path):
-    plan = _plan(schedule)
-    merged = StepTrace.merge(traces[schedule])
+    plan = _plan(schedule, 2)
+    merged = StepTrace.merge([trace for trace, _, _ in traces[2][schedule]])
     assert merged.ranks == [0, 1]
-    n = PP * plan.virtual_stages
-    sim = simulate(schedule, PP, MICRO, [1e-3] * n, [2e-3] * n, v=plan.virtual_stages)
+    n = 2 * plan.virtual_stages
+    sim = simulate(schedule, 2, MICRO, [1e-3] * n, [2e-3] * n, v=plan.virtual_stages)
     out = draw_timeline(sim, plan, tmp_path / "t.png", measured=StepTrace.from_dict(merged.to_dict()))
     assert out.stat().st_size > 10_000
     assert matplotlib.image.imread(out).shape[1] > 800

@@ -137,14 +137,17 @@ def _cli_losses(tmp_path, name, *args) -> dict[int, float]:
 
 
 def test_train_takes_the_fixed_parts_of_a_plan_as_options(tmp_path):
-    """`snugfit train --nproc N --zero 3` / `--pp 4 --schedule bpipe` / `--tp 2`: the rest searched, no plan file."""
+    """`snugfit train --nproc N --zero 3` / `--pp 4 --schedule bpipe` / `--tp 2` / `--pp 2 --schedule zbv`: the rest
+    searched, no plan file; losses equal the one-process run's."""
     _, alone = _cli_losses(tmp_path, "one", "--steps", "4")
     plan2, zero3 = _cli_losses(tmp_path, "zero3", "--steps", "4", "--nproc", "2", "--zero", "3")
     plan4, bpipe = _cli_losses(tmp_path, "bpipe", "--steps", "4", "--nproc", "4", "--pp", "4", "--schedule", "bpipe")
     plan_tp, tp2 = _cli_losses(tmp_path, "tp2", "--steps", "4", "--nproc", "2", "--tp", "2")
+    plan_v, zbv = _cli_losses(tmp_path, "zbv", "--steps", "4", "--nproc", "2", "--pp", "2", "--schedule", "zbv")
     assert {b["zero"] for b in [plan2["root"], *plan2["blocks"]]} == {3}
     assert (plan4["pp"], plan4["schedule"]) == (4, "bpipe") and (plan_tp["tp"], plan_tp["dp"]) == (2, 1)
-    for losses in (zero3, bpipe, tp2):
+    assert (plan_v["schedule"], plan_v["virtual_stages"]) == ("zbv", 2)
+    for losses in (zero3, bpipe, tp2, zbv):
         assert losses == pytest.approx(alone, rel=1e-5)
     proc = run_cli("train", *FIXED, "--steps", "2", "--zero", "3", "--plan", "dp", cwd=tmp_path)
     assert proc.returncode == 2 and "drop --plan (auto) or the fixed parts" in proc.stderr

@@ -324,7 +324,7 @@ def full_offload(profile, cluster: Cluster, batch: int, budget: int) -> Plan:
     for acts in ("keep", "recompute"):
         try:
             return search(profile, cluster, global_batch=batch, memory_budget=budget, alternatives=0,
-                          constraints=Constraints(zero=3, offload_params=True, activations=acts)).best
+                          constraints=Constraints(zero=3, offload_params=True, recompute=acts)).best
         except NoPlanError:
             continue
     raise SystemExit(f"FSDP2 full CPU offload fits nowhere in {budget / GIB:.3g} GiB; lower --seq or --batch")

@@ -14,7 +14,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from snugfit.commands.options import add_config_options, config_from_args
@@ -26,9 +26,10 @@ from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import dtype_for_cluster
 from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result, rank_runs, switches
-from snugfit.plan.options import POLICY_ALIASES, fixed_parts, fixed_parts_of, refuse_fixed_parts_beside
+from snugfit.plan.options import Constraints, fixed_parts_of, refuse_fixed_parts_beside
 from snugfit.plan.optimizer import describe as describe_optimizer
-from snugfit.plan.plan import ACTIVATION_POLICIES, DTYPES, BlockPlan, OptimizerPlan, Plan, PlanError, Prediction
+from snugfit.plan.plan import DTYPES, BlockPlan, OptimizerPlan, Plan, PlanError, Prediction
+from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.search import NoPlanError, search
 from snugfit.profile.types import ModelProfile
 
@@ -44,77 +45,56 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-@dataclass
-class PlanOptions:
-    """A whole plan as given on the command line (see _whole); None means 'not given'."""
-
-    seq: int
-    micro_batch: int = 1
-    dp: int | None = None
-    tp: int = 1
-    pp: int = 1
-    schedule: str | None = None
-    virtual_stages: int = 1
-    num_microbatches: int | None = None
-    global_batch: int | None = None
-    zero: int = 0
-    recompute: str = "keep"
-    offload_optimizer: str | None = None  # "all" or a number of blocks (the first ones)
-    offload_params: bool = False
-    dtype: str = "float32"
-    reduce_dtype: str = "float32"
-    evict_bound: int | None = None
-    grad_reduce: str = "step"
-    optimizer: OptimizerPlan | None = None  # how weights are stored and updated (the run config's train keys)
-
-
-def plan_from_options(o: PlanOptions, n_blocks: int, world_size: int) -> Plan:
-    """A Plan from explicit choices; SnugfitError when they cannot describe a runnable step."""
-    if o.pp < 1 or o.tp < 1 or world_size % (o.pp * o.tp):
-        raise SnugfitError(f"--tp {o.tp} x --pp {o.pp} does not divide the cluster's {world_size} GPUs")
-    dp = o.dp if o.dp is not None else world_size // (o.pp * o.tp)
-    if dp * o.tp * o.pp != world_size:
-        raise SnugfitError(f"--dp {dp} x --tp {o.tp} x --pp {o.pp} = {dp * o.tp * o.pp}, but the cluster has "
+def plan_from_options(c: Constraints, *, seq: int, global_batch: int | None, dtype: str, reduce_dtype: str,
+                      n_blocks: int, world_size: int, optimizer: OptimizerPlan | None = None) -> Plan:
+    """A whole Plan from the parts given (pp, micro-batch, zero and recompute at least; the rest default: tp 1, dp
+    the rest of the GPUs, pp microbatches, nothing offloaded); SnugfitError when they cannot describe a runnable
+    step. offload_optimizer may also be a number of blocks (the first ones); optimizer: the run config's train
+    keys (plan.OptimizerPlan)."""
+    tp, pp, micro = c.tp or 1, c.pp, c.micro_batch
+    if pp < 1 or tp < 1 or world_size % (pp * tp):
+        raise SnugfitError(f"--tp {tp} x --pp {pp} does not divide the cluster's {world_size} GPUs")
+    dp = c.dp if c.dp is not None else world_size // (pp * tp)
+    if dp * tp * pp != world_size:
+        raise SnugfitError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the cluster has "
                            f"{world_size} GPUs")
-    if o.num_microbatches is not None:
-        m = o.num_microbatches
-        if o.global_batch is not None and o.global_batch != o.micro_batch * m * dp:
-            raise SnugfitError(f"--global-batch {o.global_batch} != micro-batch {o.micro_batch} x microbatches {m} "
+    if c.num_microbatches is not None:
+        m = c.num_microbatches
+        if global_batch is not None and global_batch != micro * m * dp:
+            raise SnugfitError(f"--global-batch {global_batch} != micro-batch {micro} x microbatches {m} "
                                f"x dp {dp}; drop one of them")
-    elif o.global_batch is not None:
-        per_step = o.micro_batch * dp
-        if o.global_batch % per_step:
-            raise SnugfitError(f"--global-batch {o.global_batch} is not divisible by micro-batch {o.micro_batch} "
+    elif global_batch is not None:
+        per_step = micro * dp
+        if global_batch % per_step:
+            raise SnugfitError(f"--global-batch {global_batch} is not divisible by micro-batch {micro} "
                                f"x dp {dp} = {per_step}")
-        m = o.global_batch // per_step
+        m = global_batch // per_step
     else:
-        m = o.pp if o.pp > 1 else 1
-    policy = POLICY_ALIASES.get(o.recompute, o.recompute)
+        m = pp if pp > 1 else 1
+    policy = c.activations
     if policy not in ACTIVATION_POLICIES:
-        raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {o.recompute!r}")
-    if o.offload_params and o.zero != 3:
-        raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
-    if o.offload_optimizer in (None, "", "0", "none"):
+        raise SnugfitError(f"--recompute must be one of {', '.join(ACTIVATION_POLICIES)}, got {c.recompute!r}")
+    if c.offload_optimizer in (None, "", "0", "none"):
         n_off = 0
-    elif o.offload_optimizer == "all":
+    elif c.offload_optimizer == "all":
         n_off = n_blocks
-    elif o.offload_optimizer.isdigit() and int(o.offload_optimizer) <= n_blocks:
-        n_off = int(o.offload_optimizer)
+    elif c.offload_optimizer.isdigit() and int(c.offload_optimizer) <= n_blocks:
+        n_off = int(c.offload_optimizer)
     else:
         raise SnugfitError(f"--offload-optimizer takes 'all' or a number of blocks <= {n_blocks}, "
-                           f"got {o.offload_optimizer!r}")
+                           f"got {c.offload_optimizer!r}")
+    params = bool(c.offload_params)
     try:
         plan = Plan.uniform(
-            n_blocks, dp=dp, tp=o.tp, pp=o.pp, schedule=o.schedule, virtual_stages=o.virtual_stages,
-            block=BlockPlan(zero=o.zero, offload_params=o.offload_params, activations=policy),
-            root=BlockPlan(zero=o.zero, offload_params=o.offload_params, offload_optimizer=n_off == n_blocks > 0
-                           and not o.offload_params),
-            micro_batch_size=o.micro_batch, num_microbatches=m, seq_len=o.seq, compute_dtype=o.dtype,
-            reduce_dtype=o.reduce_dtype, evict_bound=o.evict_bound, grad_reduce=o.grad_reduce,
-            optimizer=o.optimizer or OptimizerPlan(),
+            n_blocks, dp=dp, tp=tp, pp=pp, schedule=c.schedule, virtual_stages=c.virtual_stages,
+            block=BlockPlan(zero=c.zero, offload_params=params, activations=policy),
+            root=BlockPlan(zero=c.zero, offload_params=params, offload_optimizer=n_off == n_blocks > 0 and not params),
+            micro_batch_size=micro, num_microbatches=m, seq_len=seq, compute_dtype=dtype, reduce_dtype=reduce_dtype,
+            evict_bound=c.evict_bound, grad_reduce=c.grad_reduce or "step",
+            optimizer=optimizer or OptimizerPlan(),
         )
         for b in plan.blocks[:n_off]:
-            b.offload_optimizer = not o.offload_params
+            b.offload_optimizer = not params
         plan.validate(n_blocks=n_blocks)
     except PlanError as e:
         raise SnugfitError(str(e)) from None
@@ -245,19 +225,15 @@ def run(args: argparse.Namespace) -> int:
     micro = t.micro_batch_size or None
     gb = t.batch_size if "train.batch_size" in given or not named else None  # None: one sequence per GPU
     if par.plan == "auto" and None not in (par.pp, micro, par.zero, par.recompute):  # whole: evaluate as written
-        plan = plan_from_options(PlanOptions(
-            seq=seq, micro_batch=micro, dp=par.dp, tp=par.tp or 1, pp=par.pp, schedule=par.schedule,
-            virtual_stages=par.virtual_stages or 1, num_microbatches=par.num_microbatches, global_batch=gb,
-            zero=par.zero, recompute=par.recompute, offload_optimizer=par.offload_optimizer,
-            offload_params=bool(par.offload_params), dtype=dtype, reduce_dtype=args.reduce_dtype,
-            evict_bound=par.evict_bound, grad_reduce=par.grad_reduce or "step", optimizer=optimizer_plan(t)),
-            n_blocks, cluster.world_size)
+        plan = plan_from_options(replace(par, micro_batch=micro), seq=seq, global_batch=gb, dtype=dtype,
+                                 reduce_dtype=args.reduce_dtype, n_blocks=n_blocks, world_size=cluster.world_size,
+                                 optimizer=optimizer_plan(t))
         plan.compile = t.compile
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
     if par.plan == "dp":  # plain data parallelism, as `snugfit train --plan dp` runs it; the micro-batch searched
-        c = fixed_parts(cluster.world_size, dp=cluster.world_size, pp=1, zero=0, recompute="keep",
-                        offload_optimizer="none", micro_batch=micro)
+        c = Constraints(dp=cluster.world_size, pp=1, zero=0, recompute="keep", offload_optimizer="none",
+                        micro_batch=micro).checked(cluster.world_size)
     else:
         c = fixed_parts_of(par, t.micro_batch_size, cluster.world_size)
     if gb is None:

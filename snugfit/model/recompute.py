@@ -17,6 +17,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from snugfit.plan.policies import ACTIVATION_POLICIES, RECOMPUTED, SELECTIVE
+
 aten = torch.ops.aten
 # Ops whose outputs selective recomputation keeps: the matmuls and the attention kernels.
 SAVED_OPS = {
@@ -30,17 +32,19 @@ SAVED_OPS = {
 }
 # The linear layers' GEMMs (3-D inputs folded to 2-D), which "selective_half" keeps only every second one of.
 GEMM_OPS = {aten.mm.default, aten.addmm.default}
-SELECTIVE_POLICIES = ("selective", "selective_half")
-RECOMPUTE_POLICIES = ("recompute", *SELECTIVE_POLICIES)
+SELECTIVE_POLICIES = SELECTIVE  # the policies whose checkpoint keeps some outputs (plan.policies)
+RECOMPUTE_POLICIES = RECOMPUTED  # every checkpointed variant: full and selective
 
 
 def keeps_output(policy: str, op: Any, gemms: int) -> bool:
     """Whether a selective `policy` keeps `op`'s output; gemms: the GEMMs the block's forward has run, this one
-    included. "selective" keeps every matmul's and attention's output. "selective_half" keeps attention's and the
-    1st, 3rd, ... GEMM's and recomputes the others, as torchtitan's op-level selective checkpointing does: of a
-    Llama block's q, k, v, o, gate, up, down it replays k, o and up, trading about a third of the forward's matmul
-    FLOPs for their outputs' bytes. Shared with the profiler, which charges the bytes this decides."""
-    return op in SAVED_OPS and not (policy == "selective_half" and op in GEMM_OPS and gemms % 2 == 0)
+    included. "selective" keeps every matmul's and attention's output. "selective_half" (gemm_stride 2) keeps
+    attention's and the 1st, 3rd, ... GEMM's and recomputes the others, as torchtitan's op-level selective
+    checkpointing does: of a Llama block's q, k, v, o, gate, up, down it replays k, o and up, trading about a third
+    of the forward's matmul FLOPs for their outputs' bytes. Shared with the profiler, which charges the bytes this
+    decides."""
+    stride = ACTIVATION_POLICIES[policy].gemm_stride
+    return op in SAVED_OPS and not (op in GEMM_OPS and (gemms - 1) % stride)
 
 
 class _Policy:
@@ -110,7 +114,7 @@ def _recompute(forward: Callable, policy: str, x: torch.Tensor, *args: Any) -> t
     tracked = torch.is_grad_enabled() and x.requires_grad
     if tracked:
         x = _KeepInput.apply(x)
-    if policy == "recompute":
+    if not ACTIVATION_POLICIES[policy].selective:
         return checkpoint(forward, x, *args, use_reentrant=False)
     kept: list[torch.Tensor] = []
     out = checkpoint(forward, x, *args, use_reentrant=False,

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.estimate import tensor_parallel_problem
 from snugfit.plan.knapsack import INF
-from snugfit.plan.options import Constraints
+from snugfit.plan.options import Constraints, block_options
+from snugfit.plan.rules import Parts, allows, allows_unit
 from snugfit.plan.plan import Plan
+from snugfit.plan.policies import ACTIVATION_POLICIES
+from snugfit.plan.schedules import SCHEDULES, Schedule
 from snugfit.profile.types import ModelProfile
 
 MAX_MICRO_BATCH = 8
@@ -26,16 +29,16 @@ MAX_MICRO_BATCH = 8
 class Candidate:
     dp: int
     pp: int
-    mbs: int
-    m: int
+    micro_batch_size: int
+    num_microbatches: int
     schedule: str
-    v: int = 1
+    virtual_stages: int = 1
     lower: float = 0.0  # seconds no plan of this candidate can beat
     score: float = INF  # the knapsack's step time of its solution
     plan: Plan | None = None
     solved: bool = False
     fits: bool | None = None  # estimate()'s verdict once verified
-    polished: bool = False  # given back the room the knapsack could not see (Searcher.polish)
+    polished: bool = False  # given back the room the knapsack could not see (verify.polish)
     tp: int = 1
     grad_reduce: str = "step"  # plan.GRAD_REDUCE
     estimated_need: int | None = None  # estimate()'s device peak of its leanest plan, where verify.rescue took one
@@ -52,8 +55,8 @@ class Candidate:
 def nearest_to_fitting(members: list[Candidate], need: Callable[[Candidate], float]) -> Candidate:
     """The member of a family that needs the least memory, by `need`: among those of the smallest micro-batch,
     since a larger one never needs less (the one the report names, and verify.rescue estimates)."""
-    smallest = min(x.mbs for x in members)
-    return min((x for x in members if x.mbs == smallest), key=need)
+    smallest = min(x.micro_batch_size for x in members)
+    return min((x for x in members if x.micro_batch_size == smallest), key=need)
 
 
 def divisors(n: int) -> list[int]:
@@ -70,20 +73,21 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
     if all(n.gpu.name == "cpu" for n in cluster.nodes):
         return [1]
     per_node = math.gcd(*(n.count for n in cluster.nodes))
-    fixed_out = c.schedule == "bpipe" or c.offload_optimizer or c.offload_params or (
-        c.activations in ("offload", "recompute_offload"))
+    fixed_out = (c.schedule and not SCHEDULES[c.schedule].tensor_parallel) or c.offload_optimizer or \
+        c.offload_params or (c.activations and ACTIVATION_POLICIES[c.activations].on_host)
     return [1] + [t for t in (2, 4, 8) if per_node % t == 0 and not fixed_out
                   and tensor_parallel_problem(prof, t) is None]
 
 
-def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False) -> list[str]:
+def grad_reduce_modes(dp: int, m: int, c: Constraints, sched: Schedule, in_backward: bool = False) -> list[str]:
     """When gradients may be reduced: per microbatch only where it can differ from once a step (accumulation
-    over data-parallel ranks); the same math but for summation order, so searched freely unless fixed. The step
-    in backward needs every microbatch reduced where there are several (Plan.validate)."""
-    modes = [c.grad_reduce] if c.grad_reduce else ["step", "microbatch"] if dp > 1 and m > 1 else ["step"]
-    if in_backward and m > 1:
-        return [g for g in [c.grad_reduce or "microbatch"] if g == "microbatch"]
-    return modes
+    over data-parallel ranks, or the step in backward, which needs it where there are several microbatches) and
+    no rule forbids it beside the schedule (plan.rules: a split backward makes gradients in a later weight pass);
+    the same math but for summation order, so searched freely unless fixed."""
+    every = (dp > 1 or in_backward) and m > 1
+    modes = [c.grad_reduce] if c.grad_reduce else ["step", "microbatch"] if every else ["step"]
+    return [g for g in modes
+            if allows(Parts(schedule=sched.name, num_microbatches=m, grad_reduce=g, in_backward=in_backward))]
 
 
 def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
@@ -102,12 +106,14 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
             m = gb // (dp * mbs)
             if gb % (dp * mbs) or (c.num_microbatches and m != c.num_microbatches):
                 continue
-            for sched in ["none"] if pp == 1 else ["1f1b", "interleaved"] + (["bpipe"] if tp == 1 else []):
-                v = (c.virtual_stages or 2) if sched == "interleaved" else 1
-                if (c.schedule and sched != c.schedule) or (pp > 1 and m < pp):
+            for sched in SCHEDULES.values():
+                v = sched.stages_per_rank or c.virtual_stages or sched.search_stages_per_rank
+                if (c.schedule and sched.name != c.schedule) or (tp > 1 and not sched.tensor_parallel):
                     continue
-                if sched == "interleaved" and (m % pp or n < pp * v):
+                if sched.problem(pp, v, m) or n < pp * v:
                     continue
-                out += [Candidate(dp, pp, mbs, m, sched, v, tp=tp, grad_reduce=g)
-                        for g in grad_reduce_modes(dp, m, c, in_backward)]
+                if not any(allows_unit(o, tp=tp, schedule=sched.name) for o in block_options(c, dp)):
+                    continue  # no option the fixed parts leave runs beside this schedule (plan.rules)
+                out += [Candidate(dp, pp, mbs, m, sched.name, v, tp=tp, grad_reduce=g)
+                        for g in grad_reduce_modes(dp, m, c, sched, in_backward)]
     return out

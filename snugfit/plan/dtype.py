@@ -19,9 +19,8 @@ def choose_dtype(requested: str, devices: str, has_bf16: bool, on_cpu: bool) -> 
     if requested != "auto":
         return requested, "as asked"
     if has_bf16:
-        return "bfloat16", f"{devices} computes in bf16; master weights, optimizer and gradient reduction stay fp32"
-    return "float16", (f"{devices} has no bf16: float16 with dynamic loss scaling; master weights, optimizer and "
-                       "gradient reduction stay fp32")
+        return "bfloat16", f"{devices} computes in bf16"  # what weights and states are held in: the optimizer line
+    return "float16", f"{devices} has no bf16: float16 with dynamic loss scaling"
 
 
 def dtype_for_cluster(requested: str, cluster: Cluster) -> tuple[str, str]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.cpu_ranks import cpu_tp_time
-from snugfit.plan.memory import StagePiece, device_bytes, host_bytes, rank_memory, rank_stages
+from snugfit.plan.memory import RankMemory, StagePiece, device_bytes, host_bytes, host_saved, rank_memory, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
-from snugfit.plan.simulate import SimResult, simulate
+from snugfit.plan.schedules import partner
+from snugfit.plan.simulate import SimResult, simulate, split_backward
 from snugfit.plan.timing import (
     StageTime, TensorParallel, gather_every, grad_reduce_exposed, optimizer_time, reductions, stage_time,
     transfer_time,
@@ -97,17 +100,26 @@ def stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster) -> tuple[
     if plan.pp > 1 and any(n.gpu.name == "cpu" and n.count > n.host.cores for n in cluster.nodes):
         # more CPU ranks than cores slow each other only while they work, and pipeline ranks also wait: the
         # share of ranks working beside the schedule's work (transfers left out) sets how crowded the cores are
-        sim = simulate(plan.schedule, plan.pp, plan.num_microbatches, *_paces(plan, kind, times),
-                       v=plan.virtual_stages, bound=plan.bpipe_bound() if plan.schedule == "bpipe" else None)
+        fwd, bwd, split = _paces(plan, kind, times)
+        sim = simulate(plan.schedule, plan.pp, plan.num_microbatches, fwd, bwd, v=plan.virtual_stages,
+                       bound=plan.eviction_bound, split=split)
         _, _, times = _stage_times(plan, prof, cluster, busy=sim.working_share())
     return stages_of, kind, times
 
 
-def _paces(plan: Plan, kind: dict[int, int], times: dict[int, dict[int, StageTime]]) -> tuple[list, list]:
-    """(forward, backward) seconds per microbatch of each stage: its slowest data-parallel member's."""
+def _paces(plan: Plan, kind: dict[int, int], times: dict[int, dict[int, StageTime]]) -> tuple[
+        list[float], list[float], list[tuple[float, float]] | None]:
+    """(forward, backward, split backward or None) seconds per microbatch of each stage: its slowest data-parallel
+    member's; a split backward (zero-bubble schedules) as `split_backward` divides it."""
     stages = range(plan.pp * plan.virtual_stages)
-    return ([max(times[kind[r]][k].f_total for r in _dp_group(plan, k % plan.pp)) for k in stages],
-            [max(times[kind[r]][k].b_total for r in _dp_group(plan, k % plan.pp)) for k in stages])
+    group = [_dp_group(plan, plan.stage_rank(k)) for k in stages]
+    fwd = [max(times[kind[r]][k].f_total for r in group[k]) for k in stages]
+    bwd = [max(times[kind[r]][k].b_total for r in group[k]) for k in stages]
+    if not plan.schedule_entry.splits_backward:
+        return fwd, bwd, None
+    slowest = [max((times[kind[r]][k] for r in group[k]), key=lambda t: t.b_total) for k in stages]
+    split = split_backward(bwd, [st.wgrad for st in slowest], [st.recompute for st in slowest])
+    return fwd, bwd, [(i + st.split_host / 2, w + st.split_host / 2) for (i, w), st in zip(split, slowest)]
 
 
 def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float = 1.0) -> tuple[
@@ -130,11 +142,50 @@ def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float =
     return stages_of, kind, times
 
 
+@dataclass
+class RankStep:
+    """One rank's step as estimate() computed it."""
+
+    times: dict[int, StageTime]  # stage -> seconds per microbatch
+    phases: dict[str, float]  # step time by phase (the slowest rank's bubble is what its phases leave)
+    tail: dict[str, float]  # after the pipeline drains, in order: exposed "collective", "host optimizer", "optimizer"
+    memory: RankMemory
+
+
+@dataclass
+class StepEstimate:
+    """Everything estimate() computed on its way to the Prediction, per rank and per event; report.timeline
+    draws it. Alike ranks share one RankStep (`kind`)."""
+
+    prediction: Prediction
+    sim: SimResult  # the schedule's events per pipeline rank
+    stages: dict[int, dict[int, list[StagePiece]]]  # pipeline rank -> stage -> pieces
+    kind: dict[int, int]  # rank -> the first rank alike to it
+    ranks: dict[int, RankStep]  # by kind rank
+    pace: list[int]  # per stage: the rank whose times set its pace (the slowest of its data-parallel group)
+    p2p: list[float]  # per stage: seconds to send its output to the next stage
+    move: list[float]  # per stage: seconds to evict (or load) one microbatch of its activations (BPipe)
+    offload_move: list[float]  # per stage: one microbatch's activation offload transfer (overlapped)
+
+    def rank(self, r: int) -> RankStep:
+        return self.ranks[self.kind[r]]
+
+    def stage_time(self, k: int) -> StageTime:
+        """Stage k's times per microbatch, as the rank that sets its pace has them."""
+        return self.rank(self.pace[k]).times[k]
+
+
 def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_bytes: int | None = None) -> Prediction:
     """Predict per-rank peak memory by category and step time by phase; fills and returns plan.predicted.
 
     memory_budget_bytes caps what each GPU may use (default: its memory).
     """
+    return estimate_step(plan, profile, cluster, memory_budget_bytes).prediction
+
+
+def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                  memory_budget_bytes: int | None = None) -> StepEstimate:
+    """estimate(), keeping what it computed on the way (fills plan.predicted too)."""
     _check(plan, profile, cluster)
     prof = profile.scaled(plan.micro_batch_size).split(plan.tp)
     pp, dp, m, v = plan.pp, plan.dp, plan.num_microbatches, plan.virtual_stages
@@ -144,24 +195,27 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
         notes.append(f"profile scaled linearly from micro-batch {profile.micro_batch_size}")
 
     stages_of, kind, times = stage_times(plan, prof, cluster)
-    p2p, move = [0.0] * n_stages, [0.0] * n_stages
+    p2p, move, offload_move = [0.0] * n_stages, [0.0] * n_stages, [0.0] * n_stages
     first = plan.layout.rank  # the first rank of a pipeline rank's dp x tp group: its peers talk alike
+    on = plan.stage_rank
     for k in range(n_stages):
-        out = stages_of[k % pp][k][-1].piece.output_bytes
+        sps = stages_of[on(k)][k]
         if k + 1 < n_stages:
-            p2p[k] = transfer_time(out, cluster.link_for([first(k % pp), first((k + 1) % pp)]))
-        saved = sum(sp.piece.saved_bytes["keep"] for sp in stages_of[k % pp][k])
-        move[k] = transfer_time(saved, cluster.link_for([first(k % pp), first(pp - 1 - k % pp)]))
-    bound = plan.bpipe_bound() if plan.schedule == "bpipe" else None
-    sim = simulate(plan.schedule, pp, m, *_paces(plan, kind, times), v=v, p2p=p2p, bound=bound, move=move)
+            p2p[k] = transfer_time(sps[-1].piece.output_bytes, cluster.link_for([first(on(k)), first(on(k + 1))]))
+        saved = sum(sp.piece.saved_bytes["keep"] for sp in sps)
+        move[k] = transfer_time(saved, cluster.link_for([first(on(k)), first(partner(pp, on(k)))]))
+        offload_move[k] = transfer_time(sum(host_saved(sp) for sp in sps),
+                                        cluster.nodes[cluster.node_of(first(on(k)))].pcie)
+    fwd, bwd, split = _paces(plan, kind, times)
+    sim = simulate(plan.schedule, pp, m, fwd, bwd, v=v, p2p=p2p, bound=plan.eviction_bound, move=move, split=split)
+    split_extra = [2 if split and k else 1 for k in range(n_stages)]  # a split backward's W recomputes again
 
     # -- per-rank totals --
-    mem, tracked, step, phases_of = {}, {}, -1.0, {}
+    ranks, step, phases_of = {}, -1.0, {}
     for rank in sorted(set(kind.values())):
         pp_rank = plan.layout.coords(rank)[0]
         node = cluster.nodes[cluster.node_of(rank)]
         rm = rank_memory(plan, prof, node.gpu, rank, sim)
-        mem[rank], tracked[rank] = rm.cats, rm.tracked
         notes += rm.notes
         sts = times[rank]
         pieces = [sp for k in sorted(sts) for sp in stages_of[pp_rank][k]]
@@ -177,23 +231,26 @@ def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, memory_budget_
                                            optimizer=plan.optimizer)
         phases = {
             "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
-            "recompute": m * sum(st.recompute for st in sts.values()),
+            "recompute": m * sum(st.recompute * split_extra[k] for k, st in sts.items()),
             "bubble": sim.bubble(pp_rank) if pp > 1 else 0.0,
             "dp_comm_exposed": m * sum(st.comm_exposed for st in sts.values()) + reduce,
             "tp_comm": m * sum(st.tp_fwd + st.tp_bwd for st in sts.values()),
             "offload_exposed": m * sum(st.offload_exposed for st in sts.values()) + opt_host,
-            "pipeline_runtime": m * sum(st.pipe for st in sts.values()),
+            "pipeline_runtime": m * sum(st.pipe + (st.split_host if split else 0.0) for st in sts.values()),
             "optimizer": opt_dev + sum(st.update for st in sts.values()),
         }
-        total = sim.makespan + reduce + opt_host + phases["optimizer"]
+        tail = {"collective": reduce, "host optimizer": opt_host, "optimizer": phases["optimizer"]}
+        ranks[rank] = RankStep(sts, phases, tail, rm)
+        total = sim.makespan + reduce + opt_host + phases["optimizer"]  # the tail's, in its order
         if total > step:
             step, phases_of = total, phases
     bubble = step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble")
     phases_of["bubble"] = bubble if bubble > 1e-9 * step else 0.0  # not the rounding of the others' sum
-    pred = _finish(plan, prof, cluster, [mem[kind[r]] for r in range(plan.world_size)], step, phases_of, sim,
-                   notes, memory_budget_bytes)
-    pred.tracked_by_rank = [tracked[kind[r]] for r in range(plan.world_size)]
-    return pred
+    pred = _finish(plan, prof, cluster, [ranks[kind[r]].memory.cats for r in range(plan.world_size)], step,
+                   phases_of, sim, notes, memory_budget_bytes)
+    pred.tracked_by_rank = [ranks[kind[r]].memory.tracked for r in range(plan.world_size)]
+    pace = [max(_dp_group(plan, on(k)), key=lambda r, k=k: times[kind[r]][k].b_total) for k in range(n_stages)]
+    return StepEstimate(pred, sim, stages_of, kind, ranks, pace, p2p, move, offload_move)
 
 
 def largest_tensor_bytes(prof: ModelProfile) -> int:

@@ -18,10 +18,6 @@ from snugfit.profile.types import ModelProfile
 
 GIB = 2**30
 LORA_TRAINABLE = 0.01  # adapters of rank ~16 train about 1% of a block's parameters
-FLAGS = {"dp": "--dp", "pp": "--pp", "micro_batch": "--micro-batch", "num_microbatches": "--num-microbatches",
-         "schedule": "--schedule", "virtual_stages": "--virtual-stages", "zero": "--zero",
-         "activations": "--recompute", "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params",
-         "evict_bound": "--evict-bound", "grad_reduce": "--grad-reduce"}
 
 
 def summary(plan: Plan) -> str:
@@ -100,15 +96,16 @@ def speed_words(ratio: float) -> str:
 
 
 def explain_bpipe(res: SearchResult) -> str:
-    """What BPipe's memory buys against what its activation moves cost, from the two best verified plans."""
+    """What BPipe's memory buys against what its activation moves cost, from the two best verified plans, and the
+    best V schedule's figure beside it."""
     bp, plain = res.bpipe, res.best_without_bpipe
     if bp is None:
-        return "BPipe: no BPipe plan fits (it needs pp > 1 and at least pp microbatches)"
+        return "BPipe: no BPipe plan fits (it needs pp > 1 and at least pp microbatches)\n" + _v_schedule(res)
     if plain is None:
-        return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit"
+        return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit\n" + _v_schedule(res)
     lines = [f"BPipe:        {_figures(bp)}: {summary(bp)}",
              f"without it:   {_figures(plain)}: {summary(plain)}"]
-    rec = lambda p: sum(b.activations not in ("keep", "offload") for b in p.blocks)  # noqa: E731
+    rec = lambda p: sum(bool(b.policy.recomputes) for b in p.blocks)  # noqa: E731
     lines.append(f"memory buys: micro-batch {bp.micro_batch_size} vs {plain.micro_batch_size}, "
                  f"{rec(bp)} vs {rec(plain)} blocks recomputing; recompute time "
                  f"{bp.predicted.time_by_phase.get('recompute', 0):.3g} s vs "
@@ -119,7 +116,17 @@ def explain_bpipe(res: SearchResult) -> str:
                  f"next microbatch, loads in the wait for the gradient; what they do not hide shows up as bubble)")
     verdict = "chosen" if res.best is bp else "not chosen"
     lines.append(f"verdict: BPipe is {speed_words(plain.predicted.step_time_s / bp.predicted.step_time_s)} -> {verdict}")
-    return "\n".join(lines)
+    return "\n".join(lines + [_v_schedule(res)])
+
+
+def _v_schedule(res: SearchResult) -> str:
+    """The best V schedule's figure beside BPipe's: it balances stages' memory by where they sit, not by moves."""
+    v = res.best_v
+    if v is None:
+        return "V schedule:   none fits (it needs pp > 1, two stages per rank and a split backward's options)"
+    bp = res.bpipe
+    than = f", {speed_words(bp.predicted.step_time_s / v.predicted.step_time_s)} than BPipe" if bp else ""
+    return f"V schedule:   {_figures(v)}{than}: {summary(v)}"
 
 
 def _fits(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
@@ -236,7 +243,7 @@ def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     for key, value in c.fixed().items():
         plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget, opt)
         if plan:
-            out.append(f"drop {FLAGS[key]} {value}: fits as {summary(plan)} ({_figures(plan)})")
+            out.append(f"drop --{key.replace('_', '-')} {value}: fits as {summary(plan)} ({_figures(plan)})")
     if c.micro_batch != 1 and global_batch > 1:
         plan = _fits(profile, cluster, global_batch, replace(c, micro_batch=1, num_microbatches=None), memory_budget,
                      opt)

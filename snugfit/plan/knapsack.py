@@ -69,19 +69,6 @@ class Cost:
         return self.host + resident * self.host_act
 
 
-def resident_microbatches(schedule: str, pp: int, m: int, s: int, v: int = 1, bound: int | None = None) -> float:
-    """Microbatches of activations pipeline rank s holds at its peak, the one in flight included."""
-    if schedule == "none":
-        return 1.0
-    if schedule == "interleaved":  # each (virtual stage, microbatch) pair is 1/v of the rank's blocks
-        return min((v - 1) * pp + 2 * (pp - 1 - s) + 1, m * v) / v
-    own = min(pp - s, m)
-    if schedule == "bpipe":  # own up to the bound, plus what the heavy partner p-1-s evicts here
-        bound = bound or math.ceil((pp + 2) / 2)
-        return min(own, bound) + max(0, min(s + 1, m) - bound)
-    return float(own)
-
-
 def usable(gpu: GPU, budget: int) -> float:
     """Bytes the model may account for once the reserve (context + fragmentation) is taken off."""
     return float(budget) if gpu.name == "cpu" else (budget - gpu.context_bytes) / (1 + FRAGMENTATION)
@@ -102,7 +89,7 @@ class StageCosts:
 
     def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str,
                  busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1,
-                 grad_reduce: str = "step", optimizer: OptimizerPlan | None = None):
+                 grad_reduce: str = "step", replays: int = 1, optimizer: OptimizerPlan | None = None):
         self.node = cluster.nodes[cluster.node_of(rank)]
         self.gpu = self.node.gpu
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
@@ -110,6 +97,7 @@ class StageCosts:
         self.tensor = tensor  # prof is then one tensor-parallel rank's (ModelProfile.split)
         self.gathers = gathers  # microbatches one gather of a ZeRO-1/2 unit serves (timing.gather_every)
         self.grad_reduce = grad_reduce  # plan.GRAD_REDUCE: when gradients are reduced
+        self.replays = replays  # times a backward recomputes what the policy dropped (2 where the schedule splits it)
         tp = tensor.size if tensor else 1
         self.dp_link = cluster.link_for(list(range(rank, rank + dp * tp, tp)))  # plan.RankLayout: tp innermost
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype,
@@ -233,6 +221,8 @@ class StageCosts:
                 reduce = max(0.0, reduce - one.bwd - one.recompute)
         if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
             t_mb, reduce = t_mb + reduce, 0.0
+        if self.replays > 1:  # a split backward's W recomputes again (simulate.split_backward), and its host work
+            t_mb += one.recompute + one.split_host
         return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act,
                     at_root)
 

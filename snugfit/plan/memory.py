@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from snugfit.hardware.catalogue import GPU
 from snugfit.plan.optimizer import master_bytes, state_bytes
 from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.policies import KEEP
+from snugfit.plan.schedules import partner
 from snugfit.plan.reduce_memory import reduce_moments
 from snugfit.plan.simulate import SimResult
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile, nf4_bytes
@@ -86,13 +88,13 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
     ranges = plan.stage_ranges()
     last = len(ranges) - 1
     out: dict[int, list[StagePiece]] = {}
-    for k, blocks in enumerate(ranges):
-        if k % plan.pp != pp_rank:
-            continue
+    for k in plan.stages_of(pp_rank):
+        blocks = ranges[k]
         pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
         pieces += [StagePiece(prof.blocks[i], plan.blocks[i], prof.blocks[i].num_params) for i in blocks]
         if k == last:
-            tied = prof.tied_params if last % plan.pp != 0 else 0  # the head needs its own copy on another rank
+            # the head needs its own copy of tied weights on another rank than the embedding's
+            tied = prof.tied_params if plan.stage_rank(last) != plan.stage_rank(0) else 0
             pieces.append(StagePiece(prof.head, plan.root, prof.head.num_params + tied))
         out[k] = pieces
     return out
@@ -209,18 +211,26 @@ def stepping_gradients(plan: Plan, pieces: list[StagePiece]) -> int:
 
 def device_saved(sp: StagePiece) -> int:
     """Bytes of one microbatch's activations this piece keeps on device until its backward."""
-    policy = sp.decision.activations if sp.is_block else "keep"
-    if sp.is_block and sp.decision.offloads_activations:
+    policy = sp.decision.policy if sp.is_block else KEEP
+    if policy.on_host:
         return 0
-    return sp.piece.saved_bytes.get(policy, sp.piece.saved_bytes["keep"])
+    return sp.piece.saved_bytes.get(policy.keeps, sp.piece.saved_bytes["keep"])
 
 
 def host_saved(sp: StagePiece) -> int:
     """Bytes of one microbatch's activations this piece keeps on host until its backward: all it saves
     ("offload") or its recomputation checkpoint, the block input ("recompute_offload")."""
-    if not (sp.is_block and sp.decision.offloads_activations):
+    if not (sp.is_block and sp.decision.policy.on_host):
         return 0
-    return sp.piece.saved_bytes["keep" if sp.decision.activations == "offload" else "recompute"]
+    return sp.piece.saved_bytes[sp.decision.policy.keeps]
+
+
+def output_grad_bytes(plan: Plan, sp: StagePiece) -> int:
+    """What a split backward (zero-bubble schedules) holds of one microbatch between its I and its W beyond the
+    saved activations: the gradient of each trainable linear layer's output, which torch keeps for the weight
+    GEMM (pipelining's stage_backward_input)."""
+    share = sp.n_trainable / max(sp.n_params, 1)
+    return int(sum(m * n for m, n, _ in sp.piece.gemms) * share) * DTYPE_BYTES[plan.compute_dtype]
 
 
 @dataclass
@@ -361,9 +371,12 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         m_held = max(sim.max_resident(pp_rank), 1)
         host["activations"] = m_held * sum(offloaded)
     # stage bytes held per microbatch on the partner (BPipe) come from other ranks' stages
-    if plan.schedule == "bpipe":
-        partner = rank_stages(plan, prof, plan.pp - 1 - pp_rank)
-        per_mb.update({k: sum(device_saved(sp) for sp in sps) for k, sps in partner.items()})
+    if plan.schedule_entry.evicts:
+        held_for = rank_stages(plan, prof, partner(plan.pp, pp_rank))
+        per_mb.update({k: sum(device_saved(sp) for sp in sps) for k, sps in held_for.items()})
+    # between a split backward's I and W: each trainable linear layer's output gradient (not saved tensors: the
+    # tracker does not see them)
+    awaiting_w = {k: sum(output_grad_bytes(plan, sp) for sp in sps) for k, sps in stages.items()}
 
     # what each piece's backward frees for the pieces before it: a zero 0-2 block's gathered copy
     copy_of = {sp.piece.name: gathered_bytes(plan, sp) if sp.is_block and sp.decision.zero < 3 else 0
@@ -386,18 +399,20 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         ev = snap.event
         g = accum if grads_resident else 0
         syncs = plan.grad_reduce == "microbatch" or ev.mb == plan.num_microbatches - 1
-        kind = "sync" if ev.kind == "B" and syncs else ev.kind
+        makes_grads = ev.kind in ("B", "W")  # a split backward's I makes only the input's gradient
+        kind = "F" if ev.kind == "F" else "sync" if makes_grads and syncs else "B"
         walk = walks[(ev.stage, kind, grads_resident)]
         held = sum(per_mb[s] * n for s, n in snap.resident.items() if n)
-        total = held + walk.saved + walk.working + g + gathered - walk.released + walk.buffers
+        pending = sum(awaiting_w[s] * n for s, n in (snap.awaiting_weight or {}).items() if n)
+        total = held + pending + walk.saved + walk.working + g + gathered - walk.released + walk.buffers
         if total > best_total:
-            best_total, best = total, Peak(held + walk.saved + window, g, gathered - walk.released, walk.buffers,
-                                           walk.working, walk.piece)
+            best_total, best = total, Peak(held + pending + walk.saved + window, g, gathered - walk.released,
+                                           walk.buffers, walk.working, walk.piece)
         saved, copy = walks[(ev.stage, "tracked")]
         if held + saved + copies + copy + g > tracked_best:
             tracked_best, tracked_at = held + saved + copies + copy + g, (held + saved, copies + copy, g)
-        grads_resident = grads_resident or ev.kind == "B"
-        last_backward_held = held if ev.kind == "B" else last_backward_held
+        grads_resident = grads_resident or makes_grads
+        last_backward_held = held if makes_grads else last_backward_held
     # the copies of reduce: FSDP2 reshards a unit before reducing it, and has prefetched the next zero-3 block
     order = [sp.piece.name for sp in all_pieces]
     root_copy = sum(gathered_bytes(plan, sp) for sp in all_pieces if not sp.is_block)

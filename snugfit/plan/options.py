@@ -5,93 +5,95 @@ Pure: the search enumerates these, the explanation names them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 from snugfit.errors import SnugfitError
-from snugfit.plan.plan import ACTIVATION_POLICIES, GRAD_REDUCE, SCHEDULES, BlockPlan
-
-POLICY_ALIASES = {"none": "keep", "off": "keep", "full": "recompute"}
+from snugfit.plan.rules import Parts, problem
+from snugfit.plan.plan import GRAD_REDUCE, ZERO_STAGES, BlockPlan
+from snugfit.plan.policies import ACTIVATION_POLICIES, ALIASES, POLICY_NAMES
+from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES
 
 
 @dataclass
 class Constraints:
-    """Parts of the plan fixed by the user; None = search it."""
+    """The parts of a plan a user fixes, named and typed once: the run config's [parallel] section is one
+    (config.ParallelConfig adds how the ranks launch), `snugfit plan` and `snugfit train` take them as the same
+    options, and the search reads them. None = search it."""
 
     dp: int | None = None
-    tp: int | None = None
+    tp: int | None = None  # tensor-parallel degree (ranks of one node)
     pp: int | None = None
-    micro_batch: int | None = None
-    num_microbatches: int | None = None
-    schedule: str | None = None
+    schedule: str | None = None  # plan.schedules
     virtual_stages: int | None = None
-    zero: int | None = None
-    activations: str | None = None
-    offload_optimizer: bool | None = None  # True: every block and the root; False: none
+    num_microbatches: int | None = None
+    zero: int | None = None  # 0 | 1 | 2 | 3
+    recompute: str | None = None  # every block's activation policy (plan.policies; none = keep, full = recompute)
+    offload_optimizer: str | None = None  # all | none (a whole plan, `snugfit plan`, also takes a block count)
     offload_params: bool | None = None
-    evict_bound: int | None = None
-    grad_reduce: str | None = None  # plan.GRAD_REDUCE
+    evict_bound: int | None = None  # BPipe: most microbatches resident per stage
+    grad_reduce: str | None = None  # step: once a step | microbatch: every microbatch (holds shards)
+    # from the run config's train.micro_batch_size (0 there: searched), not a [parallel] key
+    micro_batch: int | None = field(default=None, metadata={"config": False})
+
+    @property
+    def activations(self) -> str | None:
+        """The policy `recompute` names (aliases resolved)."""
+        return ALIASES.get(self.recompute, self.recompute)
+
+    @property
+    def offloads_optimizer(self) -> bool | None:
+        """Whether every unit offloads its optimizer (True), none does (False), or it is searched (None)."""
+        return {None: None, "all": True, "none": False, "0": False}.get(self.offload_optimizer, self.offload_optimizer)
 
     def fixed(self) -> dict:
-        return {k: v for k, v in vars(self).items() if v is not None}
+        return {f.name: getattr(self, f.name) for f in fields(Constraints) if getattr(self, f.name) is not None}
+
+    def checked(self, world_size: int) -> "Constraints":
+        """These fixed parts, refused in one line naming the fix where they cannot work on `world_size` ranks or
+        break a rule (plan.rules) among themselves."""
+        for flag, v in (("--dp", self.dp), ("--tp", self.tp), ("--pp", self.pp)):
+            if v is not None and (v < 1 or world_size % v):
+                raise SnugfitError(f"{flag} {v} does not divide the {world_size} ranks (GPUs) of the launch")
+        dp, tp, pp = self.dp or 1, self.tp or 1, self.pp or 1
+        if self.dp and self.pp and self.tp and dp * tp * pp != world_size:
+            raise SnugfitError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the launch has {world_size} "
+                               "ranks (GPUs)")
+        if world_size % (dp * tp * pp):
+            raise SnugfitError(f"--dp x --tp x --pp must divide into the launch's {world_size} ranks (GPUs)")
+        if self.activations is not None and self.activations not in ACTIVATION_POLICIES:
+            raise SnugfitError(f"--recompute must be one of {', '.join(POLICY_NAMES)}, got {self.recompute!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise SnugfitError(f"--schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
+        if self.grad_reduce is not None and self.grad_reduce not in GRAD_REDUCE:
+            raise SnugfitError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}")
+        if self.zero is not None and self.zero not in ZERO_STAGES:
+            raise SnugfitError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.offloads_optimizer not in (None, True, False):
+            raise SnugfitError("--offload-optimizer in a search takes 'all' or 'none'; to offload the first N blocks, "
+                               "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
+        if pp > 1 and self.num_microbatches and self.num_microbatches < pp:
+            raise SnugfitError(f"--num-microbatches {self.num_microbatches} must be >= --pp {pp}")
+        broken = problem(Parts(
+            tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
+            schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound, zero=self.zero,
+            offload_optimizer=self.offloads_optimizer, offload_params=self.offload_params or None,
+            activations=self.activations))
+        if broken:
+            raise SnugfitError(broken)
+        return self
 
 
-FIXED_KEYS = ("dp", "tp", "pp", "schedule", "virtual_stages", "num_microbatches", "zero", "recompute", "offload_optimizer",
-              "offload_params", "evict_bound", "grad_reduce")  # the run config's [parallel] keys that fix parts of a searched plan
+def fixed_parts_of(parallel: Constraints, micro_batch_size: int, world_size: int) -> Constraints:
+    """A run config's fixed parts (its [parallel] section; train.micro_batch_size 0 = searched), checked."""
+    return replace(parallel, micro_batch=micro_batch_size or None).checked(world_size)
 
 
-def fixed_parts_of(parallel, micro_batch_size: int, world_size: int) -> Constraints:
-    """The fixed parts a run config gives (its [parallel] FIXED_KEYS; micro-batch 0 = searched), checked."""
-    return fixed_parts(world_size, micro_batch=micro_batch_size or None,
-                       **{k: getattr(parallel, k) for k in FIXED_KEYS})
-
-
-def refuse_fixed_parts_beside(parallel) -> None:
+def refuse_fixed_parts_beside(parallel: Constraints) -> None:
     """Fixed parts belong to a searched plan (plan "auto"), not to a plan file or plain data parallelism."""
-    fixed = [k for k in FIXED_KEYS if getattr(parallel, k) is not None]
+    fixed = list(parallel.fixed())
     if fixed and parallel.plan != "auto":
         raise SnugfitError(f"--{fixed[0].replace('_', '-')} fixes a part of a searched plan, but --plan is "
                            f"{parallel.plan!r}; drop --plan (auto) or the fixed parts")
-
-
-def fixed_parts(world_size: int, *, dp: int | None = None, tp: int | None = None, pp: int | None = None,
-                micro_batch: int | None = None,
-                num_microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None,
-                zero: int | None = None, recompute: str | None = None, offload_optimizer: str | None = None,
-                offload_params: bool | None = None, evict_bound: int | None = None,
-                grad_reduce: str | None = None) -> Constraints:
-    """The parts of a plan a user fixed (`snugfit plan` and `snugfit train` options of the same names), checked
-    against the launch: one-line errors naming the fix for those that cannot work."""
-    for flag, v in (("--dp", dp), ("--tp", tp), ("--pp", pp)):
-        if v is not None and (v < 1 or world_size % v):
-            raise SnugfitError(f"{flag} {v} does not divide the {world_size} ranks (GPUs) of the launch")
-    if dp and pp and tp and dp * tp * pp != world_size:
-        raise SnugfitError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the launch has {world_size} "
-                           "ranks (GPUs)")
-    if (dp or 1) * (tp or 1) * (pp or 1) > world_size or world_size % ((dp or 1) * (tp or 1) * (pp or 1)):
-        raise SnugfitError(f"--dp x --tp x --pp must divide into the launch's {world_size} ranks (GPUs)")
-    if tp and tp > 1 and (schedule == "bpipe" or offload_params or offload_optimizer not in (None, "none", "0")
-                          or recompute in ("offload", "recompute_offload")):
-        raise SnugfitError(f"--tp {tp} does not combine with BPipe or host offload yet; drop one of them")
-    if pp and pp > 1 and num_microbatches and num_microbatches < pp:
-        raise SnugfitError(f"--num-microbatches {num_microbatches} must be >= --pp {pp}")
-    if offload_params and zero not in (None, 3):
-        raise SnugfitError("--offload-params needs --zero 3 (parameters are offloaded as shards)")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise SnugfitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if grad_reduce is not None and grad_reduce not in GRAD_REDUCE:
-        raise SnugfitError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got {grad_reduce!r}")
-    if zero is not None and zero not in (0, 1, 2, 3):
-        raise SnugfitError(f"--zero must be 0, 1, 2 or 3, got {zero}")
-    policy = POLICY_ALIASES.get(recompute, recompute)
-    if policy is not None and policy not in ACTIVATION_POLICIES:
-        raise SnugfitError(f"--recompute must be one of {ACTIVATION_POLICIES}, got {recompute!r}")
-    offload = {None: None, "all": True, "none": False, "0": False}.get(offload_optimizer, "?")
-    if offload == "?":
-        raise SnugfitError("--offload-optimizer in a search takes 'all' or 'none'; to offload the first N blocks, "
-                           "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
-    return Constraints(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, num_microbatches=num_microbatches, schedule=schedule,
-                       virtual_stages=virtual_stages, zero=zero, activations=policy, offload_optimizer=offload,
-                       offload_params=offload_params or None, evict_bound=evict_bound, grad_reduce=grad_reduce)
 
 
 def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan]:
@@ -99,18 +101,19 @@ def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan
     differs in memory only: FSDP2 gathers a unit's compute copy even on one rank, which ZeRO 3 frees after forward
     (the copy is the whole model again where the weights are stored in the compute dtype: bf16 masters)."""
     acts = ["keep"] if root else ([c.activations] if c.activations else list(ACTIVATION_POLICIES))
+    offload_optimizer = c.offloads_optimizer
     out = []
     for z in [c.zero] if c.zero is not None else [0, 1, 2, 3]:
         for mode in ("none", "optimizer", "params", "stream"):
             params = mode == "params"
             if (params and z != 3) or (c.offload_params is not None and params != c.offload_params):
                 continue
-            if (c.offload_optimizer is not None and (mode == "optimizer") != c.offload_optimizer) or \
+            if (offload_optimizer is not None and (mode == "optimizer") != offload_optimizer) or \
                     (dp == 1 and c.zero is None and z not in ((3,) if mode == "params" else (0, 3))):
                 continue
             # streaming states pays where the device is short of memory, where ZeRO-3 holds the least too (and at
             # dp 1 costs no communication); "none": every unit's states on the device
-            if mode == "stream" and (c.offload_optimizer is False or z != 3):
+            if mode == "stream" and (offload_optimizer is False or z != 3):
                 continue
             out += [BlockPlan(z, mode == "optimizer", mode == "params", a, stream_states=mode == "stream")
                     for a in acts]
@@ -121,10 +124,7 @@ def describe(o: BlockPlan, root: bool = False) -> str:
     parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
     parts += ["optimizer offload"] * o.offload_optimizer + ["parameter offload"] * o.offload_params
     parts += ["states streamed"] * o.stream_states
-    acts = {"keep": "activations kept", "offload": "activations offloaded",
-            "recompute_offload": "recompute, checkpoints offloaded",
-            "selective_half": "selective, half the matmuls"}.get(o.activations, o.activations)
-    return " + ".join(parts + ([] if root else [acts]))
+    return " + ".join(parts + ([] if root else [o.policy.words]))
 
 
 def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
@@ -137,7 +137,9 @@ def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
 
 
 def buffer_kinds(o: BlockPlan) -> int:
-    """Once-per-stage buffers the option needs (`Searcher._buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
-    activation-offload window, bit 4 the checkpoint-offload window, bit 8 the streamed states' window."""
-    return ((o.zero == 3) | 2 * (o.activations == "offload") | 4 * (o.activations == "recompute_offload")
+    """Once-per-stage buffers the option needs (`CostModel.buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
+    activation-offload window (a policy whose whole saved activations wait on host), bit 4 the
+    checkpoint-offload window (one whose recomputation checkpoint does), bit 8 the streamed states' window."""
+    on_host = o.policy.on_host
+    return ((o.zero == 3) | 2 * (on_host and not o.policy.recomputes) | 4 * (on_host and bool(o.policy.recomputes))
             | 8 * o.stream_states)

@@ -7,14 +7,15 @@ runtime executes exactly what it says and never re-decides. Pure: no torch.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from snugfit.errors import PlanError
+from snugfit.plan.rules import Parts, problem
+from snugfit.plan.policies import ACTIVATION_POLICIES, POLICY_NAMES, ActivationPolicy
+from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES, Action, Schedule, bpipe_bound
 
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicate, 1 shard optimizer states, 2 + gradients, 3 + parameters
-SELECTIVE_POLICIES = ("selective", "selective_half")  # as model.recompute names them (plan/ imports no torch)
-# recompute_offload: full recomputation whose kept block input (the checkpoint) waits on host for the backward
-ACTIVATION_POLICIES = ("keep", "recompute", *SELECTIVE_POLICIES, "offload", "recompute_offload")
-SCHEDULES = ("none", "1f1b", "interleaved", "bpipe")  # "none": pp == 1, plain gradient accumulation
 DTYPES = ("float32", "bfloat16", "float16")
 # When FSDP2 reduces gradients over data-parallel ranks: once a step, after the last microbatch (the unsharded
 # gradient accumulates through the step), or after every microbatch (only the fp32 shard accumulates)
@@ -24,10 +25,6 @@ GRAD_REDUCE = ("step", "microbatch")
 # quantized states)
 MASTER_WEIGHTS = ("fp32", "bf16")
 OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "4bit")
-
-
-class PlanError(ValueError):
-    """A plan that cannot run as written; the message names the field and the fix."""
 
 
 @dataclass
@@ -48,22 +45,20 @@ class BlockPlan:
         return self.offload_optimizer or self.offload_params or self.stream_states
 
     @property
+    def policy(self) -> ActivationPolicy:
+        """The activation policy's entry (plan.policies)."""
+        return ACTIVATION_POLICIES[self.activations]
+
+    @property
     def offloads_activations(self) -> bool:
         """Whether what the block keeps for backward waits on host (all of it, or its recompute checkpoint)."""
-        return self.activations in ("offload", "recompute_offload")
+        return self.policy.on_host
 
     def check(self, where: str) -> None:
         if self.zero not in ZERO_STAGES:
             raise PlanError(f"{where}.zero must be one of {ZERO_STAGES}, got {self.zero}")
         if self.activations not in ACTIVATION_POLICIES:
-            raise PlanError(f"{where}.activations must be one of {ACTIVATION_POLICIES}, got {self.activations!r}")
-        if self.offload_params and self.zero != 3:
-            raise PlanError(f"{where}: offload_params needs zero 3 (parameters are offloaded as shards); set zero=3")
-        if self.offload_params and self.offload_optimizer:
-            raise PlanError(f"{where}: offload_params already keeps optimizer states on host; drop offload_optimizer")
-        if self.stream_states and (self.offload_params or self.offload_optimizer):
-            raise PlanError(f"{where}: stream_states updates on the device what offload_optimizer and offload_params "
-                            "update on the host; keep one of them")
+            raise PlanError(f"{where}.activations must be one of {', '.join(POLICY_NAMES)}, got {self.activations!r}")
 
 
 @dataclass
@@ -172,7 +167,7 @@ class Plan:
         return RankLayout(pp=self.pp, dp=self.dp, tp=self.tp)
 
     def stage_ranges(self) -> list[range]:
-        """Block indices of each stage, in stage order (stage k runs on pipeline rank k % pp)."""
+        """Block indices of each stage, in stage order (stage k runs on pipeline rank `stage_rank(k)`)."""
         out, start = [], 0
         for n in self.stage_blocks:
             out.append(range(start, start + n))
@@ -195,8 +190,30 @@ class Plan:
         grad_reduce "microbatch", or with one microbatch, whose backward is the step's only one."""
         return self.grad_reduce == "microbatch" or self.num_microbatches == 1
 
-    def bpipe_bound(self) -> int:
-        return self.evict_bound if self.evict_bound is not None else math.ceil((self.pp + 2) / 2)
+    @property
+    def schedule_entry(self) -> Schedule:
+        """The schedule's registry entry (plan.schedules): placement, program, runner."""
+        return SCHEDULES[self.schedule]
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs `stage` (looped: stage % pp; V schedules fold back)."""
+        return self.schedule_entry.rank_of(stage, self.pp)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank pp_rank runs, in stage order."""
+        return self.schedule_entry.stages_of(pp_rank, self.pp, self.virtual_stages)
+
+    def program(self, pp_rank: int) -> list[Action]:
+        """What pipeline rank pp_rank runs in a step, in order (plan.schedules): the time model simulates it and
+        the runtime executes it."""
+        return self.schedule_entry.program(self.pp, self.virtual_stages, self.num_microbatches, pp_rank,
+                                           self.eviction_bound)
+
+    @property
+    def eviction_bound(self) -> int | None:
+        """Most microbatches a rank whose schedule evicts keeps (BPipe: evict_bound, else ceil((pp+2)/2)); None
+        where the schedule moves nothing."""
+        return bpipe_bound(self.pp, self.evict_bound) if self.schedule_entry.evicts else None
 
     # -- construction --
     @classmethod
@@ -210,11 +227,15 @@ class Plan:
         block: BlockPlan | None = None,
         root: BlockPlan | None = None,
         schedule: str | None = None,
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
         **kw,
     ) -> "Plan":
-        """Every block decided alike; stages split as evenly as possible (earlier stages get fewer)."""
+        """Every block decided alike; stages split as evenly as possible (earlier stages get fewer). The schedule
+        defaults to 'none' without a pipeline and '1f1b' with one, virtual_stages to what the schedule runs."""
         block = block or BlockPlan()
+        schedule = schedule or ("none" if pp == 1 else "1f1b")
+        fixed = SCHEDULES[schedule].stages_per_rank if schedule in SCHEDULES else None
+        virtual_stages = virtual_stages or fixed or 1
         n_stages = pp * virtual_stages
         base, extra = divmod(n_blocks, n_stages)
         stage_blocks = [base + (1 if i >= n_stages - extra else 0) for i in range(n_stages)]
@@ -223,7 +244,7 @@ class Plan:
             dp=dp,
             pp=pp,
             tp=tp,
-            schedule=schedule or ("none" if pp == 1 else "1f1b"),
+            schedule=schedule,
             virtual_stages=virtual_stages,
             stage_blocks=stage_blocks,
             root=root or BlockPlan(**asdict(block)),
@@ -233,7 +254,8 @@ class Plan:
 
     # -- checks --
     def validate(self, n_blocks: int | None = None, world_size: int | None = None) -> None:
-        """Refuse a plan that contradicts itself, the model or the launch."""
+        """Refuse a plan that contradicts itself (its fields, then every rule of plan.rules), the model or the
+        launch."""
         for name in ("world_size", "dp", "pp", "tp", "micro_batch_size", "num_microbatches", "seq_len", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise PlanError(f"plan.{name} must be >= 1, got {getattr(self, name)}")
@@ -241,19 +263,8 @@ class Plan:
             raise PlanError(
                 f"plan: dp ({self.dp}) x tp ({self.tp}) x pp ({self.pp}) must equal world_size ({self.world_size})"
             )
-        if world_size is not None and world_size != self.world_size:
-            raise PlanError(
-                f"plan is for {self.world_size} ranks but {world_size} were launched; "
-                f"launch with --nproc {self.world_size} or re-plan"
-            )
-        if n_blocks is not None and len(self.blocks) != n_blocks:
-            raise PlanError(f"plan has {len(self.blocks)} block decisions but the model has {n_blocks} blocks; re-plan")
         if self.schedule not in SCHEDULES:
-            raise PlanError(f"plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if (self.pp == 1) != (self.schedule == "none"):
-            raise PlanError(f"plan.schedule {self.schedule!r} does not fit pp={self.pp}: use 'none' iff pp == 1")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise PlanError("plan.virtual_stages > 1 needs schedule 'interleaved'")
+            raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if len(self.stage_blocks) != self.pp * self.virtual_stages:
             raise PlanError(
                 f"plan.stage_blocks has {len(self.stage_blocks)} stages, expected pp x virtual_stages = "
@@ -263,14 +274,6 @@ class Plan:
             raise PlanError(
                 f"plan.stage_blocks {self.stage_blocks} must be positive and sum to the {len(self.blocks)} blocks"
             )
-        if self.pp > 1 and self.num_microbatches < self.pp:
-            raise PlanError(
-                f"plan.num_microbatches ({self.num_microbatches}) must be >= pp ({self.pp}) for a pipeline schedule"
-            )
-        if self.schedule == "interleaved" and self.num_microbatches % self.pp:
-            raise PlanError(f"interleaved 1F1B needs num_microbatches divisible by pp ({self.pp})")
-        if self.evict_bound is not None and self.schedule != "bpipe":
-            raise PlanError("plan.evict_bound is only meaningful with schedule 'bpipe'")
         if self.grad_reduce not in GRAD_REDUCE:
             raise PlanError(f"plan.grad_reduce must be one of {GRAD_REDUCE}, got {self.grad_reduce!r}")
         for name in ("compute_dtype", "reduce_dtype"):
@@ -280,13 +283,38 @@ class Plan:
         for i, b in enumerate(self.blocks):
             b.check(f"plan.blocks[{i}]")
         self.optimizer.check()
-        if self.optimizer.in_backward and not self.reduces_every_microbatch:
-            raise PlanError(f"the step in backward needs one microbatch per step or gradients reduced every "
-                            f"microbatch, but the plan accumulates {self.num_microbatches} microbatches and reduces "
-                            "once a step; set grad_reduce 'microbatch' (--grad-reduce microbatch) or one microbatch")
-        if self.optimizer.in_backward and self.compute_dtype == "float16":
-            raise PlanError("the step in backward cannot run under float16's loss scaling (an overflow must be found "
-                            "before any unit steps); compute in bfloat16 or step after backward")
+        broken = self.rule_broken()
+        if broken:
+            raise PlanError(broken)
+        if world_size is not None and world_size != self.world_size:
+            raise PlanError(
+                f"plan is for {self.world_size} ranks but {world_size} were launched; "
+                f"launch with --nproc {self.world_size} or re-plan"
+            )
+        if n_blocks is not None and len(self.blocks) != n_blocks:
+            raise PlanError(f"plan has {len(self.blocks)} block decisions but the model has {n_blocks} blocks; re-plan")
+
+    def rule_broken(self) -> str | None:
+        """The first compatibility rule (plan.rules) the plan breaks, naming where, or None."""
+        for where, parts in self.rule_parts():
+            found = problem(parts)
+            if found:
+                return f"{where}: {found}"
+        return None
+
+    def rule_parts(self) -> Iterator[tuple[str, Parts]]:
+        """What the rules read of this plan: its plan-wide parts, then each distinct unit's beside them."""
+        wide = dict(tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
+                    schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound,
+                    compute_dtype=self.compute_dtype, in_backward=self.optimizer.in_backward)
+        yield "plan", Parts(**wide)
+        units = {}  # each distinct unit once, where it first appears
+        for where, u in (("plan.root", replace(self.root, activations="keep")),  # the root pieces keep theirs
+                         *((f"plan.blocks[{i}]", b) for i, b in enumerate(self.blocks))):
+            units.setdefault((u.zero, u.offload_optimizer, u.offload_params, u.activations, u.stream_states), where)
+        for (zero, opt, params, acts, stream), where in units.items():
+            yield where, Parts(**wide, zero=zero, offload_optimizer=opt, offload_params=params, activations=acts,
+                               stream_states=stream)
 
     # -- serialisation --
     def to_dict(self) -> dict:

@@ -8,16 +8,20 @@ families", and what explain.advise() reads when nothing fits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from snugfit.plan.candidates import nearest_to_fitting
+from snugfit.plan.candidates import Candidate, nearest_to_fitting
+from snugfit.plan.cost_model import CostModel
 from snugfit.plan.knapsack import INF
 from snugfit.plan.options import describe
 from snugfit.plan.plan import BlockPlan, Plan, PlanError
 
-if TYPE_CHECKING:
-    from snugfit.plan.candidates import Candidate
-    from snugfit.plan.search import Searcher
+
+@dataclass
+class SearchLog:
+    """What a search did, counted as it goes: full estimate() calls and the seconds they took."""
+
+    verified: int = 0
+    verify_s: float = 0.0
 
 
 @dataclass
@@ -40,6 +44,7 @@ class SearchResult:
     least_need: tuple[int, int] = (0, 0)  # (device bytes, of which static) of the least-memory candidate
     bpipe: Plan | None = None  # the best fitting BPipe plan (chosen or not), for --explain-bpipe
     best_without_bpipe: Plan | None = None
+    best_v: Plan | None = None  # the best fitting plan of a V schedule (zbv), which --explain-bpipe names too
 
 
 class NoPlanError(PlanError):
@@ -50,7 +55,7 @@ class NoPlanError(PlanError):
         self.result = result
 
 
-def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate], res: SearchResult) -> None:
+def explain_losses(model: CostModel, cands: list[Candidate], found: list[Candidate], res: SearchResult) -> None:
     """Fill res.rejected (and res.least_need when nothing fits); `found`: the verified candidates, fastest first."""
     budget = res.budget_bytes
     needs: dict[int, tuple] = {}  # computed for families that fit nowhere only: they are what the report explains
@@ -58,7 +63,7 @@ def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate
     def need(x: Candidate) -> tuple[int, int, BlockPlan | None]:
         """The knapsack's least need, or estimate()'s where rescue() took it (the knapsack over-counts)."""
         if id(x) not in needs:
-            needs[id(x)] = srch.need(x)
+            needs[id(x)] = model.need(x)
             if x.estimated_need is not None and x.estimated_need < needs[id(x)][0]:
                 needs[id(x)] = (x.estimated_need, *needs[id(x)][1:])
         return needs[id(x)]
@@ -76,7 +81,7 @@ def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate
         least_bytes, _, option = need(least)
         if least_bytes > budget:
             needs_gib, has_gib = gib_apart(least_bytes, budget)
-            reason = (f"needs {needs_gib} GiB per GPU even with micro-batch {least.mbs} and every block "
+            reason = (f"needs {needs_gib} GiB per GPU even with micro-batch {least.micro_batch_size} and every block "
                       f"{describe(option)}, has {has_gib}")
         else:
             t = min(x.score if x.solved else x.lower for x in members)
@@ -85,7 +90,7 @@ def explain_losses(srch: Searcher, cands: list[Candidate], found: list[Candidate
         res.rejected.append(Rejection(fam, reason, least_bytes))
     if res.best is not None and any(b.offload_optimizer or b.offload_params or b.offloads_activations
                                     for b in res.best.blocks):
-        plain_need = srch.need(found[0], offload=False)[0]
+        plain_need = model.need(found[0], offload=False)[0]
         if plain_need > budget:
             res.rejected.insert(0, Rejection(f"{found[0].family} without offload",
                                              "needs {} GiB per GPU, has {}".format(*gib_apart(plain_need, budget)),

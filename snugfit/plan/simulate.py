@@ -1,31 +1,32 @@
 """A small event simulation of one training step's pipeline schedule.
 
-Each pipeline rank runs its list of actions in order (the order torch's schedules
-use); an action starts when the rank is free and its inputs have arrived. Stage k
-of pp*v stages runs on rank k % pp. The result keeps every event (for Gantt
-charts), busy time and bubble per rank, and which (stage, microbatch) activations
-each rank holds whenever it starts computing, which is what the memory model needs.
+Each pipeline rank runs its action program (plan.schedules: the same one the runtime executes) in order; a
+compute action starts when the rank is free and its inputs have arrived: a forward its previous stage's
+output, a backward (B, or I where the backward is split) its next stage's input gradient, a W its own I.
+The result keeps every event (for Gantt charts), busy time and bubble per rank, and which (stage,
+microbatch) activations each rank holds whenever it starts computing, which is what the memory model needs.
 
-BPipe moves follow the runtime's program (runtime.schedules.bpipe_program), so
-a heavy rank x < p-1-x never holds more than `bound` microbatches: before a
-forward at the bound it evicts the one whose backward comes last to its partner
-p-1-x (overlapped with that forward); before the backward of an evicted one it
-makes room the same way, then loads it back once the partner's backward of it is
-done (the backward waits for the load).
+A (stage, microbatch) is held from its forward to its backward (to its W where the backward is split: torch's
+input backward keeps the graph for the weight backward). EVICT and LOAD actions (BPipe) run as the compute
+action after them is taken up, on a lane beside the rank's compute: evictions start once the rank is free and
+overlap what follows; a load starts once the evictions before it are sent and the partner rank's own
+backward of that microbatch is done (it may hand the bytes back only then), and the backward waits for it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-
 from dataclasses import dataclass, field
+
+from snugfit.plan.schedules import COMPUTE, SCHEDULES, partner, programs
 
 
 @dataclass(slots=True)
 class Event:
     rank: int
     stage: int
-    kind: str  # F, B, evict, load
+    kind: str  # F, B, I, W, evict, load
     mb: int
     start: float
     end: float
@@ -34,13 +35,15 @@ class Event:
 @dataclass(slots=True)
 class Snapshot:
     """At the start of a compute event: how many microbatches of activations the rank holds, per stage (the
-    memory model needs no more, and a count keeps long simulations cheap).
+    memory model needs no more, and a count keeps long simulations cheap), and of those how many wait for their
+    weight backward (their input backward done: torch holds their output gradients too).
 
     The event's own (stage, mb) is excluded: its bytes belong to the piece walk of the event.
     """
 
     event: Event
     resident: dict[int, int]  # stage -> microbatches held
+    awaiting_weight: dict[int, int] | None = None  # stage -> of those, the ones between I and W
 
 
 @dataclass
@@ -58,8 +61,8 @@ class SimResult:
         the integral of running). Ranks on too few cores slow each other only while they work, and a pipeline's
         work runs mostly in its crowded steady state, not at the average over its fill and drain (1F1B at pp 4
         and 4 microbatches: 0.69 against 0.57 busy on average)."""
-        edges = sorted([(e.start, 1) for e in self.events if e.kind in "FB"]
-                       + [(e.end, -1) for e in self.events if e.kind in "FB"])
+        work = [e for e in self.events if e.kind in COMPUTE]
+        edges = sorted([(e.start, 1) for e in work] + [(e.end, -1) for e in work])
         running, last, square, linear = 0, 0.0, 0.0, 0.0
         for t, step in edges:
             square, linear = square + running * running * (t - last), linear + running * (t - last)
@@ -76,66 +79,52 @@ class SimResult:
         return best
 
 
-def action_order(schedule: str, pp: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
-    """(kind, stage, microbatch) actions of one pipeline rank, in the order it runs them."""
-    if schedule == "none":
-        return [a for j in range(m) for a in (("F", 0, j), ("B", 0, j))]
-    if schedule in ("1f1b", "bpipe"):
-        warm = min(pp - rank - 1, m)
-        out = [("F", rank, j) for j in range(warm)]
-        for i in range(m - warm):
-            out += [("F", rank, warm + i), ("B", rank, i)]
-        return out + [("B", rank, j) for j in range(m - warm, m)]
-    if schedule == "interleaved":
-        total = m * v
-
-        def fwd(k):
-            return "F", ((k // pp) % v) * pp + rank, (k // (pp * v)) * pp + k % pp
-
-        def bwd(k):
-            return "B", (v - 1 - (k // pp) % v) * pp + rank, (k // (pp * v)) * pp + k % pp
-
-        warm = min((v - 1) * pp + 2 * (pp - 1 - rank), total)
-        out = [fwd(k) for k in range(warm)]
-        for i in range(total - warm):
-            out += [fwd(warm + i), bwd(i)]
-        return out + [bwd(k) for k in range(total - warm, total)]
-    raise ValueError(f"unknown schedule {schedule!r}")
-
-
 def simulate(
     schedule: str, pp: int, m: int, fwd: list[float], bwd: list[float], *, v: int = 1,
     p2p: list[float] | None = None, bound: int | None = None, move: list[float] | None = None,
+    split: list[tuple[float, float]] | None = None,
 ) -> SimResult:
     """Simulate one step. fwd/bwd: seconds per microbatch of each of the pp*v stages;
     p2p[k]: seconds to send stage k's output to stage k+1 (and its gradient back);
-    move[k]: seconds to evict (or load back) one microbatch of stage k's activations (BPipe).
+    move[k]: seconds to evict (or load back) one microbatch of stage k's activations (BPipe);
+    split[k]: (input, weight) backward seconds of stage k where the schedule splits it (default: halves of bwd).
     """
+    sched = SCHEDULES[schedule]
     n_stages = pp * v
     p2p = p2p or [0.0] * n_stages
     move = move or [0.0] * n_stages
-    orders = [action_order(schedule, pp, v, m, r) for r in range(pp)]
+    split = split or [(b / 2, b / 2) for b in bwd]
+    seconds = {"F": fwd, "B": bwd, "I": [s[0] for s in split], "W": [s[1] for s in split]}
+    rank_of = [sched.rank_of(k, pp) for k in range(n_stages)]
+    steps = [_steps(prog) for prog in programs(schedule, pp, v, m, bound)]
     pos = [0] * pp
     free = [0.0] * pp
+    # ("F" | "G" (input gradient ready) | "W" | "R" (activations released), stage, mb) -> when
     done: dict[tuple[str, int, int], float] = {}
-    held: list[dict[tuple[int, int], None]] = [{} for _ in range(pp)]  # insertion-ordered sets
-    evicted: list[dict[tuple[int, int], None]] = [{} for _ in range(pp)]  # by owner rank: held by the partner
-    counts = [dict.fromkeys(range(r, n_stages, pp), 0) for r in range(pp)]  # held[r] by stage (r's own)
-    evicted_counts = [dict.fromkeys(range(r, n_stages, pp), 0) for r in range(pp)]  # evicted[r] by stage
+    owned = [[k for k in range(n_stages) if rank_of[k] == r] for r in range(pp)]
+    counts = [dict.fromkeys(owned[r], 0) for r in range(pp)]  # (stage, mb) held on r, by stage (r's own)
+    evicted_counts = [dict.fromkeys(owned[r], 0) for r in range(pp)]  # r's own held by its partner, by stage
+    awaiting = [dict.fromkeys(owned[r], 0) for r in range(pp)] if sched.splits_backward else None
     res = SimResult(snapshots={r: [] for r in range(pp)}, busy=[0.0] * pp)
-    remaining = sum(len(o) for o in orders)
+    remaining = sum(len(s) for s in steps)
 
     def inputs(r: int, kind: str, k: int, j: int) -> tuple[tuple[tuple[str, int, int], float], ...]:
         """The actions this one waits for, each with its transfer delay to rank r."""
         if kind == "F":
-            return ((("F", k - 1, j), 0.0 if (k - 1) % pp == r else p2p[k - 1]),) if k > 0 else ()
+            return ((("F", k - 1, j), 0.0 if rank_of[k - 1] == r else p2p[k - 1]),) if k > 0 else ()
+        if kind == "W":
+            return ((("G", k, j), 0.0),)
         own = (("F", k, j), 0.0)
-        return (own, (("B", k + 1, j), 0.0 if (k + 1) % pp == r else p2p[k])) if k < n_stages - 1 else (own,)
+        return (own, (("G", k + 1, j), 0.0 if rank_of[k + 1] == r else p2p[k])) if k < n_stages - 1 else (own,)
 
-    waits = [[inputs(r, *a) for a in orders[r]] for r in range(pp)]
+    def loads(r: int, moves) -> tuple[tuple[tuple[str, int, int], float], ...]:
+        """A load waits for the partner to release that microbatch (its backward, or W, of it done)."""
+        return tuple((("R", s, mv.mb), 0.0) for mv in moves if mv.kind == "LOAD" for s in owned[partner(pp, r)])
+
+    waits = [[inputs(r, a.kind, a.stage, a.mb) + loads(r, moves) for moves, a in steps[r]] for r in range(pp)]
 
     def ready_at(r: int) -> float:
-        """When rank r's next action could start, or inf while its inputs are missing."""
+        """When rank r's next compute action could start, or inf while its inputs are missing."""
         t = free[r]
         for d, delay in waits[r][pos[r]]:
             end = done.get(d)
@@ -146,21 +135,27 @@ def simulate(
 
     # When each rank's next action could start: an action changes only its own rank's and its waiting
     # neighbours' (the ranks it sends to and receives from), so only those are recomputed.
-    starts = [ready_at(r) for r in range(pp)]  # inf: waiting for an input, or done
+    starts = [ready_at(r) if steps[r] else math.inf for r in range(pp)]
+    neighbours = [sorted({rank_of[k + d] for k in owned[r] for d in (-1, 1) if 0 <= k + d < n_stages}
+                         | ({partner(pp, r)} if sched.evicts else set()) - {r}) for r in range(pp)]
 
-    def make_room(r: int, t: float) -> float:
-        """Evict rank r's microbatches whose backward comes last until one more fits under the bound, from t;
-        returns when the evictions are sent."""
-        sent = t
-        while len(held[r]) >= bound:
-            victim = max(held[r], key=lambda s: s[1])
-            del held[r][victim]
-            evicted[r][victim] = None
-            counts[r][victim[0]] -= 1
-            evicted_counts[r][victim[0]] += 1
-            res.events.append(Event(r, victim[0], "evict", victim[1], t, t + move[victim[0]]))
-            sent = max(sent, res.events[-1].end)
-        return sent
+    def run_moves(r: int, moves, t_free: float) -> float:
+        """The EVICTs and LOAD before a compute action; returns when the action may start for them."""
+        sent, ready = t_free, 0.0
+        for mv in moves:
+            k, j = mv.stage, mv.mb
+            if mv.kind == "EVICT":
+                counts[r][k] -= 1
+                evicted_counts[r][k] += 1
+                res.events.append(Event(r, k, "evict", j, t_free, t_free + move[k]))
+                sent = max(sent, res.events[-1].end)
+            else:  # the partner hands it back once its own backward of that microbatch is done
+                start = max([sent] + [done[("R", s, j)] for s in owned[partner(pp, r)]])
+                evicted_counts[r][k] -= 1
+                counts[r][k] += 1
+                res.events.append(Event(r, k, "load", j, start, start + move[k]))
+                ready = max(ready, start + move[k])
+        return ready
 
     while remaining:
         # run the action that can start first, so cross-rank state (evictions) changes in time order
@@ -168,43 +163,134 @@ def simulate(
         if ready == math.inf:
             raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={v}, m={m})")
         r = starts.index(ready)
-        kind, k, j = orders[r][pos[r]]
-        partner = pp - 1 - r
-        if kind == "F" and schedule == "bpipe" and r < partner and bound:  # only heavy ranks evict
-            make_room(r, ready)
-        if kind == "B" and (k, j) in evicted[r]:
-            # room first (loading into a full rank would exceed the bound), then the load, which the partner
-            # serves once its own backward of j is done: both overlap this rank's wait for the gradient
-            start = max(make_room(r, free[r]), done[("B", partner, j)])
-            del evicted[r][(k, j)]
-            held[r][(k, j)] = None
-            evicted_counts[r][k] -= 1
-            counts[r][k] += 1
-            res.events.append(Event(r, k, "load", j, start, start + move[k]))
-            ready = max(ready, start + move[k])
-        dur = fwd[k] if kind == "F" else bwd[k]
+        moves, a = steps[r][pos[r]]
+        kind, k, j = a
+        if moves:
+            ready = max(ready, run_moves(r, moves, free[r]))
+        dur = seconds[kind][k]
         ev = Event(r, k, kind, j, ready, ready + dur)
         resident = dict(counts[r])
-        if kind == "B":
+        if kind != "F":
             resident[k] -= 1
-        if schedule == "bpipe" and partner != r:
-            resident.update(evicted_counts[partner])  # the partner's stages: other keys
-        res.snapshots[r].append(Snapshot(ev, resident))
+        if sched.evicts and partner(pp, r) != r:
+            resident.update(evicted_counts[partner(pp, r)])  # the partner's stages: other keys
+        wait_w = None
+        if awaiting is not None:
+            wait_w = dict(awaiting[r])
+            if kind == "W":
+                wait_w[k] -= 1
+        res.snapshots[r].append(Snapshot(ev, resident, wait_w))
         res.events.append(ev)
         res.busy[r] += dur
         free[r] = ev.end
-        done[(kind, k, j)] = ev.end
+        done[("F" if kind == "F" else "W" if kind == "W" else "G", k, j)] = ev.end
+        if kind in ("B", "W"):
+            done[("R", k, j)] = ev.end  # released: the partner may hand back what it holds of j
         pos[r] += 1
         remaining -= 1
-        starts[r] = ready_at(r) if pos[r] < len(orders[r]) else math.inf
-        for q in ((r + 1) % pp, (r - 1) % pp):  # a neighbour already ready has all its inputs: unchanged
-            if starts[q] == math.inf and pos[q] < len(orders[q]):
+        starts[r] = ready_at(r) if pos[r] < len(steps[r]) else math.inf
+        for q in neighbours[r]:  # a neighbour already ready has all its inputs: unchanged
+            if starts[q] == math.inf and pos[q] < len(steps[q]):
                 starts[q] = ready_at(q)
         if kind == "F":
-            held[r][(k, j)] = None
             counts[r][k] += 1
+        elif kind == "I":
+            awaiting[r][k] += 1
         else:
-            del held[r][(k, j)]
             counts[r][k] -= 1
+            if kind == "W":
+                awaiting[r][k] -= 1
     res.makespan = max(e.end for e in res.events)
     return res
+
+
+def _steps(program) -> list[tuple[tuple, object]]:
+    """A rank's program as (moves before it, compute action) pairs."""
+    out, moves = [], []
+    for a in program:
+        if a.kind in COMPUTE:
+            out.append((tuple(moves), a))
+            moves = []
+        else:
+            moves.append(a)
+    return out
+
+
+def split_backward(bwd: list[float], weight: list[float], again: list[float]) -> list[tuple[float, float]]:
+    """(I, W) seconds of each stage's split backward: W computes the weight gradients (`weight` of `bwd`) and
+    replays what the stage recomputes (`again`: torch's weight backward unpacks the checkpoint a second time);
+    the first stage has no input to differentiate, so torch runs its whole backward as W."""
+    return [(0.0, b) if k == 0 else (b - w, w + r) for k, (b, w, r) in enumerate(zip(bwd, weight, again))]
+
+
+@functools.lru_cache(maxsize=4096)
+def unit_run(schedule: str, pp: int, m: int, v: int = 1, bound: int | None = None, weight: float = 0.5) -> SimResult:
+    """The schedule over like stages, a microbatch's forward 1 and backward 2 on each rank, `weight` of the
+    backward the weight gradients' (a split backward's W): what the search reads of a schedule before any plan
+    exists (residency, bubble, crowding)."""
+    n = pp * v
+    bwd = [2.0 / v] * n
+    split = split_backward(bwd, [b * weight for b in bwd], [0.0] * n) if SCHEDULES[schedule].splits_backward else None
+    return simulate(schedule, pp, m, [1.0 / v] * n, bwd, v=v, bound=bound, split=split)
+
+
+# A schedule's fill and drain, hence what a rank holds at its peak and how long it idles, are those of 4 x pp
+# microbatches once it runs that many; and at a given microbatches-per-rank its idle time grows as pp - 1. Both
+# hold for every registry schedule (tests/test_schedules.py), and spare the search simulating thousands of
+# events per candidate where pp reaches 64.
+FILL = 4
+SIMULATED_PP = 8
+
+
+def resident_microbatches(schedule: str, pp: int, m: int, rank: int, v: int = 1, bound: int | None = None) -> float:
+    """Microbatches of activations pipeline rank `rank` holds at its peak, the one in flight included (each
+    (stage, microbatch) pair is 1/v of the rank's blocks), counted along the rank's own program: held from its F
+    to its B (or W). Where a partner evicts to it (BPipe), the most the partner holds evicted at once comes on
+    top: a bound, as the two peaks need not meet (estimate() simulates when they do)."""
+    m = min(m, FILL * pp)
+    sched = SCHEDULES[schedule]
+    held = _held_peaks(schedule, pp, m, v, bound)
+    partner_rank = partner(pp, rank)
+    away = held[partner_rank][1] if sched.evicts and partner_rank != rank else 0
+    return (held[rank][0] + away) / v
+
+
+@functools.lru_cache(maxsize=1024)
+def _held_peaks(schedule: str, pp: int, m: int, v: int, bound: int | None) -> tuple[tuple[int, int], ...]:
+    """Per rank: (most (stage, microbatch) pairs held at once, the one being computed included; most evicted at
+    once), along its program."""
+    out = []
+    for program in programs(schedule, pp, v, m, bound):
+        held = away = most = most_away = 0
+        released = set()
+        for a in program:
+            if a.kind == "F":
+                held += 1
+                most = max(most, held)
+            elif a.kind == "EVICT":
+                held, away = held - 1, away + 1
+                most_away = max(most_away, away)
+            elif a.kind == "LOAD":
+                held, away = held + 1, away - 1
+            elif (a.kind == "W" or a.kind == "B") and (a.stage, a.mb) not in released:
+                released.add((a.stage, a.mb))
+                held -= 1
+        out.append((most, most_away))
+    return tuple(out)
+
+
+def bubble_microbatches(schedule: str, pp: int, m: int, v: int = 1, weight: float = 0.5) -> float:
+    """The schedule's idle time per rank, in microbatches of a whole rank's work (1F1B: pp - 1; interleaved:
+    (pp - 1) / v), from its own program's unit simulation (`unit_run`) at up to SIMULATED_PP ranks and as many
+    microbatches per rank; weight: the share of a backward a split schedule can move into its bubble, rounded to
+    a twentieth."""
+    sched = SCHEDULES[schedule]
+    if pp == 1:
+        return 0.0
+    small = min(pp, SIMULATED_PP)
+    per_rank = min(m, FILL * pp) / pp
+    m_small = max(small, round(per_rank * small))
+    if sched.microbatches_per_round:
+        m_small = -(-m_small // small) * small
+    sim = unit_run(schedule, small, m_small, v, weight=round(weight * 20) / 20 if sched.splits_backward else 0.5)
+    return max(sim.bubble(r) for r in range(small)) / 3.0 * (pp - 1) / (small - 1)

@@ -36,9 +36,15 @@ from snugfit.plan.cpu_ranks import cpu_fsdp_time, cpu_share, cpu_stage_time, fsd
 from snugfit.plan.kernels import attention_rates, gemm_seconds
 from snugfit.plan.memory import StagePiece, host_saved
 from snugfit.plan.optimizer import host_step_slowdown, state_bytes, update_bytes
-from snugfit.plan.plan import SELECTIVE_POLICIES, OptimizerPlan
+from snugfit.plan.plan import OptimizerPlan
+from snugfit.plan.policies import ACTIVATION_POLICIES, ActivationPolicy
 from snugfit.profile.types import DTYPE_BYTES, PieceProfile
 
+# Host work of a split backward (zero-bubble schedules) per backward operator, in operator dispatches: torch's
+# input pass walks the stage's autograd graph in Python to find what the weight pass needs, and the weight pass
+# runs one autograd call per group of weights. Measured on CPU: a dim-64 decoder block (174 backward operators)
+# took 1.45 ms more per microbatch split than whole, 3 of this machine's 2.8 us dispatches per operator.
+SPLIT_BACKWARD_DISPATCHES = 3
 
 
 # NCCL's own tuning model (src/graph/tuning.cc, NCCL 2.1x): a tree all-reduce reaches 90% of the ring's bus bandwidth,
@@ -143,17 +149,18 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
             combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * per_op + host_extra[1]))
 
 
-def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, dtype: str, measured_on: str | None) -> float:
+def recompute_time(p: PieceProfile, policy: ActivationPolicy, fwd: float, gpu: GPU, dtype: str,
+                   measured_on: str | None) -> float:
     """Extra seconds in backward for recomputing what the policy did not keep."""
-    if measured_on == gpu.name and policy in p.recompute_time_s:
-        return p.recompute_time_s[policy]
-    if policy == "recompute":
+    if measured_on == gpu.name and policy.recomputes and policy.timed_as in p.recompute_time_s:
+        return p.recompute_time_s[policy.timed_as]
+    if policy.recomputes_forward:
         return fwd
-    if policy in SELECTIVE_POLICIES:
+    if policy.selective:
         # the memory-bound ops of the forward run again at bandwidth, and the linear layers whose outputs the policy
         # dropped (selective_half: the 2nd, 4th, ... of the forward's GEMMs; model.recompute.keeps_output); the
         # replay dispatches every forward operator, each through the policy
-        dropped = p.gemms[1::2] if policy == "selective_half" else []
+        dropped = [g for i, g in enumerate(p.gemms) if i % policy.gemm_stride]
         gemms = (gemm_seconds(dropped, gpu, dtype, 0.0)[0] if gpu.name != "cpu" and gpu.sms
                  else sum(2.0 * m * n * k for m, n, k in dropped) / gpu.flops_per_s(dtype))
         kernels = p.fwd_mem_bytes / gpu.mem_bytes_per_s() + gemms
@@ -161,6 +168,15 @@ def recompute_time(p: PieceProfile, policy: str, fwd: float, gpu: GPU, dtype: st
         replay = p.fwd_ops * (gpu.compiled_launch_s if p.compiled else gpu.op_overhead_s + gpu.sac_overhead_s)
         return kernels + replay if gpu.name == "cpu" else max(kernels, replay)
     return 0.0
+
+
+def weight_share(p: PieceProfile) -> float:
+    """Of the piece's backward, the part that computes weight gradients (the W of a split backward): its linear
+    layers' weight GEMMs, as many FLOPs as their forward for trainable weights, none for frozen ones."""
+    if not p.bwd_flops:
+        return 0.0
+    weights = sum(2.0 * m * n * k for m, n, k in p.gemms) * p.num_trainable / max(p.num_params, 1)
+    return min(1.0, weights / p.bwd_flops)
 
 
 @dataclass(frozen=True)
@@ -177,19 +193,19 @@ class TensorParallel:
     tokens: int  # one microbatch's
     fixed_s: float = 0.0  # per piece and microbatch: what DTensor adds on CPU ranks (measured, `cpu_tp_time`)
 
-    def times(self, p: PieceProfile, policy: str) -> tuple[float, float]:
+    def times(self, p: PieceProfile, policy: ActivationPolicy) -> tuple[float, float]:
         """(forward, backward) seconds of p's collectives (and DTensor's own work) per microbatch; p as one tp
         rank holds it."""
         f, b = self._collectives(p, policy)
         return f + self.fixed_s / 2, b + self.fixed_s / 2
 
-    def _collectives(self, p: PieceProfile, policy: str) -> tuple[float, float]:
+    def _collectives(self, p: PieceProfile, policy: ActivationPolicy) -> tuple[float, float]:
         n, link = self.size, self.link
         if p.name.startswith("block"):
             whole = p.input_bytes * n
             gather = collective_time("all_gather", whole, n, link)
             scatter = collective_time("reduce_scatter", whole, n, link)
-            again = 2 * (gather + scatter) if policy == "recompute" else 2 * gather * (policy in SELECTIVE_POLICIES)
+            again = 2 * (gather + scatter) if policy.recomputes_forward else 2 * gather * policy.selective
             return 2 * (gather + scatter), 2 * (gather + scatter) + again
         if p.name == "embed":
             whole = p.output_bytes * n
@@ -206,6 +222,8 @@ class StageTime:
     fwd: float = 0.0
     bwd: float = 0.0
     recompute: float = 0.0
+    wgrad: float = 0.0  # of bwd, the weight gradients' seconds (`weight_share`): a split backward's W
+    split_host: float = 0.0  # host seconds a split backward adds (SPLIT_BACKWARD_DISPATCHES), exposed on CPU ranks
     comm_exposed: float = 0.0  # ZeRO-3 gathers not hidden behind compute
     offload_exposed: float = 0.0  # activation / parameter transfers not hidden
     reduce_bytes: list[float] | None = None  # per piece: gradient bytes reduced at the end of the step
@@ -251,13 +269,13 @@ def stage_time(
     roots = sum(not sp.is_block for sp in pieces)
     for sp in pieces:
         p, d = sp.piece, sp.decision
-        policy = d.activations if p.name.startswith("block") else "keep"
+        policy = d.policy if sp.is_block else ACTIVATION_POLICIES["keep"]
         # host time beyond dispatch: FSDP2's per unit, half each way (each block is a unit, the stage's root pieces
         # share one; a zero-0 block frozen whole is none: runtime.sharding.needs_unit); selective checkpointing's
-        # policy on every forward operator
+        # policy on every forward operator, unless compiled (it ran once, when the graph was traced)
         unit_of = not sp.is_block or d.zero > 0 or sp.n_trainable > 0
         unit = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and unit_of and not on_cpu else 0.0
-        sac = policy in SELECTIVE_POLICIES and not p.compiled  # a compiled block ran its policy once, when traced
+        sac = policy.selective and not p.compiled
         extra = (unit + (p.fwd_ops * gpu.sac_overhead_s if sac else 0.0), unit)
         if computed is None or (p.name, extra) not in computed:
             f, b = piece_compute(p, gpu, dtype, measured_on, extra)
@@ -265,8 +283,11 @@ def stage_time(
                 computed[p.name, extra] = f, b
         else:
             f, b = computed[p.name, extra]
-        rc = recompute_time(p, "recompute" if policy == "recompute_offload" else policy, f, gpu, dtype, measured_on)
+        rc = recompute_time(p, policy, f, gpu, dtype, measured_on)
         st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share
+        st.wgrad += b * share * weight_share(p)
+        if on_cpu:  # on a GPU the host runs ahead of the kernels, so this hides behind them
+            st.split_host += SPLIT_BACKWARD_DISPATCHES * p.bwd_ops * gpu.op_overhead_s * share
         if tensor is not None:
             tf, tb = tensor.times(p, policy)
             st.tp_fwd, st.tp_bwd = st.tp_fwd + tf, st.tp_bwd + tb

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from snugfit.plan.candidates import Candidate, nearest_to_fitting
+from snugfit.plan.cost_model import CostModel
 from snugfit.plan.estimate import estimate
 from snugfit.plan.knapsack import BUCKETS, INF
 from snugfit.plan.memory import device_bytes
 from snugfit.plan.plan import Plan, Prediction
-
-if TYPE_CHECKING:
-    from snugfit.plan.search import Searcher
+from snugfit.plan.result import SearchLog
+from snugfit.plan.solve import leanest_plan, solve
 
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
 SCORE_ERROR = 0.85  # knapsack scores down to this fraction of estimate()'s time are verified before giving up
@@ -25,7 +24,7 @@ RESCUE_MARGIN = 0.5  # rescue(): families whose knapsack need is at most this sh
 RESCUES = 4  # rescue(): at most this many leanest plans estimated
 
 
-def verify(srch: Searcher, cand: Candidate, slack: float = 0.0, fine: bool = False) -> bool:
+def verify(model: CostModel, log: SearchLog, cand: Candidate, slack: float = 0.0, fine: bool = False) -> bool:
     """estimate() the candidate's plan (solved with `slack`, `fine`); on a device overshoot re-solve with it as
     more slack."""
     tried = None
@@ -33,21 +32,21 @@ def verify(srch: Searcher, cand: Candidate, slack: float = 0.0, fine: bool = Fal
         if cand.plan is None:
             break
         if _layout(cand.plan) != tried:  # the slack changed the plan: estimate it, else ask for more room
-            pred = _estimate(srch, cand.plan)
+            pred = _estimate(model, log, cand.plan)
             if pred.fits:
                 cand.fits = True
                 return True
-            over = max(device_bytes(m) for m in pred.memory_by_rank) - srch.budget
+            over = max(device_bytes(m) for m in pred.memory_by_rank) - model.budget
             if over <= 0:  # host memory, which slack on the device cannot fix
                 break
             tried = _layout(cand.plan)
-        slack += over * 1.25 + srch.budget / BUCKETS
-        srch.solve(cand, slack, fine)
+        slack += over * 1.25 + model.budget / BUCKETS
+        settle(model, cand, slack, fine)
     cand.fits, cand.plan = False, None
     return False
 
 
-def polish(srch: Searcher, cand: Candidate, fastest: float, unseen: float = 0.0) -> None:
+def polish(model: CostModel, log: SearchLog, cand: Candidate, fastest: float, unseen: float = 0.0) -> None:
     """Re-solve a verified candidate finer and with the room the knapsack could not see, and keep the fastest plan
     estimate() says fits. The knapsack rounds every block's memory up to a bucket (a stage of 80 blocks can lose
     most of its budget so) and puts the largest piece's working peak on every stage, so a plan that fits can leave
@@ -57,21 +56,21 @@ def polish(srch: Searcher, cand: Candidate, fastest: float, unseen: float = 0.0)
     not cannot win; one that overshoots is re-solved with more slack, as verify() does. `unseen`: device bytes the
     knapsack is known to over-count for this candidate (rescue()), given back on top."""
     cand.polished = True
-    room = srch.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
+    room = model.budget - max(device_bytes(m) for m in cand.plan.predicted.memory_by_rank)
     for factor in POLISH_ROOM:
-        if factor and room <= srch.budget / BUCKETS:
+        if factor and room <= model.budget / BUCKETS:
             return
         trial, slack = replace(cand, plan=None), -factor * room - unseen
-        srch.solve(trial, slack=slack, fine=True)
+        settle(model, trial, slack=slack, fine=True)
         if trial.plan is None or _layout(trial.plan) == _layout(cand.plan) or trial.score >= min(cand.score, fastest):
             continue
-        if not verify(srch, trial, slack, fine=True):
+        if not verify(model, log, trial, slack, fine=True):
             return
         if trial.plan.predicted.step_time_s < cand.plan.predicted.step_time_s:
             cand.plan, cand.score = trial.plan, trial.score
 
 
-def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candidate]:
+def best_first(model: CostModel, log: SearchLog, cands: list[Candidate], want: int) -> list[Candidate]:
     """Up to `want` verified fitting candidates, fastest by estimate() first. Candidates are verified in
     knapsack-score order, and (at most MAX_EXTRA more) beyond `want` while their score is within SCORE_ERROR
     of the fastest verified time: the knapsack's additive step time (even stage split, bubble from the
@@ -87,26 +86,26 @@ def best_first(srch: Searcher, cands: list[Candidate], want: int) -> list[Candid
         top = min(open_, key=lambda x: x.score, default=None)
         while pending and (top is None or pending[0].lower < top.score):
             nxt = pending.pop(0)
-            srch.solve(nxt)
+            settle(model, nxt)
             if nxt.plan is not None and (top is None or nxt.score < top.score):
                 top = nxt
         if top is None:
             break
-        if len(found) >= want:
+        if len({_shape(x) for x in found}) >= want:
             if extra == MAX_EXTRA or top.score >= min(x.plan.predicted.step_time_s for x in found) / SCORE_ERROR:
                 break
             extra += 1
-        if verify(srch, top):
+        if verify(model, log, top):
             found.append(top)
     fastest = min((x.plan.predicted.step_time_s for x in found), default=INF)
     for x in sorted(found, key=lambda x: x.plan.predicted.step_time_s):  # fastest first, then those more room
         if not x.polished and _could_beat(x, fastest):  # could still make the fastest
-            polish(srch, x, fastest)
+            polish(model, log, x, fastest)
             fastest = min(fastest, x.plan.predicted.step_time_s)
     return sorted(found, key=lambda x: x.plan.predicted.step_time_s)[:want]
 
 
-def rescue(srch: Searcher, cands: list[Candidate], found: list[Candidate]) -> list[Candidate]:
+def rescue(model: CostModel, log: SearchLog, cands: list[Candidate], found: list[Candidate]) -> list[Candidate]:
     """Candidates that fit in families whose every solved member the knapsack turned down. Near the memory boundary its
     over-counting decides: it rounds each block up to a bucket and puts the largest piece's working peak beside
     everything the stage holds, so Llama-3.1-8B QLoRA r32 on one RTX 4090 stopped at 67,072 tokens where
@@ -123,25 +122,32 @@ def rescue(srch: Searcher, cands: list[Candidate], found: list[Candidate]) -> li
 
     def need(x: Candidate) -> float:
         if id(x) not in needs:
-            needs[id(x)] = srch.need(x)[0]
+            needs[id(x)] = model.need(x)[0]
         return needs[id(x)]
 
     families = dict.fromkeys(x.family for x in cands if x.family in turned_down)
     nearest = [nearest_to_fitting([x for x in cands if x.family == fam], need) for fam in families]
-    near = [x for x in nearest if x.lower < fastest and need(x) <= srch.budget * (1 + RESCUE_MARGIN)]
+    near = [x for x in nearest if x.lower < fastest and need(x) <= model.budget * (1 + RESCUE_MARGIN)]
     rescued = []
     for cand in sorted(near, key=need)[:RESCUES]:
-        plan = srch.leanest_plan(cand)
+        plan = leanest_plan(model, cand)
         if plan is None:
             continue
-        pred = _estimate(srch, plan)
+        pred = _estimate(model, log, plan)
         cand.estimated_need = max(pred.peak_memory_bytes, pred.startup_bytes["device"])
         if not pred.fits:
             continue
         cand.plan, cand.score, cand.solved, cand.fits = plan, pred.step_time_s, True, True
-        polish(srch, cand, fastest, unseen=max(0.0, need(cand) - pred.peak_memory_bytes))
+        polish(model, log, cand, fastest, unseen=max(0.0, need(cand) - pred.peak_memory_bytes))
         rescued.append(cand)
     return rescued
+
+
+def _shape(cand: Candidate) -> tuple:
+    """What a candidate is apart from its schedule: the schedules of one shape share most of their plan (only
+    the bubble and what each rank holds differ), so they fill one of the verified places `best_first` wants, and
+    a new schedule does not crowd out the shapes it was verified against."""
+    return cand.dp, cand.tp, cand.pp, cand.micro_batch_size, cand.num_microbatches, cand.grad_reduce
 
 
 def _could_beat(cand: Candidate, fastest: float) -> bool:
@@ -150,12 +156,19 @@ def _could_beat(cand: Candidate, fastest: float) -> bool:
     return cand.plan.predicted.step_time_s - (cand.score - cand.lower) < fastest
 
 
-def _estimate(srch: Searcher, plan: Plan) -> Prediction:
-    """estimate() the plan, counted and timed in the search's figures."""
+def _estimate(model: CostModel, log: SearchLog, plan: Plan) -> Prediction:
+    """estimate() the plan, counted and timed in the search's log."""
     t0 = time.perf_counter()
-    pred = estimate(plan, srch.prof, srch.cluster, srch.budget)
-    srch.verified, srch.verify_s = srch.verified + 1, srch.verify_s + time.perf_counter() - t0
+    pred = estimate(plan, model.profile, model.cluster, model.budget)
+    log.verified, log.verify_s = log.verified + 1, log.verify_s + time.perf_counter() - t0
     return pred
+
+
+def settle(model: CostModel, cand: Candidate, slack: float = 0.0, fine: bool = False) -> None:
+    """Solve the candidate (solve.solve) into its plan and knapsack score (None and inf when nothing fits)."""
+    solution = solve(model, cand, slack, fine)
+    cand.solved = True
+    cand.plan, cand.score = (solution.plan, solution.score) if solution else (None, INF)
 
 
 def _layout(plan: Plan) -> tuple:

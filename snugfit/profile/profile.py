@@ -37,6 +37,7 @@ from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.lora import apply_lora, freeze, parse_targets
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.profile.compiled import GraphCost, compiled_costs
+from snugfit.plan.policies import PROFILED
 from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
 from snugfit.profile.types import (
@@ -268,7 +269,7 @@ def measure_times(prof: ModelProfile, cfg: ModelConfig, device: str, repeats: in
     four copies of the model (one per policy) are alive at once.
     """
     tune = (lora_rank, frozen, lora_targets)
-    timers = {policy: _PieceTimer(cfg, prof, device, clock, policy, tune) for policy in ("keep", *RECOMPUTE_POLICIES)}
+    timers = {policy: _PieceTimer(cfg, prof, device, clock, policy, tune) for policy in PROFILED}
     mbs = prof.micro_batch_size
     tokens = {rows: torch.randint(0, cfg.vocab_size, (rows, prof.seq_len), device=device) for rows in (mbs, SPAN * mbs)}
     # "wide": keep at SPAN times the micro-batch, for the intercept of the line through both sizes (the part no

@@ -15,22 +15,23 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.estimate import _dp_group, estimate, stage_times
-from snugfit.plan.memory import device_saved
+from snugfit.plan.estimate import StepEstimate, estimate_step
+from snugfit.plan.memory import device_bytes, device_saved
 from snugfit.plan.plan import Plan
-from snugfit.plan.simulate import Event, SimResult, simulate
-from snugfit.plan.timing import grad_reduce_exposed, optimizer_time, transfer_time
+from snugfit.plan.schedules import COMPUTE
+from snugfit.plan.simulate import Event, SimResult
 from snugfit.profile.types import ModelProfile
 from snugfit.report.trace import StepTrace
 
 COLOURS = {
-    "F": "#4C72B0", "B": "#DD8452", "recompute": "#8172B3", "evict": "#55A868", "load": "#64B5CD",
-    "offload": "#CCB974", "collective": "#C44E52", "host optimizer": "#937860", "optimizer": "#DA8BC3",
-    "bubble": "#EEEEEE",
+    "F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#E8B04A", "recompute": "#8172B3", "evict": "#55A868",
+    "load": "#64B5CD", "offload": "#CCB974", "collective": "#C44E52", "host optimizer": "#937860",
+    "optimizer": "#DA8BC3", "bubble": "#EEEEEE",
 }
-LABELS = {"F": "forward", "B": "backward", "recompute": "recompute", "evict": "BPipe evict", "load": "BPipe load",
-          "offload": "activation offload", "collective": "collective (exposed)", "host optimizer": "host optimizer",
-          "optimizer": "optimizer step", "bubble": "bubble (idle)"}
+LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)",
+          "recompute": "recompute", "evict": "BPipe evict", "load": "BPipe load", "offload": "activation offload",
+          "collective": "collective (exposed)", "host optimizer": "host optimizer", "optimizer": "optimizer step",
+          "bubble": "bubble (idle)"}
 TRANSFERS = ("evict", "load", "offload")  # overlap compute: drawn in a thin lane under it
 TRANSIENT = ("activations", "working", "logits_loss")  # prediction categories that change during the step
 GiB = 2**30
@@ -56,61 +57,28 @@ class StageDetail:
 
 def timeline_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
                  memory_budget_bytes: int | None = None) -> tuple[SimResult, StageDetail]:
-    """Re-run the time model's simulation with its inputs kept, so the chart can split events.
+    """The time model's simulation and what the chart splits its events by, as estimate() computed them (it
+    fills plan.predicted too)."""
+    est = estimate_step(plan, profile, cluster, memory_budget_bytes)
+    return est.sim, stage_detail(est, plan)
 
-    Mirrors estimate() (which keeps only totals); estimate() itself fills plan.predicted.
-    """
-    pred = estimate(plan, profile, cluster, memory_budget_bytes)
-    prof = profile.scaled(plan.micro_batch_size)
-    pp, dp, m, v = plan.pp, plan.dp, plan.num_microbatches, plan.virtual_stages
-    n = pp * v
-    stages_of, kind, by_kind = stage_times(plan, prof, cluster)
-    times = {r: by_kind[kind[r]] for r in range(plan.world_size)}
-    # the slowest data-parallel member sets each stage's pace, as in estimate()
-    slow = [max(_dp_group(plan, k % pp), key=lambda r, k=k: times[r][k].b_total) for k in range(n)]
-    st = [times[slow[k]][k] for k in range(n)]
-    f = [max(times[r][k].f_total for r in _dp_group(plan, k % pp)) for k in range(n)]
-    b = [max(times[r][k].b_total for r in _dp_group(plan, k % pp)) for k in range(n)]
-    p2p, move, off = [0.0] * n, [0.0] * n, [0.0] * n
-    for k in range(n):
-        r = (k % pp) * dp
-        sps = stages_of[k % pp][k]
-        if k + 1 < n:
-            p2p[k] = transfer_time(sps[-1].piece.output_bytes, cluster.link_for([r, ((k + 1) % pp) * dp]))
-        move[k] = transfer_time(sum(sp.piece.saved_bytes["keep"] for sp in sps),
-                                cluster.link_for([r, (pp - 1 - k % pp) * dp]))
-        offloaded = sum(sp.piece.saved_bytes["keep"] for sp in sps
-                        if device_saved(sp) == 0 and sp.piece.name.startswith("block"))
-        off[k] = transfer_time(offloaded, cluster.nodes[cluster.node_of(r)].pcie)
-    bound = plan.bpipe_bound() if plan.schedule == "bpipe" else None
-    sim = simulate(plan.schedule, pp, m, f, b, v=v, p2p=p2p, bound=bound, move=move)
 
-    tail, static, peak = [], [], []
-    for pr in range(pp):
-        rank = pr * dp
-        node = cluster.nodes[cluster.node_of(rank)]
-        sts = times[rank]
-        bwd_last = sum(s.bwd + s.recompute for s in sts.values())
-        reduce = grad_reduce_exposed([(sts[k], stages_of[pr][k]) for k in sorted(sts)], dp,
-                                     cluster.link_for(_dp_group(plan, pr)), bwd_last,
-                                     cpu=node if node.gpu.name == "cpu" else None)
-        pieces = [sp for k in sorted(sts) for sp in stages_of[pr][k]]
-        opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
-                                           reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
-                                           ranks_on_host=node.count, bwd_last=bwd_last, optimizer=plan.optimizer)
-        tail.append({"collective": reduce, "host optimizer": opt_host,
-                     "optimizer": opt_dev + sum(s.update for s in sts.values())})
-        cats = pred.memory_by_rank[rank]
-        static.append(sum(v_ for c, v_ in cats.items() if not c.startswith("host:") and c not in TRANSIENT))
-        peak.append(sum(v_ for c, v_ in cats.items() if not c.startswith("host:")))
-    detail = StageDetail(
+def stage_detail(est: StepEstimate, plan: Plan) -> StageDetail:
+    """What the chart draws beyond the events, read from the estimate: each stage's times as the rank that sets
+    its pace has them, each pipeline rank's row as its first rank (plan.RankLayout) has it."""
+    n = plan.pp * plan.virtual_stages
+    st = [est.stage_time(k) for k in range(n)]
+    rows = [est.rank(plan.layout.rank(pr)) for pr in range(plan.pp)]
+    cats = [row.memory.cats for row in rows]
+    return StageDetail(
         recompute=[s.recompute for s in st], comm_f=[s.comm_exposed / 2 for s in st],
         comm_b=[s.comm_exposed / 2 for s in st], offload_f=[s.offload_exposed / 2 for s in st],
-        offload_b=[s.offload_exposed / 2 for s in st], offload_move=off,
-        act_bytes=[sum(device_saved(sp) for sp in stages_of[k % pp][k]) for k in range(n)],
-        static_bytes=static, peak_bytes=peak, budget_bytes=pred.memory_budget_bytes, tail=tail,
+        offload_b=[s.offload_exposed / 2 for s in st], offload_move=list(est.offload_move),
+        act_bytes=[sum(device_saved(sp) for sp in est.stages[plan.stage_rank(k)][k]) for k in range(n)],
+        static_bytes=[sum(v for k, v in c.items() if not k.startswith("host:") and k not in TRANSIENT) for c in cats],
+        peak_bytes=[device_bytes(c) for c in cats], budget_bytes=est.prediction.memory_budget_bytes,
+        tail=[dict(row.tail) for row in rows],
     )
-    return sim, detail
 
 
 def _segments(ev: Event, d: StageDetail | None) -> list[tuple[str, float, float]]:
@@ -118,8 +86,12 @@ def _segments(ev: Event, d: StageDetail | None) -> list[tuple[str, float, float]
     if d is None:
         return [(ev.kind, ev.start, ev.end - ev.start)]
     k = ev.stage
-    parts = ([("collective", d.comm_f[k]), ("offload", d.offload_f[k])] if ev.kind == "F"
-             else [("collective", d.comm_b[k]), ("offload", d.offload_b[k]), ("recompute", d.recompute[k])])
+    if ev.kind == "F":
+        parts = [("collective", d.comm_f[k]), ("offload", d.offload_f[k])]
+    elif ev.kind == "W" and k:  # a split backward's weight pass recomputes again (estimate._paces)
+        parts = [("recompute", d.recompute[k])]
+    else:
+        parts = [("collective", d.comm_b[k]), ("offload", d.offload_b[k]), ("recompute", d.recompute[k])]
     out, t = [], ev.start
     for kind, w in parts:
         if w > 0:
@@ -160,7 +132,7 @@ def _predicted_rows(sim: SimResult, d: StageDetail | None, pp: int, v: int = 1):
     rows: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(pp)}
     texts = []
     for ev in sim.events:
-        if ev.kind in ("F", "B"):
+        if ev.kind in COMPUTE:
             for kind, s, w in _segments(ev, d):
                 rows[ev.rank][kind].append((s, w))
             texts.append((ev.rank, ev.start, ev.end - ev.start, _label(ev.mb, ev.stage, v)))
@@ -210,10 +182,12 @@ def draw_timeline(sim: SimResult, plan: Plan, out: str | Path, measured: StepTra
     heights = [0.5 * pp + 0.6] + ([0.5 * n_meas + 0.6] if n_meas else []) + [2.0]
     fig = Figure(figsize=(12, sum(heights) + 1.2), layout="constrained")
     axes = fig.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights})
-    labels = [f"rank {r}" if dp == 1 else f"pp rank {r}\n(ranks {r * dp}-{r * dp + dp - 1})" for r in range(pp)]
+    group = [plan.layout.stage_ranks(r) for r in range(pp)]  # the dp x tp ranks a row stands for
+    labels = [f"rank {r}" if len(g) == 1 else f"pp rank {r}\n(ranks {g[0]}-{g[-1]})" for r, g in enumerate(group)]
     axis_end = max(end, measured.duration if n_meas else 0.0)
     used = _draw_rows(axes[0], rows, labels, end, texts, axis_end)
-    axes[0].set_title(f"predicted: {plan.schedule}, dp {dp} x pp {pp}, {plan.num_microbatches} microbatches "
+    tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
+    axes[0].set_title(f"predicted: {plan.schedule}, dp {dp}{tp} x pp {pp}, {plan.num_microbatches} microbatches "
                       f"of {plan.micro_batch_size} x {plan.seq_len} tokens; step {end * 1e3:,.1f} ms", fontsize=9)
     if n_meas:
         mrows: dict[int, dict[str, list]] = {}
@@ -231,7 +205,7 @@ def draw_timeline(sim: SimResult, plan: Plan, out: str | Path, measured: StepTra
     mem = axes[-1]
     for r in range(pp):
         xs, ys = _memory_curve(sim, r, detail)
-        line, = mem.step(xs, ys, where="post", linewidth=1.2, label=f"rank {r}" if dp == 1 else f"pp rank {r}")
+        line, = mem.step(xs, ys, where="post", linewidth=1.2, label=labels[r].split("\n")[0])
         if detail:
             mem.axhline(detail.peak_bytes[r] / GiB, color=line.get_color(), linestyle=":", linewidth=0.8)
     mem.set_xlabel("time (ms)")

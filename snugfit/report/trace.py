@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
 
 # The kinds the timeline knows how to colour; others are drawn grey.
-KINDS = ("F", "B", "recompute", "evict", "load", "offload", "collective", "host optimizer", "optimizer")
+KINDS = ("F", "B", "I", "W", "recompute", "evict", "load", "offload", "collective", "host optimizer", "optimizer")
 
 
 class Span(NamedTuple):

@@ -32,8 +32,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
-from snugfit.plan.plan import ACTIVATION_POLICIES
+from snugfit.model.recompute import recompute
+from snugfit.plan.policies import policy as policy_entry
 
 
 def _same_layout(t: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Tensor:
@@ -52,7 +52,7 @@ class _HostCopy:
         self.device = t.device
         self.stream = stream
         self.back: torch.Tensor | None = None
-        self.used = False  # handed to autograd: never fetched again
+        self.used = False  # handed to autograd: not fetched ahead again
         self.event = None
         pin = stream is not None
         self.host = _same_layout(t, torch.device("cpu"), pin)
@@ -77,6 +77,8 @@ class _HostCopy:
         self.event = self.stream.record_event()
 
     def get(self) -> torch.Tensor:
+        if self.used:  # unpacked again: a split backward's weight pass (zero-bubble schedules) after its input pass
+            return self.host.to(self.device, copy=True)
         self.fetch()
         back, self.back, self.used = self.back, None, True  # autograd holds it now, as long as it needs it
         if self.event is not None:
@@ -208,19 +210,17 @@ def _fetch_all(packed: list, ahead: list) -> None:
 
 def apply_activation_policy(block: nn.Module, policy: str,
                             compile_block: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """Make `block` keep, recompute (selectively), offload its saved activations, or recompute with its
-    checkpoint offloaded (in place). `compile_block` (runtime.compile) compiles the block between the two layers:
-    its recomputation inside the compiled region, the offload's saved-tensor hooks outside it."""
-    if policy not in ACTIVATION_POLICIES:
-        raise ValueError(f"unknown activation policy {policy!r}; use one of {', '.join(ACTIVATION_POLICIES)}")
-    if policy in RECOMPUTE_POLICIES or policy == "recompute_offload":
-        recompute(block, "recompute" if policy == "recompute_offload" else policy)
+    """Make `block` do what its policy's entry (plan.policies) says, in place: recompute (fully or selectively)
+    what it does not keep, and keep on host what it keeps there (all it saves, or its recomputation checkpoint).
+    `compile_block` (runtime.compile) compiles the block between the two layers: its recomputation inside the
+    compiled region, the offload's saved-tensor hooks outside it."""
+    entry = policy_entry(policy)
+    if entry.recomputes:
+        recompute(block, entry.keeps)
     if compile_block is not None:
         compile_block(block)
-    if policy == "recompute_offload":
-        block.forward = functools.partial(_offload_checkpoint, block.forward)
-    elif policy == "offload":
-        block.forward = functools.partial(_offload, block.forward)
+    if entry.on_host:
+        block.forward = functools.partial(_offload_checkpoint if entry.recomputes else _offload, block.forward)
     return block
 
 

@@ -1,13 +1,10 @@
-"""apply_plan: turn a plain model into the parallel model a Plan describes (runtime.build makes its engine).
+"""parallelize: turn one part of a plain model (the whole model, or one pipeline stage) into what the Plan says.
 
-Reads like torchtitan's parallelize functions: one `apply_*` per technique,
-each taking only its part of the Plan, in the order they compose: tensor
-parallelism (`apply_tp`), activation policies, placement and partial offload,
-FSDP2 (`apply_fsdp`), then the weights. The per-block functions take blocks
-and the plan's `ParallelDims`, so a pipeline stage applies them to its own
-blocks on its data-parallel sub-mesh. A model built on
-the meta device gets its weights after sharding, each rank reading only what it
-holds (`place`, `read_weights`).
+Reads like torchtitan's parallelize functions: one `apply_*` per technique, each taking only its part of the
+Plan, in the order they compose: tensor parallelism (`apply_tp`), activation policies, FSDP2 (`apply_fsdp`).
+Around them, once per rank and its whole (pruned) model: `place` casts frozen weights, sets up partial host
+offload and moves the model to its device; `read_weights` fills a model built on the meta device after
+sharding, each rank reading only what it holds. runtime.build runs them in that order.
 """
 
 from __future__ import annotations
@@ -24,11 +21,11 @@ from snugfit.runtime.compile import compile_block
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
-from snugfit.runtime.precision import CastOnce, apply_mixed_precision
 from snugfit.runtime.sharding import DTYPES, apply_fsdp, store_frozen_in_compute_dtype, store_masters
 from snugfit.runtime.tensor_parallel import apply_tp, check_tp
 
 log = logging.getLogger(__name__)
+
 
 class Weights(Protocol):
     """What fills a model built on the meta device once `read_weights` has allocated this rank's shards:
@@ -54,34 +51,43 @@ def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
     check_tp(model, plan)
 
 
-def offload_units(model: nn.Module, plan: Plan, blocks: dict[str, nn.Module] | None = None,
-                  indices: list[int] | None = None) -> list[tuple[nn.Module, list[str]]]:
-    """(unit module, trainable parameter names) of the units whose plan says offload_optimizer, root first.
-
-    `blocks`/`indices` as in `apply_fsdp` (a pipeline stage's slice); names are
-    FQNs in `model`, the module the state dict is taken from.
-    """
-    blocks = blocks if blocks is not None else dict(model.blocks.items())
-    indices = indices if indices is not None else [int(n) for n in blocks]
+def offload_units(model: nn.Module, plan: Plan) -> list[tuple[nn.Module, list[str]]]:
+    """(unit module, trainable parameter names) of the units of `model` (this rank's part of it) whose plan says
+    offload_optimizer, root first; names are FQNs in `model`, the module the state dict is taken from."""
+    blocks = dict(model.blocks.items())
     block_ids = {id(p) for b in blocks.values() for p in b.parameters()}
     units = []
     if plan.root.offload_optimizer:
         units.append((model, [n for n, p in model.named_parameters() if id(p) not in block_ids and p.requires_grad]))
-    for i, (name, block) in zip(indices, blocks.items()):
-        if plan.blocks[i].offload_optimizer:
+    for name, block in blocks.items():
+        if plan.blocks[int(name)].offload_optimizer:
             units.append((block, [f"blocks.{name}.{n}" for n, p in block.named_parameters() if p.requires_grad]))
     return [(module, names) for module, names in units if names]  # frozen units have nothing to step
 
 
-def apply_activations(blocks: dict[str, nn.Module], plan: Plan, indices: list[int] | None = None) -> None:
+def apply_activations(blocks: dict[str, nn.Module], plan: Plan) -> None:
     """Saved-activation policy per block (keep, recompute, selective, offload; see runtime.activations), and each
-    block compiled between its recomputation and its saved-tensor hooks where the plan compiles (runtime.compile)."""
-    indices = indices if indices is not None else [int(n) for n in blocks]
-    for i, block in zip(indices, blocks.values()):
-        apply_activation_policy(block, plan.blocks[i].activations, compile_block if plan.compile else None)
-    policies = [plan.blocks[i].activations for i in indices]
+    block compiled between its recomputation and its saved-tensor hooks where the plan compiles (runtime.compile);
+    blocks by their index in the model."""
+    for name, block in blocks.items():
+        apply_activation_policy(block, plan.blocks[int(name)].activations, compile_block if plan.compile else None)
+    policies = [plan.blocks[int(name)].activations for name in blocks]
     log.info("activations: %s%s", {p: policies.count(p) for p in sorted(set(policies))},
              ", blocks compiled" if plan.compile else "")
+
+
+def parallelize(part: nn.Module, plan: Plan, dims: ParallelDims, output_fp32: bool = True) -> None:
+    """Tensor parallelism, activation policies and FSDP2 (per block, then the part as the root unit of what is
+    left), on one part of the model: the model itself, or one pipeline stage (runtime.pipeline.StageModule).
+    Either has `embed`, `blocks` (by their index in the model), `norm` and `head`, None where it lacks them.
+    output_fp32: the root casts its output to fp32 (the last stage's logits; other stages send the compute
+    dtype)."""
+    blocks = dict(part.blocks.items())
+    if plan.tp > 1:
+        apply_tp(part, dims.tp_mesh)
+    apply_activations(blocks, plan)
+    if not plan.runs_unwrapped:
+        apply_fsdp(part, blocks, plan, dims, output_fp32=output_fp32)
 
 
 def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights | None) -> HostOffload | None:
@@ -115,19 +121,3 @@ def read_weights(model: nn.Module, plan: Plan, device: torch.device, weights: We
 
 def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
-
-
-def apply_plan(model: nn.Module, plan: Plan, env: DistEnv, dims: ParallelDims,
-               weights: Weights | None = None) -> tuple[nn.Module, HostOffload | None, CastOnce | None]:
-    """Tensor parallelism, activation policies, partial offload (cast first), FSDP2 per block and root on
-    env.device (or, for a plan that runs unwrapped, mixed precision without it), then the weights of a model
-    built on the meta device (`weights`)."""
-    if plan.tp > 1:
-        apply_tp(model, dims.tp_mesh)
-    apply_activations(dict(model.blocks.items()), plan)
-    host = place(model, plan, env.device, weights)
-    if not plan.runs_unwrapped:
-        apply_fsdp(model, dict(model.blocks.items()), plan, dims)
-    read_weights(model, plan, env.device, weights)
-    cast = apply_mixed_precision(model, DTYPES[plan.compute_dtype]) if plan.runs_unwrapped else None
-    return model, host, cast

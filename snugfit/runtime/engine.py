@@ -1,12 +1,13 @@
 """The step engine: runs one optimizer step of a (possibly parallelised) model.
 
-The trainer only talks to an engine: `train_step`, `eval_loss`, `set_lr`,
-`state_dict`/`load_state_dict`. How the model was parallelised (see
-`runtime.apply`) is invisible to it, except for three things a data-parallel
-step needs: switching gradient sync off for all but the last microbatch (which a plan reducing every
-microbatch keeps on: runtime.sharding.reduce_every_microbatch), the
-data-parallel group (target counts, loss averaging, gradient-norm reduction), and the host
-optimizer of partially offloaded units (`runtime.offload`).
+The trainer only talks to an engine: `train_step`, `eval_loss`, `set_lr`, `state_dict`/`load_state_dict`.
+How the model was parallelised (runtime.apply) is invisible to it; how a step's microbatches run is its
+step runner's business, one per runner the schedules registry (plan.schedules) names: `Accumulate` (no
+pipeline: each microbatch's forward and backward in turn, FSDP2's gradient sync off for all but the last, or
+on for every one where the plan reduces every microbatch: runtime.sharding.reduce_every_microbatch), a torch
+pipeline schedule (runtime.pipeline) or BPipe (runtime.bpipe). The engine keeps what every step needs: the
+loss's divisors, exact global-norm clipping over data-parallel and pipeline ranks, AdamW on device and the host
+optimizer of partially offloaded units (`runtime.offload`), loss scaling, checkpoints.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,10 +32,10 @@ from snugfit.report.trace import StepTrace
 from snugfit.runtime.loss_scale import LossScale
 from snugfit.runtime.memory import MemoryTracker, local
 from snugfit.runtime.offload import HostOffload
-from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.optimizer import (  # noqa: F401 - OptimConfig, make_adamw: where callers have found them
     OptimConfig, OptimUnit, load_state, make_adamw, make_optimizer, optimizer_units, saved_state, set_lr,
 )
+from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.step_in_backward import StepInBackward
 from snugfit.runtime.stream_states import StreamedStates
 from snugfit.runtime.tensor_parallel import vocab_parallel_loss
@@ -129,16 +131,68 @@ def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     return total.sqrt()
 
 
-class Engine:
-    """Gradient accumulation over microbatches, clipping, and AdamW per unit on device and host.
+class StepRunner(Protocol):
+    """How one step's microbatches run on this rank (the plan's schedule's runner, plan.schedules)."""
 
-    model: as `runtime.apply.apply_plan` returned it; dp_group: data-parallel
-    process group (None: one process); host: the partially offloaded units;
-    stage_group: the pipeline group when `model` is one pipeline rank's part;
-    units: FSDP2 root units outside `model` (its pipeline stages), for the memory tracker; cast: the compute
-    copies of a model that runs unwrapped below fp32 (runtime.precision).
-    `memory` (a MemoryTracker) is sampled at each phase of a step; after
-    `train_step`, `memory.peak()` is that step's peak by category.
+    stage_group: object  # the pipeline group whose ranks hold the model's other parts (None: this rank has all)
+    units: tuple[nn.Module, ...]  # FSDP2 root units beside the model (pipeline stages), for the memory tracker
+
+    def train(self, engine: "Engine", micro: list[tuple[torch.Tensor, torch.Tensor]],
+              divisors: list[float]) -> torch.Tensor:
+        """Forward and backward of every microbatch (gradients left in place); the step's loss on this rank."""
+
+    def eval(self, engine: "Engine", micro: list[tuple[torch.Tensor, torch.Tensor]],
+             divisors: list[float]) -> torch.Tensor:
+        """The step's loss on this rank, forward only."""
+
+
+class Accumulate:
+    """No pipeline: each microbatch's forward and backward in turn, the gradients accumulated. FSDP2 reduces
+    them in the last microbatch's backward only (or in every one: runtime.sharding.reduce_every_microbatch)."""
+
+    stage_group = None
+    units: tuple[nn.Module, ...] = ()
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def train(self, engine: "Engine", micro: list[tuple[torch.Tensor, torch.Tensor]],
+              divisors: list[float]) -> torch.Tensor:
+        total = torch.zeros((), device=engine.device)
+        for i, (inputs, targets) in enumerate(micro):
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            elif engine.cast is not None:
+                engine.cast.keep = i < len(micro) - 1  # the last backward drops each compute copy once used
+            with vocab_parallel_loss(engine.plan):
+                with engine.span("F", i), engine.memory.track_activations() if engine.track_memory else nullcontext():
+                    loss = local(self.model(inputs, targets)) / divisors[i]
+                engine.sample()
+                with engine.span("B", i):
+                    (loss * engine.loss_scale).backward()
+            total += loss.detach()
+        engine.sample()
+        return total
+
+    @torch.no_grad()
+    def eval(self, engine: "Engine", micro: list[tuple[torch.Tensor, torch.Tensor]],
+             divisors: list[float]) -> torch.Tensor:
+        total = torch.zeros((), device=engine.device)
+        for (inputs, targets), divisor in zip(micro, divisors):
+            with vocab_parallel_loss(engine.plan):
+                total += local(self.model(inputs, targets)).float() / divisor
+        return total
+
+
+class Engine:
+    """One optimizer step: the runner's forward and backward of every microbatch, exact global-norm clipping,
+    AdamW on device and host.
+
+    model: this rank's model (its pipeline stages' part of it), as runtime.build parallelised it; runner: how the
+    microbatches run (`StepRunner`; default `Accumulate`); dp_group: data-parallel process group (None: one
+    process); host: the partially offloaded units; cast: the compute copies of a model that runs unwrapped below
+    fp32 (runtime.precision). `memory` (a MemoryTracker) is sampled at each phase of a step;
+    after `train_step`, `memory.peak()` is that step's peak by category.
 
     Each unit (a block, the root pieces) has its own optimizer (runtime.optimizer, as plan.optimizer says), so a
     unit can step on its own: after backward, clipped by the global gradient norm, or in backward
@@ -152,15 +206,16 @@ class Engine:
         plan: Plan,
         optim: OptimConfig,
         device: torch.device,
+        runner: StepRunner | None = None,
         dp_group=None,
         host: HostOffload | None = None,
-        stage_group=None,
-        units: tuple[nn.Module, ...] = (),
         cast: CastOnce | None = None,
     ):
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
-        self.dp_group, self.host, self.stage_group = dp_group, host, stage_group
-        self.cast = cast  # the compute copies of a model that runs unwrapped below fp32 (runtime.precision)
+        self.runner = runner or Accumulate(model)
+        self.dp_group, self.host, self.stage_group = dp_group, host, self.runner.stage_group
+        self.cast = cast
+        units = self.runner.units
         self.lr = optim.lr
         self.scaler = LossScale() if plan.compute_dtype == "float16" else None
         if host is not None:
@@ -186,13 +241,14 @@ class Engine:
         self.track_memory = True
         self.trace: StepTrace | None = None  # set by the trainer for the steps it draws
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
+        """Let the memory tracker see what is held now (on the steps whose memory is counted)."""
         if self.track_memory:
             self.memory.sample()
 
-    def _span(self, kind: str, mb: int = -1):
+    def span(self, kind: str, mb: int = -1, stage: int = -1):
         """Time one action into the trace, when a step is being traced."""
-        return self.trace.span(dist.get_rank(), kind, mb) if self.trace is not None else nullcontext()
+        return self.trace.span(dist.get_rank(), kind, mb, stage) if self.trace is not None else nullcontext()
 
     def set_lr(self, lr: float) -> None:
         """The rate of the next step. Host optimizers get it with that step's queued work, not here: the
@@ -215,26 +271,17 @@ class Engine:
         self.model.train()
         micro = split_batch(batch.to(self.device, non_blocking=True), self.plan)
         divisors = loss_divisors(batch, self.plan, self.dp_group, self.device)
-        total = torch.zeros((), device=self.device)
         self.memory.reset_peak()
         self._begin()
-        for i, (inputs, targets) in enumerate(micro):
-            # reduce gradients once, after the last microbatch (or every microbatch: sharding.reduce_every_microbatch)
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            elif self.cast is not None:
-                self.cast.keep = i < len(micro) - 1  # the last backward drops each compute copy once used
-            with vocab_parallel_loss(self.plan):
-                with self._span("F", i), self.memory.track_activations() if self.track_memory else nullcontext():
-                    loss = local(self.model(inputs, targets)) / divisors[i]
-                self._sample()
-                with self._span("B", i):
-                    (loss * self.loss_scale).backward()
-            total += loss.detach()
-        self._sample()
+        loss = self.runner.train(self, micro, divisors)
         if self.cast is not None:
             self.cast.release()  # the optimizer changes the masters; the next step casts them again
-        return self._update(total)
+        return self._update(loss)
+
+    def stage_stats(self) -> dict | None:
+        """What this rank's pipeline stages held in the last step (runtime.pipeline), None without a pipeline."""
+        stats = getattr(self.runner, "stage_stats", None)
+        return stats() if stats else None
 
     def _begin(self) -> None:
         """A step begins: stepping in backward, no unit has stepped yet."""
@@ -245,7 +292,7 @@ class Engine:
     # -- the update --
     def _update(self, loss: torch.Tensor) -> StepResult:
         if self.dp_group is not None:
-            with self._span("collective"):
+            with self.span("collective"):
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
         if self.in_backward is not None:
             return self._finish_in_backward(loss)
@@ -263,14 +310,14 @@ class Engine:
         if self.host is not None:
             self.host.step(coef, skipped, self.lr)  # runs on a worker thread while the device steps
         if not skipped and self.units:
-            with self._span("optimizer"):
+            with self.span("optimizer"):
                 if coef != 1.0:
                     torch._foreach_mul_([local(g) for _, g in device_grads], coef)
                 for u in self.units:
                     self._step_unit(u)
-        self._sample()  # the optimizer moment: gradients and states together
+        self.sample()  # the optimizer moment: gradients and states together
         self.model.zero_grad(set_to_none=True)
-        self._sample()  # the next forward starts from here
+        self.sample()  # the next forward starts from here
         return StepResult(loss=loss.item(), grad_norm=grad_norm.item(), skipped=skipped, overflow=overflow)
 
     def _step_unit(self, u: OptimUnit) -> None:
@@ -278,7 +325,7 @@ class Engine:
         if u.streamed:
             self.streamed.load(u)
         u.optimizer.step()
-        self._sample()  # a unit's update: streamed states on the device
+        self.sample()  # a unit's update: streamed states on the device
         if u.streamed:
             self.streamed.offload(u)
 
@@ -325,9 +372,9 @@ class Engine:
             dist.all_reduce(total, group=self.stage_group)
         grad_norm = total.sqrt().item()
         skipped = skipped or not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
-        self._sample()
+        self.sample()
         self.model.zero_grad(set_to_none=True)
-        self._sample()
+        self.sample()
         return StepResult(loss=loss.item(), grad_norm=grad_norm, skipped=skipped)
 
     @torch.no_grad()
@@ -335,10 +382,7 @@ class Engine:
         """Mean loss over the target tokens of the batch on every data-parallel rank, as the training loss."""
         self.model.eval()
         micro = split_batch(batch.to(self.device), self.plan)
-        total = torch.zeros((), device=self.device)
-        for (inputs, targets), divisor in zip(micro, loss_divisors(batch, self.plan, self.dp_group, self.device)):
-            with vocab_parallel_loss(self.plan):
-                total += local(self.model(inputs, targets)).float() / divisor
+        total = self.runner.eval(self, micro, loss_divisors(batch, self.plan, self.dp_group, self.device))
         if self.dp_group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
         return total.item()

@@ -283,12 +283,17 @@ class MemoryTracker:
 
 class SavedHandle:
     """What autograd keeps for a counted tensor: its release ends the count, even while the tensor itself lives on
-    (a reused receive buffer, a storage another microbatch saved too)."""
+    (a reused receive buffer, a storage another microbatch saved too).
+
+    It holds the tensor detached: a node's own output, held with its grad_fn, would make a reference cycle through
+    autograd's C++ graph (node -> saved handle -> tensor -> node) that only running the node breaks. A backward
+    with retain_graph (a split backward's input pass) leaves nodes unrun, and their activations then outlived
+    every step (zero-bubble schedules grew by a microbatch's share each step)."""
 
     __slots__ = ("tensor", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+        self.tensor = tensor.detach()
 
 
 def _with_totals(d: dict[str, int]) -> dict[str, int]:

@@ -141,17 +141,13 @@ def reduce_every_microbatch(root: FSDPModule) -> None:
 
 
 def apply_fsdp(
-    root: nn.Module, blocks: dict[str, nn.Module], plan: Plan, dims: ParallelDims, indices: list[int] | None = None,
-    output_fp32: bool = True,
+    root: nn.Module, blocks: dict[str, nn.Module], plan: Plan, dims: ParallelDims, output_fp32: bool = True,
 ) -> None:
-    """Shard `blocks` (name -> block; block i follows plan.blocks[i]) then the root unit.
-
-    `indices` maps the blocks, in order, to plan.blocks when they are a pipeline
-    stage's slice; by default the names are the block indices. `output_fp32`: the
-    root casts its output to fp32; a pipeline stage before the last sends hidden
+    """Shard `blocks` (their index in the model, as a string -> block; block i follows plan.blocks[i]) then the
+    root unit. `output_fp32`: the root casts its output to fp32; a pipeline stage before the last sends hidden
     states in the compute dtype instead (half the bytes in bf16, as the time model charges).
     """
-    indices = indices if indices is not None else [int(name) for name in blocks]
+    indices = [int(name) for name in blocks]
     mp = mixed_precision(plan, root=False)
     plain: set[nn.Parameter] = set()  # of frozen blocks that need no unit
     for i, block in zip(indices, blocks.values()):

@@ -129,13 +129,6 @@ def check_tp(model: nn.Module, plan: Plan) -> None:
     if plan.seq_len % tp:
         raise PlanError(f"plan.seq_len ({plan.seq_len}) must divide by tp ({tp}): sequence parallelism gives each "
                         "rank an equal slice; choose another --seq or --tp")
-    if plan.pp > 1 and plan.schedule == "bpipe":
-        raise PlanError("BPipe's activation eviction does not move tensor-parallel activations yet; use schedule "
-                        "1f1b or interleaved with tp > 1")
-    units = [plan.root, *plan.blocks]
-    if any(u.states_on_host for u in units) or any(b.offloads_activations for b in plan.blocks):
-        raise PlanError("tensor parallelism does not combine with host offload (optimizer, streamed states, "
-                        "parameters or activations) yet; plan those with tp 1")
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:

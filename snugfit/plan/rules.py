@@ -1,0 +1,128 @@
+"""The compatibility rules: which parts of a plan cannot go together, each written once, with its fix.
+
+A rule reads named parts of a plan: plan-wide ones (tp, pp, schedule, virtual stages, microbatches, gradient
+reduction, evict bound, compute dtype, the step in backward) and one unit's (ZeRO stage, offloads, activation
+policy, streamed states). `Plan.validate` checks every
+unit of a plan against the table, so the planner, `snugfit plan --plan-file` and `snugfit train` refuse a plan
+with the same line. The parts a user fixes for a search (plan.options.Constraints) are checked against the same
+rules wherever every part a rule reads is fixed, and the search offers a unit option only where no rule forbids
+it beside the candidate's degrees and schedule (`allows`). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+from snugfit.plan.policies import ACTIVATION_POLICIES
+from snugfit.plan.schedules import SCHEDULES
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the rules read; None where a part is not fixed (yet)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    virtual_stages: int | None = None
+    num_microbatches: int | None = None
+    schedule: str | None = None
+    grad_reduce: str | None = None
+    evict_bound: int | None = None
+    compute_dtype: str | None = None
+    in_backward: bool | None = None  # each unit steps in backward (plan.OptimizerPlan)
+    zero: int | None = None  # the unit's
+    offload_optimizer: bool | None = None
+    offload_params: bool | None = None
+    activations: str | None = None  # a block's policy (the root's pieces always keep theirs)
+    stream_states: bool | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    reads: tuple[str, ...]  # the parts it needs fixed
+    broken: Callable[[Parts], bool]
+    says: Callable[[Parts], str]  # the problem; the fix
+
+
+def _splits(p: Parts) -> bool:
+    return SCHEDULES[p.schedule].splits_backward
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("schedule", "pp", "virtual_stages", "num_microbatches"),
+         lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches) is not None,
+         lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches)),
+    Rule(("schedule", "evict_bound"), lambda p: not SCHEDULES[p.schedule].evicts,
+         lambda p: f"evict_bound is only meaningful with a schedule that evicts "
+                   f"({', '.join(n for n, s in SCHEDULES.items() if s.evicts)}); drop it or change the schedule"),
+    Rule(("tp", "schedule"), lambda p: p.tp > 1 and not SCHEDULES[p.schedule].tensor_parallel,
+         lambda p: f"tp {p.tp} does not combine with schedule {p.schedule!r} yet (its activation moves are not "
+                   "tensor-parallel); use tp 1 or another schedule"),
+    Rule(("tp", "offload_optimizer"), lambda p: p.tp > 1 and p.offload_optimizer,
+         lambda p: f"tp {p.tp} does not combine with host offload (optimizer states) yet; offload nothing or use tp 1"),
+    Rule(("tp", "offload_params"), lambda p: p.tp > 1 and p.offload_params,
+         lambda p: f"tp {p.tp} does not combine with host offload (parameters) yet; offload nothing or use tp 1"),
+    Rule(("tp", "stream_states"), lambda p: p.tp > 1 and p.stream_states,
+         lambda p: f"tp {p.tp} does not combine with host offload (streamed optimizer states) yet; keep the states "
+                   "on the device or use tp 1"),
+    Rule(("tp", "activations"), lambda p: p.tp > 1 and ACTIVATION_POLICIES[p.activations].on_host,
+         lambda p: f"tp {p.tp} does not combine with host offload (activations: {p.activations}) yet; choose a "
+                   "policy that keeps them on the device or use tp 1"),
+    Rule(("offload_params", "zero"), lambda p: p.offload_params and p.zero != 3,
+         lambda p: "offload_params needs zero 3 (parameters are offloaded as shards); set zero 3"),
+    Rule(("offload_params", "offload_optimizer"), lambda p: p.offload_params and p.offload_optimizer,
+         lambda p: "offload_params already keeps optimizer states on host; drop offload_optimizer"),
+    Rule(("stream_states", "offload_optimizer", "offload_params"),
+         lambda p: p.stream_states and (p.offload_optimizer or p.offload_params),
+         lambda p: "stream_states updates on the device what offload_optimizer and offload_params update on the "
+                   "host; keep one of them"),
+    Rule(("schedule", "zero"), lambda p: _splits(p) and p.zero == 3,
+         lambda p: f"schedule {p.schedule!r} splits each backward into an input and a weight pass, which needs "
+                   "units gathered from forward to backward (torch finds the weights to differentiate by the "
+                   "module's parameters as the input pass starts; ZeRO-3 has resharded them); use zero <= 2 or "
+                   "another schedule"),
+    Rule(("schedule", "activations"), lambda p: _splits(p) and not ACTIVATION_POLICIES[p.activations].backward_twice,
+         lambda p: f"schedule {p.schedule!r} splits each backward into an input and a weight pass, and activation "
+                   f"policy {p.activations} allows one backward (torch's selective checkpoint); choose another "
+                   "policy or schedule"),
+    # A split backward's weight gradients are made in W passes and reduced once, after the stage's last one (the
+    # rule below): a unit's gradient is step-wide anyway, and the step in backward would save nothing
+    Rule(("schedule", "in_backward"), lambda p: _splits(p) and p.in_backward,
+         lambda p: f"the step in backward steps each unit as its backward reduces the gradient, but schedule "
+                   f"{p.schedule!r} makes weight gradients in later weight passes, reduced once a step; step after "
+                   f"backward (optimizer_in_backward false) or use a schedule that does not split backward "
+                   f"({', '.join(n for n, s in SCHEDULES.items() if s.pipelined and not s.splits_backward)})"),
+    Rule(("schedule", "grad_reduce"), lambda p: _splits(p) and p.grad_reduce == "microbatch",
+         lambda p: f"grad_reduce 'microbatch' reduces as each backward makes the gradients, but schedule "
+                   f"{p.schedule!r} makes them in a later weight pass; use grad_reduce 'step'"),
+    Rule(("in_backward", "num_microbatches", "grad_reduce"),
+         lambda p: p.in_backward and p.num_microbatches > 1 and p.grad_reduce == "step",
+         lambda p: "the step in backward needs one microbatch per step or gradients reduced every microbatch, but "
+                   f"the plan accumulates {p.num_microbatches} microbatches and reduces once a step; set grad_reduce "
+                   "'microbatch' (--grad-reduce microbatch) or one microbatch"),
+    Rule(("in_backward", "compute_dtype"), lambda p: p.in_backward and p.compute_dtype == "float16",
+         lambda p: "the step in backward cannot run under float16's loss scaling (an overflow must be found before "
+                   "any unit steps); compute in bfloat16 or step after backward"),
+)
+PART_NAMES = tuple(f.name for f in fields(Parts))
+
+
+def problem(parts: Parts) -> str | None:
+    """The first rule the parts break (only rules whose parts are all fixed are read), or None."""
+    for rule in RULES:
+        if all(getattr(parts, name) is not None for name in rule.reads) and rule.broken(parts):
+            return rule.says(parts)
+    return None
+
+
+def allows(parts: Parts) -> bool:
+    return problem(parts) is None
+
+
+def allows_unit(unit, root: bool = False, **wide) -> bool:
+    """Whether no rule forbids `unit` (a BlockPlan; `root`: the embedding/norm/head unit, whose pieces keep their
+    activations) beside the plan-wide parts given (Parts' names)."""
+    return allows(Parts(**wide, zero=unit.zero, offload_optimizer=unit.offload_optimizer,
+                        offload_params=unit.offload_params, activations="keep" if root else unit.activations,
+                        stream_states=unit.stream_states))

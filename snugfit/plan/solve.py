@@ -1,0 +1,142 @@
+"""Solve one candidate: the fastest assignment of options to its blocks and of blocks to its stages that the
+cost model says fits, as a Plan.
+
+A multiple-choice knapsack per pipeline stage (knapsack.py) gives each stage's fastest time for every block count;
+knapsack.split sizes the stages so that the slowest is as fast as possible; `layout` lays each rank's choices out
+over its virtual stages. Without a pipeline, where the knapsack's rounding loses every plan, one option for every
+block is tried exactly (`_solve_uniform`). Pure: a function of the cost model and the candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from snugfit.plan.candidates import Candidate
+from snugfit.plan.cost_model import CostModel
+from snugfit.plan.cpu_ranks import cpu_stage_time
+from snugfit.plan.knapsack import BUCKETS, buffer_bytes, fine_resolution, knapsack, split, usable
+from snugfit.plan.options import buffer_kinds
+from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.schedules import SCHEDULES
+
+
+@dataclass
+class Solution:
+    plan: Plan
+    score: float  # the knapsack's step time of the plan (estimate() checks it)
+
+
+def solve(model: CostModel, cand: Candidate, slack: float = 0.0, fine: bool = False) -> Solution | None:
+    """The candidate's fastest plan with `slack` bytes kept free on every stage (None if nothing fits the
+    knapsack); fine: at knapsack.fine_resolution."""
+    pp, n = cand.pp, model.n_blocks
+    n_max = n if pp == 1 else min(n - (pp - 1) * cand.virtual_stages, math.ceil(3 * n / pp) + 1)
+    buckets = fine_resolution(n_max) if fine else BUCKETS
+    if sum(model.room(cand, s, slack) for s in range(pp)) < n:
+        return None
+    tables, opts_of, ropts_of = [], [], []
+    for s in range(pp):
+        view = model.stage(cand, s)
+        st, blk, roots, r = view.costs, view.block, view.roots, view.resident
+        opts = model.host_fits(cand, st, blk, roots, view.options, r)
+        ropts = model.host_fits(cand, st, None, roots, view.root_options, r)
+        opts_of.append(opts)
+        ropts_of.append(ropts)
+        rcost = [st.root(roots, o) for o in ropts] if roots else None
+        cap = usable(st.gpu, model.budget) - st.working_peak(blk, roots, opts, ropts, cand.num_microbatches) - slack
+        tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [buffer_kinds(o) for o in opts],
+                               [int(o.zero == 3) for o in ropts], resident=r, m=cand.num_microbatches, cap=cap,
+                               n_max=n_max, buffers=model.buffers(cand), buckets=buckets))
+    sizes = split([t.best for t in tables], n, cand.virtual_stages)
+    if sizes is None:
+        return _solve_uniform(model, cand, slack, opts_of[0], ropts_of[0]) if pp == 1 else None
+    # the pipeline runtime's own work per stage and microbatch (CPU ranks), whatever the blocks do
+    pipe = max(cpu_stage_time(model.costs(cand, s).node) for s in range(pp)) * cand.virtual_stages if pp > 1 else 0.0
+    bubble = model.bubble(cand) * (max(t.t_mb(k) for t, k in zip(tables, sizes)) + pipe)
+    score = max(t.best[k] for t, k in zip(tables, sizes)) + cand.num_microbatches * pipe + bubble
+    return Solution(layout(model, cand, [t.choices(k) for t, k in zip(tables, sizes)], sizes, opts_of, ropts_of),
+                    score)
+
+
+def _solve_uniform(model: CostModel, cand: Candidate, slack: float, opts: list[BlockPlan],
+                   ropts: list[BlockPlan]) -> Solution | None:
+    """Without a pipeline, the fastest plan of one option for every block that fits, counted exactly. The
+    knapsack rounds each block's memory up to its resolution, which can lose every plan where the blocks hold
+    little beside a large root and working set (long contexts with offloaded checkpoints)."""
+    m = cand.num_microbatches
+    view = model.stage(cand, 0)
+    st, blk, roots, r, n = view.costs, view.block, view.roots, view.resident, model.n_blocks
+    walk = st.working_peak(blk, roots, opts, ropts, m)
+    cap = usable(st.gpu, model.budget) - walk - slack
+    best = None
+    for o in opts:
+        for ro in ropts:
+            block, root = st.cost(blk, o), st.root(roots, ro)
+            mem = (n * block.mem(r, m) + root.mem(r, m)
+                   + buffer_bytes(model.buffers(cand), buffer_kinds(o) | int(ro.zero == 3)))
+            at_root_reduce = (n * (block.static + block.grads_reduced) + root.static + root.at_root
+                              + st.root_reduce(roots, m) + (model.buffers(cand)[0] / 2 if o.zero == 3 else 0))
+            mem = max(mem, at_root_reduce - walk)
+            t = n * block.time(m) + root.time(m)
+            if mem <= cap and (best is None or t < best[0]):
+                best = (t, o, ro)
+    if best is None:
+        return None
+    prof = model.profile
+    return Solution(Plan(world_size=cand.dp * cand.tp, dp=cand.dp, tp=cand.tp, micro_batch_size=cand.micro_batch_size,
+                         num_microbatches=m, seq_len=prof.seq_len, stage_blocks=[n], compute_dtype=prof.dtype,
+                         reduce_dtype=model.reduce_dtype_of(cand), grad_reduce=cand.grad_reduce,
+                         compile=prof.compiled, optimizer=replace(model.optimizer), root=replace(best[2]),
+                         blocks=[replace(best[1]) for _ in range(n)]), best[0])
+
+
+def leanest_plan(model: CostModel, cand: Candidate) -> Plan | None:
+    """The candidate's least-memory plan (CostModel.leanest on every stage, blocks split evenly), for estimate()
+    to judge where the knapsack's over-counting rejects the candidate (verify.rescue)."""
+    pp, v, n = cand.pp, cand.virtual_stages, model.n_blocks
+    if n < pp * v:
+        return None
+    # later pipeline ranks hold fewer microbatches of activations: they take the remainder
+    sizes = [n // pp + (1 if s >= pp - n % pp else 0) for s in range(pp)]
+    choices, opts_of, ropts_of = [], [], []
+    for s in range(pp):
+        view = model.stage(cand, s)
+        opts, ropts = view.options, view.root_options
+        b, ro = model.leanest(cand, s, opts, ropts)
+        choices.append((ropts.index(ro) if view.roots else None, [opts.index(b)] * sizes[s]))
+        opts_of.append(opts)
+        ropts_of.append(ropts)
+    return layout(model, cand, choices, sizes, opts_of, ropts_of)
+
+
+def layout(model: CostModel, cand: Candidate, choices, sizes: list[int], opts_of, ropts_of) -> Plan:
+    """Lay each pipeline rank's chosen options (choices[s]: root option index, block option indices) out over its
+    (virtual) stages."""
+    pp, v = cand.pp, cand.virtual_stages
+    # Interleaved: a rank's first chunk may hold every resident microbatch at once (its forwards run ahead of
+    # the last chunk's backwards), its last chunk about the share the knapsack assumes. So the first chunks
+    # take the fewer blocks and the options that save the least; the peak then stays near the knapsack's count.
+    chunks = [[k // v + (1 if i >= v - k % v else 0) for i in range(v)] for k in sizes]
+    sched = SCHEDULES[cand.schedule]
+    rank_of = [sched.rank_of(k, pp) for k in range(pp * v)]  # looped, or folded back in a V
+    chunk_of = [sched.stages_of(rank_of[k], pp, v).index(k) for k in range(pp * v)]  # its place on its rank
+    stage_blocks = [chunks[rank_of[k]][chunk_of[k]] for k in range(pp * v)]
+    blk = model.profile_at(cand).blocks[model.typical]
+    act = [[model.costs(cand, s).cost(blk, o).act for o in opts_of[s]] for s in range(pp)]
+    per_rank = [sorted(idx, key=lambda i, s=s: (act[s][i], i)) for s, (_, idx) in enumerate(choices)]
+    blocks: list[BlockPlan] = []
+    for k, nb in enumerate(stage_blocks):
+        r = rank_of[k]
+        take, per_rank[r] = per_rank[r][:nb], per_rank[r][nb:]
+        blocks += [replace(opts_of[r][i]) for i in take]
+    roots = [ropts_of[s][choices[s][0]] for s in range(pp) if choices[s][0] is not None]
+    root = min(roots, key=lambda o: (not o.offload_params, not o.offload_optimizer, -o.zero))  # the leaner
+    prof = model.profile
+    return Plan(world_size=cand.dp * cand.tp * pp, dp=cand.dp, tp=cand.tp, pp=pp,
+                micro_batch_size=cand.micro_batch_size, num_microbatches=cand.num_microbatches, seq_len=prof.seq_len,
+                schedule=cand.schedule, virtual_stages=v,
+                stage_blocks=stage_blocks,
+                evict_bound=model.constraints.evict_bound if SCHEDULES[cand.schedule].evicts else None,
+                compute_dtype=prof.dtype, reduce_dtype=model.reduce_dtype_of(cand), grad_reduce=cand.grad_reduce,
+                compile=prof.compiled, optimizer=replace(model.optimizer), root=replace(root), blocks=blocks)

@@ -1,0 +1,98 @@
+"""The compatibility rules (plan.rules), each written once: a plan file breaking any of them is refused by
+`snugfit plan --plan-file` and by `snugfit train --plan` with the same line, the search's fixed parts are refused
+by the same rule, and the search never offers what a rule forbids."""
+
+import pytest
+
+from snugfit.cli import main
+from snugfit.plan import BlockPlan, OptimizerPlan, Plan
+from snugfit.plan.options import Constraints
+from snugfit.plan import rules
+
+BLOCKS, SEQ = 4, 16
+
+
+def _plan(**kw) -> Plan:
+    block = kw.pop("block", BlockPlan())
+    return Plan.uniform(BLOCKS, block=block, root=kw.pop("root", BlockPlan(**{**vars(block), "activations": "keep"})),
+                        micro_batch_size=1, seq_len=SEQ, **kw)
+
+
+# one plan per rule of rules.RULES, in its order, breaking that rule first
+BREAKS = [
+    _plan(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=3),
+    _plan(pp=2, schedule="1f1b", num_microbatches=2, evict_bound=1),
+    _plan(pp=2, tp=2, schedule="bpipe", num_microbatches=2),
+    _plan(tp=2, block=BlockPlan(offload_optimizer=True)),
+    _plan(tp=2, block=BlockPlan(zero=3, offload_params=True)),
+    _plan(tp=2, block=BlockPlan(zero=3, stream_states=True)),
+    _plan(tp=2, block=BlockPlan(activations="offload")),
+    _plan(block=BlockPlan(zero=2, offload_params=True)),
+    _plan(block=BlockPlan(zero=3, offload_params=True, offload_optimizer=True)),
+    _plan(block=BlockPlan(zero=3, offload_optimizer=True, stream_states=True)),
+    _plan(pp=2, schedule="zbv", num_microbatches=2, block=BlockPlan(zero=3)),
+    _plan(pp=2, schedule="zbv", num_microbatches=2, block=BlockPlan(activations="selective")),
+    _plan(pp=2, schedule="zbv", num_microbatches=2, optimizer=OptimizerPlan(in_backward=True)),
+    _plan(pp=2, schedule="zbv", num_microbatches=2, grad_reduce="microbatch"),
+    _plan(num_microbatches=2, optimizer=OptimizerPlan(in_backward=True)),
+    _plan(compute_dtype="float16", optimizer=OptimizerPlan(in_backward=True)),
+]
+
+
+def test_every_rule_has_a_plan_that_breaks_it_first():
+    assert len(BREAKS) == len(rules.RULES)
+    for rule, plan in zip(rules.RULES, BREAKS):
+        where, parts = next((w, p) for w, p in plan.rule_parts()
+                            if all(getattr(p, n) is not None for n in rule.reads) and rule.broken(p))
+        assert plan.rule_broken() == f"{where}: {rule.says(parts)}"
+
+
+@pytest.mark.parametrize("i", range(len(BREAKS)))
+def test_plan_and_train_refuse_a_plan_file_with_the_same_line(i, tmp_path, capsys):
+    plan = BREAKS[i]
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    line = plan.rule_broken()
+    model = ["--n-layers", str(BLOCKS), "--seq-len", str(SEQ), "--max-seq-len", str(SEQ)]
+    assert main(["plan", "--plan-file", str(path), *model]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {line}"
+    assert main(["train", "--plan", str(path), "--batch-size", str(plan.global_batch), "--steps", "1",
+                 "--out-dir", str(tmp_path / "run"), "--progress", "false", "--plot", "false", *model]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: plan {path}: {line}"
+
+
+def test_fixed_parts_break_the_same_rules():
+    with pytest.raises(Exception, match="tp 2 does not combine with schedule 'bpipe'"):
+        Constraints(tp=2, schedule="bpipe").checked(4)
+    with pytest.raises(Exception, match="offload_params needs zero 3"):
+        Constraints(zero=2, offload_params=True).checked(2)
+    with pytest.raises(Exception, match="allows one backward"):
+        Constraints(schedule="zbv", recompute="selective").checked(2)
+    assert Constraints(tp=2).checked(4).tp == 2  # a rule whose other part is not fixed is not read
+
+
+def test_the_search_refuses_an_optimizer_setup_beside_fixed_parts_by_the_same_rule():
+    from snugfit.hardware import parse_cluster
+    from snugfit.plan.search import NoPlanError, search
+    from tests.test_search import MODELS
+
+    with pytest.raises(NoPlanError, match="schedule 'zbv' makes weight gradients in later weight passes"):
+        search(MODELS["mid"], parse_cluster("4xA10"), global_batch=8, constraints=Constraints(schedule="zbv"),
+               optimizer=OptimizerPlan(in_backward=True))
+
+
+def test_the_search_offers_nothing_a_rule_forbids():
+    from snugfit.hardware import parse_cluster
+    from snugfit.plan.cost_model import CostModel
+    from snugfit.plan.search import budget_for
+    from tests.test_search import MODELS
+
+    prof, cluster = MODELS["mid"], parse_cluster("4xA10")
+    model = CostModel(prof, cluster, 8, Constraints(), budget_for(cluster, None))
+    seen = set()
+    for cand in model.candidates():
+        for root in (False, True):
+            for o in model.options(cand, root):
+                assert rules.allows_unit(o, root, tp=cand.tp, schedule=cand.schedule, grad_reduce=cand.grad_reduce)
+                seen.add((cand.schedule, o.zero, o.activations))
+    assert ("zbv", 2, "keep") in seen and ("zbv", 3, "keep") not in seen and ("1f1b", 3, "keep") in seen
