@@ -194,6 +194,7 @@ def test_time_model_charges_a_compiled_block_its_launches():
     from dataclasses import replace
 
     from snugfit.hardware.catalogue import GPUS
+    from snugfit.plan.policies import policy
     from snugfit.plan.timing import piece_compute, recompute_time
 
     eager = profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False).blocks[0]
@@ -204,7 +205,7 @@ def test_time_model_charges_a_compiled_block_its_launches():
     fwd, bwd = piece_compute(block, host_bound, "float32", None)
     assert (fwd, bwd) == (block.fwd_ops * 0.25, block.bwd_ops * 0.25)
     assert piece_compute(eager, host_bound, "float32", None)[0] == eager.fwd_ops * 1.0
-    assert recompute_time(block, "selective", fwd, host_bound, "float32", None) == block.fwd_ops * 0.25
+    assert recompute_time(block, policy("selective"), fwd, host_bound, "float32", None) == block.fwd_ops * 0.25
 
 
 def test_hugging_face_blocks_are_profiled_compiled():
