@@ -13,7 +13,10 @@ chosen plan and the fastest measured ones are timed again, interleaved. Re-measu
 machine's hardware profile first, as the measurements see the machine as it is now, and plans
 as `snugfit train --nproc N` does: the hardware measured at the machine's thread count (each rank
 then runs one thread, which the time model charges), the model profiled on the meta device.
-Usage: .venv/bin/python bench/regret.py [--worlds 2 4] [--passes 3] [--reuse-hardware]
+With --corrections it also calibrates the time model as a run does (`[train] replan`: one traced and one
+profiled step of the chosen plan) and prints the model's median error over the grid's measured plans before and
+after the correction.
+Usage: .venv/bin/python bench/regret.py [--worlds 2 4] [--passes 3] [--reuse-hardware] [--corrections]
 """
 
 from __future__ import annotations
@@ -90,6 +93,46 @@ def _measure(env, plans: list[str], passes: int, steps: int) -> list[list[float]
     return out
 
 
+def _calibrate(env, plan_json: str, warmup: int) -> list:
+    """On every rank: the chosen plan's calibration (train.calibration), after `warmup` steps."""
+    from snugfit.runtime.build import build_engine
+    from snugfit.runtime.engine import OptimConfig
+    from snugfit.train.calibration import calibration_steps
+
+    torch.set_num_threads(1)
+    plan = Plan.from_json(plan_json)
+    torch.manual_seed(0)
+    engine = build_engine(Decoder(CFG), plan, OptimConfig(), env)
+    engine.track_memory = False
+    g = torch.Generator().manual_seed(2)
+    batches = (torch.randint(0, CFG.vocab_size, (plan.micro_batch_size * plan.num_microbatches, SEQ + 1), generator=g)
+               for _ in iter(int, 1))
+    for _ in range(warmup):
+        engine.train_step(next(batches))
+    return calibration_steps(engine, batches, env.rank, env.world_size)
+
+
+def model_errors(plans: list[Plan], times: list[float | None], prof, cluster, budget: int) -> str:
+    """The time model's median error over the measured plans, uncorrected and corrected by the chosen plan's
+    (plans[0]) calibration, as a run's replan derives it."""
+    from dataclasses import replace
+
+    from snugfit.plan.corrections import derive, on_cluster
+
+    measured = run_ranks(_calibrate, cluster.world_size, plans[0].to_json(), 3)[0]
+    raw = estimate(replace(plans[0], predicted=None), prof, cluster, budget)
+    corrections = derive(measured, raw.time_by_phase, plans[0].pp > 1)
+    corrected = on_cluster(cluster, corrections)
+    errors = {"uncorrected": [], "corrected": []}
+    for p, t in zip(plans, times):
+        for name, on in (("uncorrected", cluster), ("corrected", corrected)):
+            if t is not None:
+                errors[name].append(abs(estimate(replace(p, predicted=None), prof, on, budget).step_time_s / t - 1))
+    return (f"time model error, median over {len(errors['corrected'])} measured plans: uncorrected "
+            f"{statistics.median(errors['uncorrected']):.0%}, corrected {statistics.median(errors['corrected']):.0%} "
+            f"(corrections from the chosen plan's traced step: {corrections.describe()})")
+
+
 def measured_times(world: int, plans: list[Plan], passes: int, steps: int) -> tuple[list[float | None], list[str]]:
     """Per plan: the median over passes of the slowest rank's best step time (None where refused), and
     the refusal reasons (rank 0's)."""
@@ -130,6 +173,7 @@ def main() -> int:
     ap.add_argument("--final-passes", type=int, default=7, help="shuffled passes over the chosen plan and finalists")
     ap.add_argument("--budget-fraction", type=float, default=0.8, help="of the replicated plan's peak")
     ap.add_argument("--reuse-hardware", action="store_true", help="keep the cached hardware profile")
+    ap.add_argument("--corrections", action="store_true", help="also the model's error corrected by a calibration")
     args = ap.parse_args()
     if not args.reuse_hardware or load_local() is None:
         profile_hardware()  # the predictions use this machine as it is now, like the measurements
@@ -157,6 +201,8 @@ def main() -> int:
             print("  too few plans ran to judge")
             ok = False
             continue
+        if args.corrections:
+            print("  " + model_errors(plans, times, prof, cluster, budget))
         rho = spearmanr([a for a, _ in ran], [b for _, b in ran]).statistic
         # The minimum over dozens of noisy times is biased low, so the fastest few are timed again
         # against the chosen plan, interleaved, and the regret is taken from that final.

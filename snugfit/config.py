@@ -68,6 +68,12 @@ class TrainConfig:
     out_dir: str = "runs/default"
     resume: bool = False  # continue from the newest checkpoint in out_dir
     trace_step: int = 0  # > 0: time this step's actions on every rank and draw them beside the plan's prediction
+    # Calibration from the run: after replan_after steps of a launch, trace a step on every rank, correct the time
+    # model's terms by what it measured (stored beside the hardware profile for later plans) and re-plan:
+    replan: str = "report"  # off | report: record the plan the corrected model prefers, and its predicted gain |
+    # switch: and go on under it (checkpointed at that step) when its predicted gain reaches replan_gain
+    replan_after: int = 20  # warm-up steps before the calibration step
+    replan_gain: float = 0.10
     progress: bool = True  # progress bar on rank 0
     plot: bool = True  # loss-curve PNG at the end
     tensorboard: bool = False  # also write TensorBoard event files to out_dir/tensorboard (extra: tensorboard)
@@ -133,12 +139,14 @@ CHOICES = {
     "parallel.recompute": (*POLICY_NAMES, *ALIASES),
     "train.master_weights": MASTER_WEIGHTS,
     "train.optimizer_states": OPTIMIZER_STATES,
+    "train.replan": ("off", "report", "switch"),
 }
 OPTIM_EXTRA = 'pip install -e ".[optim]"'  # torchao, for bf16 weights and bf16, 8- and 4-bit states
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
             "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes"}
 NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
-                "train.grad_clip", "train.weight_decay", "train.trace_step", "parallel.node_rank", "parallel.max_restarts",
+                "train.grad_clip", "train.weight_decay", "train.trace_step", "train.replan_after", "train.replan_gain",
+                "parallel.node_rank", "parallel.max_restarts",
                 "finetune.lora_rank", "finetune.lora_alpha", "finetune.lora_dropout"}
 
 

@@ -1,7 +1,15 @@
 """Shared test hygiene."""
 
+import os
+import tempfile
+
 import pytest
 import torch.distributed as dist
+
+# Runs calibrate themselves by default (train.replan): their corrections go to a file of this test session, never
+# to the user's (where they would correct the plans of the tests after them)
+os.environ.setdefault("SNUGFIT_CORRECTIONS",
+                      os.path.join(tempfile.mkdtemp(prefix="snugfit-tests-"), "corrections.json"))
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,8 @@ def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_ref
     assert set(offload["plans"]) == {"snugfit", "full offload"} and offload["speedup"]["measured"] > 0
     measured = report["hardware"]["measured"]  # (e)
     assert measured["tflops"]["float32"] > 0 and measured["host_step_params_per_s"] > 0
+    corrections = report["corrections"]  # (f)
+    assert corrections["corrections"]["compute"] > 0 and corrections["measured_terms_s"]["compute"] > 0
     assert len(measured["attention_tflops"]) == 2
     assert "| replicated | ok" in (tmp_path / "acceptance.md").read_text()
     assert "errors" not in report  # a part that raised is reported there and fails the run

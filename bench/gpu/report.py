@@ -49,6 +49,15 @@ def markdown(report: dict) -> str:
                   json.dumps({k: v for k, v in h.items() if k not in ("device", "catalogue")}, indent=1), "```"]
     elif h:
         lines += ["", f"## hardware: {h['error']}"]
+    c = report.get("corrections")
+    if c and "corrections" in c:
+        lines += ["", f"## corrections a run's calibration derives here ({c['plan']})", "",
+                  "| term | predicted s | measured s | factor |", "|---|---|---|---|"]
+        lines += [f"| {t} | {sec(c['predicted_terms_s'].get(t))} | {sec(m)} | {sec(c['corrections'].get(t))} |"
+                  for t, m in c["measured_terms_s"].items()]
+        lines.append(f"catalogue figures they correct: {json.dumps(c['catalogue'])}")
+    elif c:
+        lines += ["", f"## corrections: {c['error']}"]
     return "\n".join(lines) + "\n"
 
 

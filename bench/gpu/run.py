@@ -12,7 +12,9 @@ comparison, and this GPU against the catalogue, in one script (under 8 minutes o
 (b) the allocator's peak (torch.cuda.max_memory_allocated / max_memory_reserved) against the predicted peak;
 (c) measured against predicted step time;
 (d) snugfit's plan against FSDP2 full CPU offload under a capped allocator (0.6 x the replicated plan's peak);
-(e) this GPU measured as `snugfit profile-hardware` measures it, against its catalogue entry.
+(e) this GPU measured as `snugfit profile-hardware` measures it, against its catalogue entry;
+(f) the time model's corrections a run's calibration (`[train] replan`) derives on this card for the replicated
+    plan, per term, beside the catalogue's figures it corrects.
 
 Writes acceptance.json and acceptance.md under $OUT (./ without $OUT) and prints the table.
 Usage: python bench/gpu/run.py [--model NAME|config.json] [--seq 1024] [--batch 4] [--steps 3]
@@ -385,6 +387,32 @@ def hardware_check(env: DistEnv) -> tuple[dict, Cluster]:
     return out, Cluster([node], node.intra, card.name)
 
 
+def corrections_check(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, dtype: str) -> dict:
+    """(f): a traced and a profiled step of the replicated plan after two warm-up steps (train.calibration, as a
+    run's replan takes them), attributed to the time model's terms (plan.corrections)."""
+    from snugfit.plan.corrections import derive
+    from snugfit.train.calibration import calibration_steps
+
+    mbs = max(1, args.batch // 2)
+    plan = Plan.uniform(cfg.n_layers, micro_batch_size=mbs, num_microbatches=args.batch // mbs, seq_len=args.seq,
+                        compute_dtype=dtype)
+    prof = profile_model(cfg, micro_batch_size=mbs, seq_len=args.seq, dtype=dtype,
+                         kernels="gpu" if env.device.type == "cuda" else "cpu")
+    predicted = estimate(plan, prof, cluster)
+    torch.manual_seed(0)
+    engine = build_engine(Decoder(cfg), plan, OPTIM, env)
+    engine.track_memory = False
+    g = torch.Generator().manual_seed(3)
+    batches = (torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g) for _ in iter(int, 1))
+    for _ in range(WARMUP):
+        engine.train_step(next(batches))
+    corrections = derive(calibration_steps(engine, batches, 0, 1), predicted.time_by_phase, False)
+    gpu = cluster.gpu_of(0)
+    return {"plan": summary(plan), "predicted_step_s": predicted.step_time_s, "corrections": corrections.factors,
+            "measured_terms_s": corrections.measured, "predicted_terms_s": corrections.predicted,
+            "catalogue": {"tflops": gpu.tflops, "hbm_gbps": gpu.hbm_gbps, "op_overhead_s": gpu.op_overhead_s}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="built-in decoder: catalogue name (gpt2*, llama*, mistral-7b) or config.json")
@@ -420,6 +448,8 @@ def main() -> int:
     check_techniques(args, cfg, env, cluster, measured, dtype, report)
     report["offload_comparison"] = guarded("offload comparison",
                                            lambda: offload_comparison(args, cfg, env, cluster, dtype), report)
+    report["corrections"] = guarded("corrections", lambda: corrections_check(args, cfg, env, cluster, dtype), report)
+    free_memory(env)
     report["elapsed_s"] = time.perf_counter() - t0
     print(save(report, OUT), f"wrote {OUT / 'acceptance.json'} and {OUT / 'acceptance.md'}", sep="\n")
     dist.destroy_process_group()

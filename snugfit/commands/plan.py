@@ -20,6 +20,7 @@ from pathlib import Path
 from snugfit.commands.options import add_config_options, config_from_args
 from snugfit.config import optimizer_plan
 from snugfit.errors import SnugfitError
+from snugfit.calibrate.corrections import with_stored_corrections
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
@@ -240,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
         dp = c.dp or cluster.world_size // (c.pp or 1)
         gb = (micro or 1) * (c.num_microbatches or 1) * (dp if c.num_microbatches else cluster.world_size)
     prof = target.profile(micro or 1, seq, dtype)
+    cluster, corrected = with_stored_corrections(cluster, prof)  # what a run measured here, where one did
+    notes += [corrected] if corrected else []
     try:
         res = search(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget,
                      reduce_dtype=args.reduce_dtype, alternatives=args.alternatives, compare_bpipe=args.explain_bpipe,

@@ -23,6 +23,8 @@ class Node:
     intra: Link  # between GPUs of this node
     pcie: Link  # host <-> GPU (offload traffic)
     host: Host = field(default_factory=Host)
+    # the time model's factors per term, measured by a run on this hardware (plan.corrections; empty: none)
+    corrections: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -10,6 +10,7 @@ the pipeline runtime's own costs.
 from __future__ import annotations
 
 from snugfit.hardware.cluster import Node
+from snugfit.plan.corrections import corrected
 from snugfit.plan.memory import StagePiece, wrapped_params
 from snugfit.profile.types import DTYPE_BYTES
 
@@ -56,9 +57,10 @@ def cpu_tp_time(node: Node) -> float:
 
 def cpu_stage_time(node: Node) -> float:
     """What the pipeline runtime itself costs per stage and microbatch on CPU ranks, as profile_hardware measured
-    (in a pipeline, so with its ranks as busy as a pipeline's)."""
+    (in a pipeline, so with its ranks as busy as a pipeline's), corrected where a run measured it (the one place:
+    the stage times, the cost model's bound and the solver's score all read it here)."""
     costs, share = local_ranks(node)
-    return costs["stage"][0] * share / costs["contention"][0] if costs else 0.0
+    return corrected("pipeline_runtime", costs["stage"][0] * share / costs["contention"][0], node) if costs else 0.0
 
 
 def line_cost(cost: list[float], nbytes: float) -> float:

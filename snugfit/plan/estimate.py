@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from snugfit.hardware.cluster import Cluster
+from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_tp_time
 from snugfit.plan.memory import RankMemory, StagePiece, device_bytes, host_bytes, host_saved, rank_memory, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
@@ -229,6 +230,8 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
                                            ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies,
                                            optimizer=plan.optimizer)
+        reduce = corrected("dp_comm_exposed", reduce, node)
+        opt_dev, opt_host = corrected("optimizer", opt_dev, node), corrected("offload_exposed", opt_host, node)
         phases = {
             "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
             "recompute": m * sum(st.recompute * split_extra[k] for k, st in sts.items()),

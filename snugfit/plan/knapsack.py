@@ -25,6 +25,7 @@ from snugfit.plan.memory import (
 )
 from snugfit.plan.optimizer import master_bytes
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
+from snugfit.plan.corrections import corrected
 from snugfit.plan.timing import TensorParallel, grad_reduce_exposed, optimizer_time, reduce_time, stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
@@ -219,6 +220,9 @@ class StageCosts:
                          for sp in sps)
             if block:
                 reduce = max(0.0, reduce - one.bwd - one.recompute)
+        reduce = corrected("dp_comm_exposed", reduce, self.node)
+        opt_dev = corrected("optimizer", opt_dev, self.node)
+        opt_host = corrected("offload_exposed", opt_host, self.node)
         if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
             t_mb, reduce = t_mb + reduce, 0.0
         if self.replays > 1:  # a split backward's W recomputes again (simulate.split_backward), and its host work

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU, Host, Link
 from snugfit.hardware.cluster import Node
+from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_fsdp_time, cpu_share, cpu_stage_time, fsdp_units, line_cost, local_ranks
 from snugfit.plan.kernels import attention_rates, gemm_seconds
 from snugfit.plan.memory import StagePiece, host_saved
@@ -312,6 +313,19 @@ def stage_time(
         st.update = cpu_fsdp_time(pieces, node, dtype, dp, "update")
     if pipelined and on_cpu:
         st.pipe = cpu_stage_time(node)
+    return _corrected_stage(st, node) if node.corrections else st
+
+
+def _corrected_stage(st: StageTime, node: Node) -> StageTime:
+    """The stage's times with the run-measured factors of `node` (plan.corrections) applied, term by term."""
+    fix = lambda term, s: corrected(term, s, node)  # noqa: E731
+    st.fwd, st.bwd, st.wgrad = fix("compute", st.fwd), fix("compute", st.bwd), fix("compute", st.wgrad)
+    st.recompute = fix("recompute", st.recompute)
+    st.comm_exposed = fix("dp_comm_exposed", st.comm_exposed)
+    st.offload_exposed = fix("offload_exposed", st.offload_exposed)
+    st.tp_fwd, st.tp_bwd = fix("tp_comm", st.tp_fwd), fix("tp_comm", st.tp_bwd)
+    st.split_host = fix("pipeline_runtime", st.split_host)  # st.pipe: cpu_stage_time corrects it
+    st.update = fix("optimizer", st.update)
     return st
 
 

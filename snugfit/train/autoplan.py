@@ -61,16 +61,21 @@ def local_cluster(env: DistEnv) -> Cluster:
 def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
     """The fastest plan that fits, found on rank 0 and sent to every rank (the profile cache is written once)."""
     fixed = fixed_constraints(cfg, env.world_size)  # on every rank: a bad one fails them all alike
-    plan_json = [None]
+    return Plan.from_json(decided_on_main(lambda: _search(cfg, env, fixed).to_json(), env))
+
+
+def decided_on_main(decide, env: DistEnv):
+    """decide() run on rank 0, its (picklable) result sent to every rank. The others wait up to MEASURE_WAIT_S:
+    rank 0 may first measure this machine (tens of seconds on CPU), longer than a collective's timeout."""
+    result = [None]
     multi = dist.is_initialized() and env.world_size > 1
-    # rank 0 may first measure this machine (tens of seconds on CPU), longer than a collective's timeout
     patient = dist.new_group(backend="gloo", timeout=timedelta(seconds=MEASURE_WAIT_S)) if multi else None
     if env.is_main:
-        plan_json[0] = _search(cfg, env, fixed).to_json()
+        result[0] = decide()
     if multi:
-        dist.broadcast_object_list(plan_json, src=0, group=patient)
+        dist.broadcast_object_list(result, src=0, group=patient)
         dist.destroy_process_group(patient)
-    return Plan.from_json(plan_json[0])
+    return result[0]
 
 
 def _profile(cfg: RunConfig, micro_batch_size: int, env: DistEnv):
@@ -140,6 +145,7 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
 
 def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
     from snugfit.plan.explain import advise, format_result
+    from snugfit.calibrate.corrections import with_stored_corrections
     from snugfit.plan.search import NoPlanError, search
 
     t = cfg.train
@@ -147,7 +153,9 @@ def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
     if cfg.train.compile and env.device.type == "cpu":
         measure_compiled_once()
     profile = _profile(cfg, 1, env)
-    cluster = local_cluster(env)
+    cluster, corrected = with_stored_corrections(local_cluster(env), profile)
+    if corrected:
+        log.info(corrected)
     try:
         res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0,
                      optimizer=optimizer_plan(t))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -17,12 +18,12 @@ import torch.distributed as dist
 from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
-from snugfit.report.trace import StepTrace
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.compile import compile_seconds
 from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, release_cached_groups
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.runtime.launch import die_with_launcher
+from snugfit.train.calibration import StepProbe
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields
@@ -185,6 +186,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
     bad_in_a_row, skipped_total, overflow_total = 0, 0, 0
     profile_checked = False  # the first measured steps against the prediction from this machine's profile
     heartbeat = Heartbeat(env.rank, env.world_size)
+    probe = StepProbe(cfg, env, plan, start, out, metrics, lambda text: _say(text, bar))
     try:
         for step in range(start, t.steps):
             done = step + 1
@@ -193,22 +195,15 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
             engine.set_lr(lr)
             engine.track_memory = log_now  # count saved tensors only on the steps we report
             batch = sampler.next_batch()
-            if done == t.trace_step:
-                engine.trace = StepTrace()
-                if dist.is_initialized():
-                    dist.barrier()  # line the ranks' clocks up
-                engine.trace.begin()
             t0 = time.perf_counter()
             compiling = compile_seconds() if plan.compile else 0.0
-            res = engine.train_step(batch)
+            res = probe.train_step(engine, batch, done)
             # the blocks compile in the process's first step: said at start-up, and left out of its step time
             compiling = compile_seconds() - compiling if plan.compile else 0.0
             window.append(time.perf_counter() - t0 - compiling)
             if compiling and env.is_main:
                 _say(f"compiled the blocks in {compiling:.1f} s (step {done}; not counted in its step time)", bar)
-            if engine.trace is not None:
-                _draw_trace(cfg, env, plan, engine.trace, out / "timeline.png", bar)
-                engine.trace = None
+            probe.after(engine, done)
             result.losses[done] = res.loss
             result.last_step = done
             # float16 overflows are the loss scale finding its level, not a run going bad
@@ -231,7 +226,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
                     "kind": "train", "step": done, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
                     "skipped": res.skipped, "skipped_total": skipped_total, "overflow_total": overflow_total,
                     "step_time_s": step_time,
-                    "tokens_per_s": plan.tokens_per_step / step_time, **measured_memory(engine),
+                    "tokens_per_s": plan.tokens_per_step / step_time, **measured_memory(engine, step_time),
                 }
                 record.update(predicted_fields(plan))
                 metrics.write(record)
@@ -250,6 +245,12 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
                 save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
                 metrics.write({"kind": "checkpoint", "step": done, "async": in_background,
                                "blocked_s": time.perf_counter() - t0})
+            if probe.switch_to is not None and done < t.steps:  # replan = "switch" chose another plan
+                saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
+                plan, engine, sampler = probe.switch_to, None, None  # the old plan's engine goes before the new one
+                engine, sampler = _switch(cfg, env, plan, saved, checkpoints, optim, weights, data)
+                val = data.eval_batches(plan, t.eval_batches)
+                probe.switched(plan, done)
             heartbeat.beat(done)
             stop = stops.agreed()
             if stop and done < t.steps:
@@ -265,6 +266,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
             latest = checkpoints.latest()
             heartbeat.explain(err, result.last_step, cfg.parallel.timeout_s, latest.name if latest else "none")
         raise
+    probe.finish()
     if bar is not None:
         bar.close()
     metrics.close()
@@ -295,18 +297,22 @@ def _check_profile(measured_s: float, predicted_s: float, bar) -> None:
              f"plan, not the profile ({path} stays; delete {stale.name} to have the next mismatch set it aside)", bar)
 
 
-def _draw_trace(cfg: RunConfig, env: DistEnv, plan: Plan, trace: StepTrace, out: Path, bar) -> None:
-    """Every rank's spans of the traced step, drawn on rank 0 beneath the time model's simulation of the plan."""
-    traces = [trace]
-    if dist.is_initialized() and env.world_size > 1:
-        traces = [None] * env.world_size
-        dist.all_gather_object(traces, trace)
+def _switch(cfg: RunConfig, env: DistEnv, plan: Plan, saved: Path, checkpoints: Checkpoints, optim: OptimConfig,
+            weights, data) -> tuple[Engine, object]:
+    """Go on under `plan` from the checkpoint just `saved`, as --resume under another plan would: the same data
+    order, optimizer state and learning-rate schedule, in this launch."""
+    gc.collect()  # the old engine's modules, before the new plan's are built
+    try:
+        engine = build_engine(build_model(cfg, on_meta=weights is not None), plan, optim, env, weights)
+    except PlanError as e:
+        raise SnugfitError(f"switching to the re-planned {plan.dp} x {plan.tp} x {plan.pp} plan: {e}") from None
+    sampler = data.sampler(plan, cfg.train.seed, plan.layout.coords(env.rank)[1])
+    done = _resume(checkpoints, saved, engine, sampler, cfg)
     if env.is_main:
-        from snugfit.report.timeline import draw_timeline
-        from snugfit.train.autoplan import predicted_timeline
-
-        sim, detail = predicted_timeline(cfg, env, plan)
-        _say(f"timeline of step {cfg.train.trace_step}: {draw_timeline(sim, plan, out, StepTrace.merge(traces), detail)}", bar)
+        (Path(cfg.train.out_dir) / "plan.json").write_text(plan.to_json())
+        log.info("switched at step %d (checkpoint %s) to plan dp=%d tp=%d pp=%d micro-batch %d x %d", done,
+                 saved.name, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)
+    return engine, sampler
 
 
 def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: RunConfig) -> int:
@@ -316,6 +322,11 @@ def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: 
     if engine.scaler is not None and "loss_scale" in trainer_state:  # a float16 run goes on at its scale
         engine.scaler.load_state_dict(trainer_state["loss_scale"])
     sampler.load_state_dict(trainer_state["sampler"])
+    saved = trainer_state.get("plan", {}).get("world_size")
+    if saved and saved != engine.plan.world_size and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.info("the checkpoint was written by %d ranks; %s for the %d launched", saved,
+                 "re-planned" if cfg.parallel.plan == "auto" else "resuming under the given plan",
+                 engine.plan.world_size)
     if trainer_state["step"] >= cfg.train.steps:
         raise SnugfitError(
             f"checkpoint {path} is at step {trainer_state['step']}, not before train.steps ({cfg.train.steps}); "

@@ -86,8 +86,9 @@ def plot_losses(metrics_path: Path, out: Path) -> Path:
     return out
 
 
-def measured_memory(engine) -> dict:
-    """Each rank's tracked peak of the last step (device and host), gathered to every rank.
+def measured_memory(engine, step_time_s: float | None = None) -> dict:
+    """Each rank's tracked peak of the last step (device and host), gathered to every rank, and each rank's step
+    time where given (`step_time_by_rank_s`).
 
     A collective: every rank calls it on the same steps.
     """
@@ -96,13 +97,15 @@ def measured_memory(engine) -> dict:
     tracker = getattr(engine, "memory", None)
     peak = tracker.peak() if tracker is not None else {}
     stage = engine.stage_stats() if hasattr(engine, "stage_stats") else None  # pipeline ranks
-    mine = [peak.get("device.total", 0), peak.get("host.total", 0), stage, allocator_peaks()]
+    mine = [peak.get("device.total", 0), peak.get("host.total", 0), stage, allocator_peaks(), step_time_s]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     else:
         everyone = [mine]
     out = {"peak_memory_bytes": [m[0] for m in everyone], "peak_host_bytes": [m[1] for m in everyone]}
+    if step_time_s is not None:
+        out["step_time_by_rank_s"] = [m[4] for m in everyone]
     if stage is not None:
         out["stage_peak_activation_bytes"] = [m[2]["peak_activation_bytes"] for m in everyone]
         out["stage_peak_microbatches"] = [m[2]["peak_microbatches"] for m in everyone]

@@ -1,0 +1,63 @@
+"""The time model's corrections a run measured (plan.corrections), kept beside this machine's hardware profile and
+keyed by machine and model shape, so the next plan for the same ranks and model starts from them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from snugfit.hardware.catalogue import hardware_cache_path
+from snugfit.hardware.cluster import Cluster
+from snugfit.plan.corrections import TimeCorrections, cards_of, machine_key, on_cluster, shape_key
+from snugfit.profile.types import ModelProfile
+
+
+def corrections_path() -> Path:
+    """corrections.json in the hardware profile's folder ($SNUGFIT_HARDWARE_PROFILE moves both;
+    $SNUGFIT_CORRECTIONS names the file apart: the tests keep theirs out of the user's)."""
+    return Path(os.environ.get("SNUGFIT_CORRECTIONS") or hardware_cache_path().with_name("corrections.json"))
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or a torn write of an older snugfit: start again
+        return {}
+
+
+def load_corrections(machine: str, shape: str) -> TimeCorrections | None:
+    """The corrections last measured for these ranks and this model shape; else, measured on another number of the
+    same cards, their per-device terms (communication changes with the ranks); else None."""
+    table = _read(corrections_path())
+    entry = table.get(f"{machine} | {shape}")
+    if entry:
+        return TimeCorrections.from_dict(entry)
+    for other in table.values():
+        if other.get("shape") == shape and cards_of(other.get("machine", "")) == cards_of(machine):
+            return TimeCorrections.from_dict(other).per_device()
+    return None
+
+
+def save_corrections(corrections: TimeCorrections) -> Path:
+    """Store (replace) the entry for the corrections' machine and shape; written whole, then renamed."""
+    path = corrections_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = _read(path)
+    table[f"{corrections.machine} | {corrections.shape}"] = corrections.to_dict()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def with_stored_corrections(cluster: Cluster, profile: ModelProfile) -> tuple[Cluster, str | None]:
+    """The cluster carrying the corrections stored for it and this model shape, and the one line that says so
+    (None where there are none)."""
+    found = load_corrections(machine_key(cluster), shape_key(profile))
+    if found is None or not found.factors:
+        return cluster, None
+    line = (f"time model corrected by what a run measured on {found.machine} at step {found.step}: "
+            f"{found.describe()}{'' if found.machine == machine_key(cluster) else ' (its per-device terms)'} "
+            f"({corrections_path()})")
+    return on_cluster(cluster, found), line

@@ -1,0 +1,306 @@
+"""Calibration from the run: after `[train] replan_after` steps, trace a step on every rank and profile the next
+(FSDP2's own ranges: its gathers, reduce-scatters and their waits), attribute the measured time to the time
+model's terms, store the per-term corrections beside the hardware profile, and re-plan with them (`replan`:
+"report" records what the corrected model would choose; "switch" also goes on under it, through the loop's
+`_switch`; "off" does none of it).
+
+Also the test hook that makes a straggler on purpose (`SLOW_ENV`), read in one place: `slow_down`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+
+from snugfit.errors import SnugfitError
+from snugfit.plan.corrections import MeasuredStep
+from snugfit.report.trace import StepTrace
+
+log = logging.getLogger("snugfit")
+# Test hook, documented as such: "RANK:SECONDS" makes that rank sleep SECONDS inside every training step, before its
+# forward (a straggler made on purpose, for `snugfit diagnose`'s tests). Never set it in a real run.
+SLOW_ENV = "SNUGFIT_TEST_SLOW_RANK"
+GAIN_STEPS = 6  # steps under a switched-to plan before its measured gain is reported (the first two: warm-up)
+
+
+def slow_down(rank: int) -> None:
+    """Sleep where SLOW_ENV asks it of this rank (the test hook's one place)."""
+    spec = os.environ.get(SLOW_ENV)
+    if not spec:
+        return
+    try:
+        who, seconds = spec.split(":")
+        who, seconds = int(who), float(seconds)
+    except ValueError:
+        raise SnugfitError(f"{SLOW_ENV}={spec!r}: write RANK:SECONDS, e.g. 1:0.2 (a test hook; unset it)") from None
+    if who == rank:
+        time.sleep(seconds)
+
+
+def fsdp_seconds(profiler) -> float:
+    """Seconds of a profiled step inside FSDP2's own ranges ("FSDP::..." record_functions), nested ones once."""
+    from snugfit.report.measured import union_length
+
+    ranges = [(e.time_range.start, e.time_range.end) for e in profiler.events() if e.name.startswith("FSDP::")]
+    return union_length(ranges) / 1e6
+
+
+@contextmanager
+def _without_stderr():
+    """File descriptor 2 sent to /dev/null meanwhile (C++ libraries write there, not through sys.stderr)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def profiled_step(engine, batch, rank: int):
+    """(engine.train_step(batch)'s result, FSDP2's share of its forward and backward), the step profiled; the
+    caller has begun engine.trace (`begin_trace`), which keeps the step's spans (the profiler slows every operator
+    alike: the share holds, the seconds do not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from snugfit.report.measured import measured_step
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _without_stderr():  # kineto writes a 'USDT: ... profiler_start' line to stderr
+        prof.start()
+    res = engine.train_step(batch)
+    with _without_stderr():
+        prof.stop()
+    work = measured_step(engine.trace, rank).work  # engine.trace stays: the step's spans, as any traced step's
+    return res, min(1.0, fsdp_seconds(prof) / work) if work else 0.0
+
+
+def begin_trace(engine) -> None:
+    """Trace the engine's next step, its clock started with every rank's (after a barrier)."""
+    engine.trace = StepTrace()
+    if dist.is_initialized():
+        dist.barrier()
+    engine.trace.begin()
+
+
+def calibration_steps(engine, batches, rank: int, world_size: int) -> list[MeasuredStep]:
+    """Every rank's traced step in the parts the corrections read, from two steps of `engine` (one traced, the
+    next profiled): what a run's calibration measures, in one call (bench/). A collective."""
+    from snugfit.report.measured import measured_step
+
+    begin_trace(engine)
+    engine.train_step(next(batches))
+    traces = gather(engine.trace, world_size)
+    begin_trace(engine)
+    shares = gather(profiled_step(engine, next(batches), rank)[1], world_size)
+    engine.trace = None
+    merged = StepTrace.merge(traces)
+    return [measured_step(merged, r, shares[r]) for r in range(world_size)]
+
+
+def gather(obj, world_size: int) -> list:
+    """Every rank's `obj`, on every rank (a collective)."""
+    if dist.is_initialized() and world_size > 1:
+        out: list = [None] * world_size
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def save_trace(out: Path, step: int, traces: list[StepTrace], fsdp_share: list[float] | None = None,
+               profiled: bool = False) -> Path:
+    """Every rank's spans of a traced step as out/traces/step_N.json (what `snugfit diagnose` reads), with each
+    rank's share of FSDP2 in its forward and backward where a profiled step measured it; profiled: the step the
+    profiler ran in (its operators slowed)."""
+    folder = out / "traces"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step_{step:08d}.json"
+    record = {"step": step, **StepTrace.merge(traces).to_dict()}
+    if fsdp_share is not None:
+        record["fsdp_share"] = fsdp_share
+    if profiled:
+        record["profiled"] = True
+    path.write_text(json.dumps(record))
+    return path
+
+
+def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_time_s: float) -> dict:
+    """On rank 0: the corrections this run's traced step gives, stored for later plans, and the plan the corrected
+    model chooses for the same ranks, as a metrics record ("replan")."""
+    from dataclasses import replace
+
+    from snugfit.calibrate.corrections import save_corrections
+    from snugfit.plan.corrections import derive, machine_key, on_cluster, shape_key
+    from snugfit.plan.estimate import estimate
+    from snugfit.plan.explain import summary
+    from snugfit.plan.search import NoPlanError, search
+    from snugfit.train.autoplan import _profile, fixed_constraints, local_cluster
+    from snugfit.config import optimizer_plan
+
+    profile, cluster = _profile(cfg, 1, env), local_cluster(env)
+    raw = estimate(replace(plan, predicted=None), profile, cluster)  # the uncorrected model's view of this plan
+    corrections = derive(measured, raw.time_by_phase, plan.pp > 1, machine=machine_key(cluster),
+                         shape=shape_key(profile), step=step)
+    stored = save_corrections(corrections)
+    fixed = cluster if not corrections.factors else on_cluster(cluster, corrections)
+    old = estimate(replace(plan, predicted=None), profile, fixed)
+    record = {"kind": "replan", "step": step, "mode": cfg.train.replan, "corrections": corrections.factors,
+              "measured_terms_s": corrections.measured, "predicted_terms_s": corrections.predicted,
+              "measured_step_s": step_time_s, "uncorrected_step_s": raw.step_time_s,
+              "corrected_terms_s": old.time_by_phase, "old_plan": plan.to_dict(), "old_predicted_s": old.step_time_s,
+              "switched": False}
+    try:
+        new = search(profile, fixed, global_batch=cfg.train.batch_size, alternatives=0,
+                     constraints=fixed_constraints(cfg, env.world_size), optimizer=optimizer_plan(cfg.train)).best
+    except NoPlanError as e:
+        record.update(new_plan=None, new_predicted_s=None, predicted_gain=0.0, why=str(e))
+        return record
+    gain = 1.0 - new.predicted.step_time_s / old.step_time_s if old.step_time_s else 0.0
+    same = summary(new) == summary(plan)
+    worth = not same and gain >= cfg.train.replan_gain
+    record.update(new_plan=new.to_dict(), new_predicted_s=new.predicted.step_time_s, predicted_gain=gain,
+                  same_plan=same, worth_switching=worth)
+    if same:
+        verdict = "the corrected model keeps this plan"
+    else:
+        verdict = (f"the corrected model prefers {summary(new)}: {new.predicted.step_time_s:.3g} s against "
+                   f"{old.step_time_s:.3g} s ({gain:.0%} faster{'' if worth else ', under replan_gain'})")
+    record["switched"] = worth and cfg.train.replan == "switch" and cfg.parallel.plan == "auto"  # not a given plan
+    log.info("replan at step %d: measured %.3g s per step, the model said %.3g s; corrections %s (stored in %s); "
+             "%s; %s", step, step_time_s, raw.step_time_s, corrections.describe(), stored, verdict,
+             "switching to it from the next step" if record["switched"] else
+             f"replan = {cfg.train.replan}, nothing switches")
+    return record
+
+
+class StepProbe:
+    """The steps of this launch that are traced (`trace_step`, drawn; the calibration step, `replan_after` steps
+    in) or profiled (the step after the calibration step), what follows each, and with `replan = "switch"` the plan
+    the run goes on under (`switch_to`, for the loop to act on) and the gain it measured."""
+
+    def __init__(self, cfg, env, plan, start: int, out: Path, metrics, say):
+        t = cfg.train
+        self.cfg, self.env, self.plan, self.out, self.metrics, self.say = cfg, env, plan, out, metrics, say
+        calibrate = t.replan != "off" and start + t.replan_after + 1 <= t.steps
+        self.calib = start + t.replan_after if calibrate else None
+        self.calib_traces: list[StepTrace] = []
+        self.replanning: threading.Thread | None = None  # rank 0's search with the corrected model (report)
+        self.record: dict | None = None
+        self.switch_to = None  # the plan to continue under from the next step, once decided (switch)
+        self.step_s: dict[int, float] = {}  # this launch's step times, for the gain a switch measured
+        self.switched_at: int | None = None
+        self.record_gain = 0.0  # the switch's predicted gain
+
+    def train_step(self, engine, batch, done: int):
+        """engine.train_step(batch), traced or profiled where this step is one of those."""
+        profiled = self.calib is not None and done == self.calib + 1
+        if done in (self.cfg.train.trace_step, self.calib) or profiled:
+            begin_trace(engine)
+        t0 = time.perf_counter()
+        slow_down(self.env.rank)
+        if not profiled:
+            res = engine.train_step(batch)
+            self.step_s[done] = time.perf_counter() - t0
+            return res
+        res, fsdp_share = profiled_step(engine, batch, self.env.rank)
+        self._calibrate(done - 1, fsdp_share)
+        return res
+
+    def after(self, engine, done: int) -> None:
+        """A traced step's spans, gathered from every rank: drawn and saved (rank 0); a finished re-plan recorded;
+        the gain a switch measured, GAIN_STEPS after it."""
+        if self.replanning is not None and not self.replanning.is_alive():
+            self.finish()
+        if self.switched_at is not None and done == self.switched_at + GAIN_STEPS:
+            self._measured_gain(done)
+            self.switched_at = None
+        if engine.trace is None:
+            return
+        traces = gather(engine.trace, self.env.world_size)
+        engine.trace = None
+        if done == self.calib:
+            self.calib_traces = traces
+        if not self.env.is_main:
+            return
+        save_trace(self.out, done, traces, profiled=self.calib is not None and done == self.calib + 1)
+        if done == self.cfg.train.trace_step:
+            from snugfit.report.timeline import draw_timeline
+            from snugfit.train.autoplan import predicted_timeline
+
+            sim, detail = predicted_timeline(self.cfg, self.env, self.plan)
+            picture = draw_timeline(sim, self.plan, self.out / "timeline.png", StepTrace.merge(traces), detail)
+            self.say(f"timeline of step {done}: {picture}")
+
+    def _calibrate(self, step: int, fsdp_share: float) -> None:
+        """After the profiled step: every rank's share of FSDP2 in its work beside the traced step's spans; rank 0
+        derives the corrections and re-plans (beside training for a report; for a switch every rank waits for it)."""
+        from snugfit.report.measured import measured_step
+
+        fsdp = gather(fsdp_share, self.env.world_size)
+        measured = []
+        if self.env.is_main:
+            save_trace(self.out, step, self.calib_traces, fsdp)
+            merged = StepTrace.merge(self.calib_traces)
+            measured = [measured_step(merged, r, fsdp[r]) for r in range(self.env.world_size)]
+        step_s = sum(m.step for m in measured) / max(len(measured), 1)
+        if self.cfg.train.replan == "switch":
+            from snugfit.plan import Plan
+            from snugfit.train.autoplan import decided_on_main
+
+            record = decided_on_main(lambda: replan_record(self.cfg, self.env, self.plan, measured, step, step_s),
+                                     self.env)
+            self.metrics.write(record)
+            if record["switched"]:
+                self.switch_to = Plan.from_dict(record["new_plan"])
+                self.record_gain = record["predicted_gain"]
+            return
+        if self.env.is_main:
+            # the search runs beside training (its collectives would otherwise wait on it, up to parallel.timeout_s)
+            self.replanning = threading.Thread(target=self._replan, args=(measured, step, step_s), daemon=True)
+            self.replanning.start()
+
+    def _replan(self, measured: list[MeasuredStep], step: int, step_s: float) -> None:
+        try:
+            self.record = replan_record(self.cfg, self.env, self.plan, measured, step, step_s)
+        except Exception as e:  # a report must never stop the run
+            log.warning("replan at step %d failed: %s", step, e)
+
+    def switched(self, plan, done: int) -> None:
+        """The loop now runs `plan` (from step done + 1)."""
+        self.plan, self.switch_to, self.switched_at = plan, None, done
+
+    def _measured_gain(self, done: int) -> None:
+        """Step time under the new plan against the old one's before the calibration (the launch's first step and
+        the first two after the switch left out: warm-up), recorded beside the predicted gain."""
+        before = [s for k, s in self.step_s.items() if min(self.step_s) < k < self.calib]
+        after = [s for k, s in self.step_s.items() if k > self.switched_at + 2]
+        if not before or not after:
+            return
+        old, new = statistics.median(before), statistics.median(after)
+        gain = 1.0 - new / old
+        self.metrics.write({"kind": "replan_outcome", "step": done, "switched_at": self.switched_at,
+                            "measured_before_s": old, "measured_after_s": new, "measured_gain": gain,
+                            "predicted_gain": self.record_gain})
+        if self.env.is_main:
+            self.say(f"after the switch at step {self.switched_at}: {new:.3g} s per step against {old:.3g} s "
+                     f"before ({gain:.0%} faster measured, {self.record_gain:.0%} predicted)")
+
+    def finish(self) -> None:
+        """Wait for a re-plan still running and record it (rank 0)."""
+        if self.replanning is not None:
+            self.replanning.join()
+            self.replanning = None
+        if self.record is not None:
+            self.metrics.write(self.record)
+            self.record = None
