@@ -47,7 +47,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     env = DistEnv()
-    t.dtype, _ = run_dtype(t.dtype, env)
+    t.dtype, _ = run_dtype(t.dtype, env.device)
     plan = resolve_plan(cfg, cfg.model, env)
     engine = build_engine(Decoder(cfg.model), plan, OptimConfig(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip), env)
     engine.track_memory = False  # as the trainer runs every step but the ones it logs

@@ -10,7 +10,7 @@ import pkgutil
 import sys
 
 import snugfit.commands
-from snugfit.errors import SnugfitError, Stopped
+from snugfit.errors import PeerFailed, SnugfitError, Stopped
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,11 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to sys.stdout as it is when a message is logged, not as it was when main() first ran: a caller that
+    swaps it (pytest's capture, between two main() calls in one process) never leaves the logger a closed file."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 def _setup_logging(rank: int) -> None:
     """snugfit's own messages on rank 0; libraries stay quiet."""
     logger = logging.getLogger("snugfit")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("snugfit: %(message)s"))
         logger.addHandler(handler)
     else:  # called again in one process (tests): to this call's stdout, not a closed earlier one
@@ -60,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             sys.stderr.write(f"{e}\n")
         return e.exit_status
+    except PeerFailed:  # another rank printed the line
+        return 2
     except SnugfitError as e:
         prefix = f"rank {rank}: " if "RANK" in os.environ and rank else ""
         sys.stderr.write(f"error: {prefix}{e}\n")

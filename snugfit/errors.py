@@ -17,3 +17,8 @@ class Stopped(SnugfitError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_status = 128 + signum
+
+
+class PeerFailed(SnugfitError):
+    """Another rank failed first and said why in its own `error:` line; this one exits with status 2 and says
+    nothing more, so a launch that fails prints one line, not one per rank."""

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 _write = _FileSystemWriter.write_data
 def write_data(self, plan, planner):
     if "step_00000016" in str(self.path) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        open(os.path.join(os.path.dirname(__file__), "writing_rank" + os.environ["RANK"]), "w").close()
         time.sleep(600)
     return _write(self, plan, planner)
 _FileSystemWriter.write_data = write_data
@@ -47,14 +48,14 @@ def launch(out: Path, pythonpath: Path | None = None) -> subprocess.Popen:
 def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("ref")
     run = launch(out)
-    log, _ = run.communicate(timeout=300)
+    log, _ = run.communicate(timeout=400)
     assert run.returncode == 0, log
     return final_weights(out)
 
 
 def wait_for(path: Path, run: subprocess.Popen) -> None:
-    deadline = time.time() + 240
-    while not path.exists() and time.time() < deadline and run.poll() is None:
+    deadline = time.monotonic() + 240
+    while not path.exists() and time.monotonic() < deadline and run.poll() is None:
         time.sleep(0.05)
     assert path.exists(), f"the run never reached {path.name}"
 
@@ -64,7 +65,7 @@ def kill_rank_and_finish(out: Path, run: subprocess.Popen, reference: dict[str, 
     pid = rank_pid(out, 1)
     assert pid is not None, "rank 1 not found"
     os.kill(pid, signal.SIGKILL)
-    log, _ = run.communicate(timeout=300)
+    log, _ = run.communicate(timeout=400)
     assert run.returncode == 0, log
     assert "resuming at step" in log, log  # the restarted ranks resumed, not restarted from 0
     got = final_weights(out)
@@ -91,7 +92,7 @@ def test_a_rank_killed_while_a_save_is_in_flight_resumes_from_the_previous_one(t
     (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_WRITE)
     out = tmp_path / "killed"
     run = launch(out, pythonpath=tmp_path / "slow")
-    wait_for(out / "checkpoints" / "step_00000016.tmp", run)
-    time.sleep(0.5)  # both ranks are inside the write now
+    for rank in (0, 1):  # both ranks are inside the write
+        wait_for(tmp_path / "slow" / f"writing_rank{rank}", run)
     log = kill_rank_and_finish(out, run, reference)
     assert "resuming at step 8" in log, log

@@ -15,7 +15,7 @@ import torch
 from snugfit.calibrate.local_ranks import measure_local_ranks
 from snugfit.calibrate.timers import best_time
 from snugfit.hardware.catalogue import (
-    GPU, GiB, Host, Link, LocalHardware, cuda_arch, default_cpu, hardware_cache_path,
+    GPU, GiB, Host, Link, LocalHardware, cuda_arch, default_cpu, hardware_cache_path, host_ram,
 )
 
 
@@ -173,14 +173,6 @@ def thread_slowdown(n: int = 768) -> float:
     one = _matmul_tflops(torch.float32, n, "cpu", lambda: None, repeats=30)
     torch.set_num_threads(threads)
     return max(1.0, _matmul_tflops(torch.float32, n, "cpu", lambda: None, repeats=30) / one)
-
-
-def host_ram() -> int:
-    """This machine's physical memory in bytes."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * GiB
 
 
 def measure_accelerator(name: str, dev: str | None = None, size: int = 4096) -> tuple[GPU, Link]:

@@ -26,7 +26,9 @@ from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import dtype_for_cluster
-from snugfit.plan.explain import advise, describe_model, explain_bpipe, format_result, rank_runs, switches
+from snugfit.plan.explain import (
+    advise, describe_model, explain_bpipe, format_result, memory_lines, phases_line, switches, verdict_line,
+)
 from snugfit.plan.options import Constraints, fixed_parts_of, refuse_fixed_parts_beside
 from snugfit.plan.optimizer import describe as describe_optimizer
 from snugfit.plan.plan import DTYPES, BlockPlan, OptimizerPlan, Plan, PlanError, Prediction
@@ -147,27 +149,18 @@ def max_length(model: ModelConfig | dict) -> int | None:
 
 
 def format_prediction(plan: Plan, pred: Prediction) -> str:
-    gib = 2**30
+    """A plan evaluated as given: what was planned, its memory (as a searched plan's report shows it), time by
+    phase, step, the verdict naming the binding limit, and the notes."""
     lines = [describe_model(plan.model)] if plan.model else []
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
     every = ", gradients reduced every microbatch" if plan.grad_reduce == "microbatch" else ""
     lines += [f"plan: dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
              f"{plan.num_microbatches} microbatches{every}, seq {plan.seq_len}, {plan.compute_dtype}; "
              f"global batch {plan.global_batch}", f"optimizer: {describe_optimizer(plan.optimizer)}"]
-    lines.append("peak memory per rank (GiB):")
-    cats = sorted({c for m in pred.memory_by_rank for c in m}, key=lambda c: (c.startswith("host:"), c))
-    lines.append("  rank  " + "  ".join(f"{c:>16}" for c in cats) + f"  {'device total':>13}")
-    for ranks, m in rank_runs(pred.memory_by_rank):
-        total = sum(v for k, v in m.items() if not k.startswith("host:"))
-        lines.append(f"  {ranks:>4}  " + "  ".join(f"{m.get(c, 0) / gib:>16.3f}" for c in cats)
-                     + f"  {total / gib:>13.3f}")
-    lines.append("step time by phase (s): " + ", ".join(f"{k} {v:.4g}" for k, v in pred.time_by_phase.items() if v))
+    lines += memory_lines(pred)
+    lines.append(phases_line(pred))
     lines.append(f"step {pred.step_time_s:.4g} s, {pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}")
-    budget = pred.memory_budget_bytes or 0
-    margin = budget - pred.peak_memory_bytes
-    verdict = "fits" if pred.fits else "does NOT fit"
-    lines.append(f"{verdict}: peak {pred.peak_memory_bytes / gib:.2f} GiB of {budget / gib:.2f} GiB "
-                 f"({'headroom' if margin >= 0 else 'over by'} {abs(margin) / gib:.2f} GiB)")
+    lines.append(verdict_line(pred))
     lines += [f"note: {n}" for n in pred.notes]
     return "\n".join(lines)
 

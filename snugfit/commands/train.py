@@ -47,13 +47,14 @@ def run(args: argparse.Namespace) -> int:
         # The ranks re-read the same command line, less the launch options (torchrun's own parser would
         # take them for its own); inside torchrun's environment they train instead of launching.
         argv = _without_launch_options(sys.argv[1:])
-        if par.plan == "auto" and par.nnodes == 1:  # the ranks' planner needs this machine measured
-            import torch
+        plan = None
+        if par.plan == "auto":  # searched here, once, before any rank starts; other nodes receive node 0's
+            from snugfit.runtime.launch import PlanHandoff
+            from snugfit.train.autoplan import plan_for_launch
 
-            from snugfit.train.autoplan import measure_once
-
-            measure_once(par.nproc, on_cpu=not torch.accelerator.is_available())
-        return launch(argv, par.nproc, par.nnodes, par.node_rank, par.rdzv_endpoint or None, par.max_restarts)
+            searches = par.nnodes == 1 or par.node_rank == 0
+            plan = PlanHandoff(search=(lambda: plan_for_launch(cfg, par.nproc, par.nnodes)) if searches else None)
+        return launch(argv, par.nproc, par.nnodes, par.node_rank, par.rdzv_endpoint or None, par.max_restarts, plan)
     from snugfit.train.loop import train
 
     train(cfg)

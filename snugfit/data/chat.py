@@ -28,7 +28,8 @@ def chat_tokenizer(folder: Path):
     """The folder's transformers tokenizer, with its chat template; read locally, never downloaded."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from transformers import AutoTokenizer
+        with quiet_imports():
+            from transformers import AutoTokenizer
     except ImportError as e:
         raise SnugfitError("chat data needs transformers: pip install -e \".[hf]\"") from e
     try:

@@ -34,7 +34,8 @@ def read_records(path: Path) -> Iterator[tuple[str, object]]:
 def _table_rows(path: Path) -> Iterator[tuple[str, dict]]:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
-        import datasets
+        with quiet_imports():
+            import datasets
     except ImportError as e:
         raise SnugfitError(f"reading {path.suffix} files needs the datasets library: pip install -e \".[data]\"") from e
     try:

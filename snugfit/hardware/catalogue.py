@@ -112,6 +112,16 @@ class Host:
     # How many times slower one thread computes than the whole CPU: local ranks run one thread each (torchrun
     # sets OMP_NUM_THREADS=1) where the device's rates were measured with all. Measured; None: not yet.
     thread_slowdown: float | None = None
+    # a catalogue cluster's default RAM, not one given (--host-ram, a cluster file) or measured: reports say so
+    ram_assumed: bool = False
+
+
+def host_ram() -> int:
+    """This machine's physical memory in bytes."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
 
 
 def _gpu(name, mem_gb, fp32, tf32, bf16, fp16, hbm, pcie, nvlink=None, inter="eth-25g", p2p=True) -> GPU:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
-from snugfit.hardware.catalogue import GPUS, GPU, Host, Link, get_gpu, get_link, load_local
+from snugfit.hardware.catalogue import GPUS, GPU, Host, Link, get_gpu, get_link, host_ram, load_local
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Cluster:
             lines += ["[[node]]", f'gpu = "{n.gpu.name}"', f"count = {n.count}",
                       *([f'intra = "{n.intra.name}"'] if n.intra.name != default.intra.name else []),
                       *([f'pcie = "{n.pcie.name}"'] if n.pcie.name != default.pcie.name else []),
-                      f"host_ram_gib = {n.host.ram_bytes / 2**30:g}",
+                      *([] if n.host.ram_assumed else [f"host_ram_gib = {n.host.ram_bytes / 2**30:g}"]),
                       f"host_adam_params_per_s = {n.host.adam_params_per_s:g}", ""]
         return "\n".join(lines)
 
@@ -102,12 +102,12 @@ def make_node(gpu_name: str, count: int, intra: str | None = None, pcie: str | N
     gpu = (custom or {}).get(gpu_name) or get_gpu(gpu_name)
     if gpu.name == "cpu":
         local = load_local()
-        host = host or (local.host if local else Host(ram_bytes=gpu.memory_bytes, adam_params_per_s=1e9, cores=2))
+        host = host or (local.host if local else Host(ram_bytes=host_ram(), adam_params_per_s=1e9, cores=2))
         intra = intra or "gloo-loopback"
         pcie_link = Link("host-memory", gpu.hbm_gbps, 0.0)  # offload on a CPU "device" is a memcpy
         return Node(gpu, count, get_link(intra), get_link(pcie) if pcie else pcie_link, host)
     intra = intra or gpu.nvlink or f"pcie{gpu.pcie_gen}" + ("" if gpu.p2p else "-host")
-    return Node(gpu, count, get_link(intra), get_link(pcie or f"pcie{gpu.pcie_gen}"), host or Host())
+    return Node(gpu, count, get_link(intra), get_link(pcie or f"pcie{gpu.pcie_gen}"), host or Host(ram_assumed=True))
 
 
 def parse_cluster(spec: str, inter: str | None = None) -> Cluster:
@@ -150,12 +150,13 @@ def load_cluster_toml(path: str | Path) -> Cluster:
         raise SnugfitError(f"cluster file {path} has no [[node]] tables")
     custom = {g.name: g for g in (_gpu_table(t, path) for t in data.get("gpu", []))}
     h = data.get("host", {})
-    base = Host(ram_bytes=int(h.get("ram_gib", Host().ram_bytes / 2**30) * 2**30),
+    base = Host(ram_bytes=int(h.get("ram_gib", Host().ram_bytes / 2**30) * 2**30), ram_assumed="ram_gib" not in h,
                 adam_params_per_s=float(h.get("adam_params_per_s", Host().adam_params_per_s)),
                 cores=int(h.get("cores", Host().cores)))
     nodes = []
     for t in data["node"]:
         host = replace(base, ram_bytes=int(t.get("host_ram_gib", base.ram_bytes / 2**30) * 2**30),
+                       ram_assumed=base.ram_assumed and "host_ram_gib" not in t,
                        adam_params_per_s=float(t.get("host_adam_params_per_s", base.adam_params_per_s)))
         nodes.append(make_node(t["gpu"], int(t.get("count", 1)), t.get("intra"), t.get("pcie"), host, custom))
     inter_name = data.get("inter") or min((n.gpu.inter for n in nodes), key=lambda k: get_link(k).gbps)
@@ -195,4 +196,5 @@ def _toml_value(v) -> str:
 
 def with_host_ram(cluster: Cluster, ram_bytes: int) -> Cluster:
     """The cluster with every node's host memory set (`--host-ram`)."""
-    return replace(cluster, nodes=[replace(n, host=replace(n.host, ram_bytes=ram_bytes)) for n in cluster.nodes])
+    return replace(cluster, nodes=[replace(n, host=replace(n.host, ram_bytes=ram_bytes, ram_assumed=False))
+                                   for n in cluster.nodes])

@@ -25,6 +25,7 @@ from snugfit.model.hf_model import HFCausalLM
 from snugfit.model.lora import init_adapters, merged_state_dict, plain_name, plain_named_tensors
 from snugfit.model.quantize import is_quantized
 from snugfit.model.shards import local_region, write_whole
+from snugfit.quiet import quiet_imports
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,16 @@ def _weight_index(folder: Path) -> dict[str, Path]:
     raise SnugfitError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
+def _transformers():
+    """transformers, with its model classes' module imported quietly: it imports torchao where installed (quiet)."""
+    with quiet_imports():
+        import transformers
+        import transformers.modeling_utils  # noqa: F401
+    return transformers
+
+
 def _hf_config(config_file: Path):
-    from transformers import AutoConfig
+    AutoConfig = _transformers().AutoConfig  # noqa: N806
 
     try:
         cfg = AutoConfig.from_pretrained(str(config_file))
@@ -72,7 +81,8 @@ def _resolve(path: str | Path) -> tuple[Path, Path | None]:
 
 def hf_from_config(config: dict, device: str | torch.device = "meta") -> HFCausalLM:
     """An HFCausalLM from a config.json dict (what the planner and profiler are given); on meta: no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    transformers = _transformers()
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM  # noqa: N806
 
     cfg = dict(config)
     model_type = cfg.pop("model_type", None)
@@ -94,8 +104,7 @@ def load_hf(path: str | Path, blocks: set[int] | None = None, device: str | torc
     device="meta": no memory, nothing read (planning; or shard it with FSDP2,
     then `materialize(model, device, folder)` reads each rank's rows only).
     """
-    from transformers import AutoModelForCausalLM
-
+    AutoModelForCausalLM = _transformers().AutoModelForCausalLM  # noqa: N806
     config_file, folder = _resolve(path)
     cfg = _hf_config(config_file)
     if folder is None and str(device) != "meta":

@@ -18,11 +18,13 @@ import torch.nn as nn
 
 from snugfit.errors import SnugfitError
 from snugfit.profile.types import NF4_BLOCK, NF4_SCALER_BLOCK
+from snugfit.quiet import quiet_imports
 
 
 def _nf4():
     try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+        with quiet_imports():
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
     except ImportError:
         raise SnugfitError("finetune.quantize_base = 'nf4' needs torchao: pip install 'snugfit[qlora]'") from None
     return NF4Tensor, to_nf4

@@ -117,3 +117,16 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                 out += [Candidate(dp, pp, mbs, m, sched.name, v, tp=tp, grad_reduce=g)
                         for g in grad_reduce_modes(dp, m, c, sched, in_backward)]
     return out
+
+
+def next_splittable_batch(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
+                          in_backward: bool = False) -> int | None:
+    """The smallest global batch above `global_batch` that the launch and the fixed parts can split into
+    micro-batch x microbatches x dp (None when none up to 64x the ranks can): what to suggest instead."""
+    return next((b for b in range(global_batch + 1, 64 * cluster.world_size + 1)
+                 if outer_candidates(prof, cluster, b, c, in_backward)), None)
+
+
+def ranks_word(cluster: Cluster) -> str:
+    """What the cluster's ranks are called in messages: 'GPUs', or 'ranks' for CPU ranks."""
+    return "ranks" if all(node.gpu.name == "cpu" for node in cluster.nodes) else "GPUs"

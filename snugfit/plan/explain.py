@@ -11,9 +11,9 @@ from snugfit.hardware.cluster import Cluster, with_host_ram
 from snugfit.plan.estimate import HOST_USABLE, node_host_need
 from snugfit.plan.memory import FRAGMENTATION, device_bytes
 from snugfit.plan.optimizer import describe as describe_optimizer
-from snugfit.plan.plan import OptimizerPlan, Plan
+from snugfit.plan.plan import OptimizerPlan, Plan, Prediction
 from snugfit.plan.options import Constraints, describe
-from snugfit.plan.search import NoPlanError, SearchResult, search
+from snugfit.plan.search import SPLIT_MARGIN, NoPlanError, SearchResult, search
 from snugfit.profile.types import ModelProfile
 
 GIB = 2**30
@@ -22,14 +22,15 @@ LORA_TRAINABLE = 0.01  # adapters of rank ~16 train about 1% of a block's parame
 
 def summary(plan: Plan) -> str:
     """One line: degrees, batch split, schedule, and the per-block decisions by count."""
-    counts = Counter(describe(b) for b in plan.blocks)
+    counts = Counter(describe(b, dp=plan.dp) for b in plan.blocks)
     blocks = ", ".join(f"{n} x {d}" for d, n in counts.most_common())
     stages = f" stages {plan.stage_blocks}" if plan.pp > 1 else ""
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
     every = " (gradients reduced every microbatch)" if plan.grad_reduce == "microbatch" else ""
     optimizer = "" if plan.optimizer == OptimizerPlan() else f"; {describe_optimizer(plan.optimizer, clip=False)}"
     return (f"dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
-            f"{plan.num_microbatches}{every}; blocks: {blocks}; root: {describe(plan.root, root=True)}{optimizer}")
+            f"{plan.num_microbatches}{every}; blocks: {blocks}; root: {describe(plan.root, root=True, dp=plan.dp)}"
+            f"{optimizer}")
 
 
 def _figures(plan: Plan) -> str:
@@ -56,22 +57,18 @@ def rank_runs(values: list) -> list[tuple[str, object]]:
 
 
 def format_result(res: SearchResult, cluster: Cluster) -> str:
-    """What was planned, the chosen plan, per-rank peak memory, alternatives and rejected families, and the
-    safety margin."""
+    """What was planned, the chosen plan, its peak memory by category, start-up and host memory, time by phase,
+    alternatives and rejected families, and the safety margin."""
     best = res.best
+    pred = best.predicted
     lines = [describe_model(best.model)] if best.model else []
-    lines += [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {best.predicted.mfu:.1%})",
+    lines += [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {pred.mfu:.1%})",
               f"  optimizer: {describe_optimizer(best.optimizer)}"]
-    peaks = [device_bytes(m) for m in best.predicted.memory_by_rank]
-    runs = rank_runs([round(b / GIB, 2) for b in peaks])
-    lines.append("  peak memory per rank (GiB): " + (" ".join(f"{v:.2f}" for _, v in runs) if len(runs) == len(peaks)
-                                                     else ", ".join(f"ranks {r}: {v:.2f}" for r, v in runs)))
-    start = best.predicted.startup_bytes
-    if start:
-        lines.append(f"  start-up peak: device {start['device'] / GIB:.2f} GiB per rank (its shards and one whole "
-                     f"tensor), host {start['host'] / GIB:.2f} GiB per node; no rank holds the whole model")
-    phases = best.predicted.time_by_phase
-    lines.append("  step time by phase (s): " + ", ".join(f"{k} {v:.3g}" for k, v in phases.items() if v))
+    faster = [p for p in res.alternatives if p.predicted.step_time_s < pred.step_time_s]
+    if faster:  # the search's preference (search._preference) breaks ties at the time model's resolution
+        lines.append("  " + why_not_the_fastest(best, min(faster, key=lambda p: p.predicted.step_time_s)))
+    lines += ["  " + line for line in memory_lines(pred)]
+    lines.append("  " + phases_line(pred))
     if res.alternatives:
         lines.append("alternatives:")
         lines += [f"  {_figures(p)}: {summary(p)}" for p in res.alternatives]
@@ -82,11 +79,78 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
     reserve = ("no reserve on CPU ranks" if gpu.name == "cpu" else
                f"every GPU keeps a reserve of {gpu.context_bytes / GIB:.2f} GiB (CUDA context) + "
                f"{FRAGMENTATION:.0%} of its use (allocator fragmentation, transient peaks)")
-    lines.append(f"budget {res.budget_bytes / GIB:.2f} GiB per GPU; {reserve}; headroom "
-                 f"{(res.budget_bytes - max(peaks)) / GIB:.2f} GiB")
+    lines.append(f"budget {res.budget_bytes / GIB:.2f} GiB per {'rank' if gpu.name == 'cpu' else 'GPU'}; {reserve}; "
+                 f"headroom {(res.budget_bytes - pred.peak_memory_bytes) / GIB:.2f} GiB")
     lines.append(f"searched {res.candidates} candidates, solved {res.solved}, verified {res.verified} with the "
                  f"full estimate")
     return "\n".join(lines)
+
+
+def why_not_the_fastest(best: Plan, top: Plan) -> str:
+    """Why the chosen plan is listed above `top`, a runner-up the time model calls faster (search._preference)."""
+    tokens = f"{top.predicted.tokens_per_s:,.0f} tokens/s below"
+    mine, its = best.schedule_entry, top.schedule_entry
+    if its.splits_backward and not mine.splits_backward:
+        return (f"within {SPLIT_MARGIN:.0%} of the fastest ({tokens}), whose split backward the time model may "
+                "under-count; chosen without it")
+    return f"within rounding of the fastest ({tokens}); chosen for " + (
+        "no BPipe" if its.evicts and not mine.evicts else "less memory")
+
+
+def memory_lines(pred: Prediction) -> list[str]:
+    """The peak memory per rank by category (GiB; ranks alike on one row; host categories apart from the device
+    total), the start-up peak, and the host memory per node against its RAM: what every report shows."""
+    cats = sorted({c for m in pred.memory_by_rank for c in m}, key=lambda c: (c.startswith("host:"), c))
+    lines = ["peak memory per rank (GiB):", "  rank  " + "  ".join(f"{c:>16}" for c in cats) + f"  {'device total':>13}"]
+    for ranks, m in rank_runs(pred.memory_by_rank):
+        lines.append(f"  {ranks:>4}  " + "  ".join(f"{m.get(c, 0) / GIB:>16.3f}" for c in cats)
+                     + f"  {device_bytes(m) / GIB:>13.3f}")
+    start = pred.startup_bytes
+    if start:
+        lines.append(f"start-up peak: device {start['device'] / GIB:.2f} GiB per rank: its shards and one whole "
+                     "tensor (weights are filled one tensor at a time)")
+    host = pred.host_memory
+    if host:
+        ram = f"{HOST_USABLE:.0%} of {host['ram'] / GIB:.0f} GiB RAM" + (", assumed: --host-ram to change"
+                                                                        if host["assumed"] else "")
+        lines.append(f"host memory per node: {host['training'] / GIB:.1f} GiB while training, "
+                     f"{host['startup'] / GIB:.1f} GiB at start-up; usable {HOST_USABLE * host['ram'] / GIB:.1f} GiB "
+                     f"({ram})")
+    return lines
+
+
+def phases_line(pred: Prediction) -> str:
+    """'step time by phase (s): compute 5.703, bubble 1.486, ...' at the step's 4 significant digits: a phase
+    below half the last digit of the step is not shown (float noise, as a bubble of 4e-16 s without a pipeline)."""
+    step = pred.step_time_s
+    least = 0.5 * 10 ** (math.floor(math.log10(step)) - 3) if step > 0 else 0.0
+    return "step time by phase (s): " + ", ".join(f"{k} {v:.4g}" for k, v in pred.time_by_phase.items()
+                                                  if v >= least and v > 0)
+
+
+def verdict_line(pred: Prediction) -> str:
+    """'fits: ...' or 'does NOT fit: ...' naming the binding limit first: GPU memory, or a node's host memory."""
+    budget = pred.memory_budget_bytes or 0
+    margin = budget - pred.peak_memory_bytes
+    gpu = (f"peak {pred.peak_memory_bytes / GIB:.2f} GiB of {budget / GIB:.2f} GiB per GPU "
+           f"({'headroom' if margin >= 0 else 'over by'} {abs(margin) / GIB:.2f} GiB)")
+    if pred.fits:
+        return f"fits: {gpu}"
+    limits = []
+    start_device = pred.startup_bytes.get("device", 0)
+    if margin < 0:
+        limits.append(f"GPU memory is the limit: {gpu}")
+    elif start_device > budget:
+        limits.append(f"GPU memory at start-up is the limit: {start_device / GIB:.2f} GiB of {budget / GIB:.2f} GiB "
+                      "(its shards and one whole tensor)")
+    host = pred.host_memory
+    if host and host["startup"] > HOST_USABLE * host["ram"]:
+        limits.append(f"host memory is the limit: node {host['node']} needs {host['startup'] / GIB:.1f} GiB at "
+                      f"start-up ({host['training'] / GIB:.1f} GiB while training), over {HOST_USABLE:.0%} of its "
+                      f"{host['ram'] / GIB:.0f} GiB RAM (--host-ram to change)")
+    if margin >= 0:
+        limits.append(f"the GPUs fit: {gpu}")
+    return "does NOT fit: " + "; ".join(limits)
 
 
 def speed_words(ratio: float) -> str:

@@ -242,6 +242,7 @@ class Walk:
     piece: str  # which piece peaks
     released: int = 0  # gathered copies FSDP2 has already resharded after their backward (zero 0-2 blocks)
     buffers: int = 0  # FSDP2's gradient buffers held then, in the backward that syncs (plan.reduce_memory)
+    gradients: int = 0  # the gradients the stage's later pieces made in this backward (fresh_grads)
 
 
 def stage_walk(pieces: list[StagePiece], backward: bool, fresh_grads: list[int] | None = None,
@@ -257,16 +258,17 @@ def stage_walk(pieces: list[StagePiece], backward: bool, fresh_grads: list[int] 
     before = 0
     for i, sp in enumerate(pieces):
         p, keep, kept = sp.piece, sp.piece.saved_bytes["keep"], device_saved(sp)
-        gone = extra = 0
+        gone = extra = later = 0
         if backward:
             later = sum(fresh_grads[i + 1:]) if fresh_grads else 0
             gone = sum(released[i + 1:]) if released else 0
             extra = held[i] if held else 0
-            working = keep + p.output_bytes + p.bwd_peak_bytes + later
+            working = keep + p.output_bytes + p.bwd_peak_bytes
         else:
             working = p.input_bytes + max(p.fwd_peak_bytes - (keep - kept), p.output_bytes + kept)
-        if before + working + extra - gone > best_total:
-            best, best_total = Walk(before, working, p.name, gone, extra), before + working + extra - gone
+        if before + working + later + extra - gone > best_total:
+            best = Walk(before, working, p.name, gone, extra, later)
+            best_total = before + working + later + extra - gone
         before += kept
     return best
 
@@ -404,9 +406,11 @@ def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimRes
         walk = walks[(ev.stage, kind, grads_resident)]
         held = sum(per_mb[s] * n for s, n in snap.resident.items() if n)
         pending = sum(awaiting_w[s] * n for s, n in (snap.awaiting_weight or {}).items() if n)
-        total = held + pending + walk.saved + walk.working + g + gathered - walk.released + walk.buffers
+        total = (held + pending + walk.saved + walk.working + g + walk.gradients + gathered - walk.released
+                 + walk.buffers)
         if total > best_total:
-            best_total, best = total, Peak(held + pending + walk.saved + window, g, gathered - walk.released,
+            best_total, best = total, Peak(held + pending + walk.saved + window, g + walk.gradients,
+                                           gathered - walk.released,
                                            walk.buffers, walk.working, walk.piece)
         saved, copy = walks[(ev.stage, "tracked")]
         if held + saved + copies + copy + g > tracked_best:

@@ -120,8 +120,13 @@ def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan
     return out
 
 
-def describe(o: BlockPlan, root: bool = False) -> str:
-    parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
+def describe(o: BlockPlan, root: bool = False, dp: int | None = None) -> str:
+    """'ZeRO-3 + parameter offload + activations kept'. On one data-parallel rank (dp 1) nothing is sharded: ZeRO-1/2
+    are replicated, ZeRO-3 frees the gathered copy after forward, and its parameter offload is just that."""
+    if dp is None or dp > 1 or o.zero == 0:
+        parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
+    else:
+        parts = [] if o.offload_params else ["copies freed after forward" if o.zero == 3 else "replicated"]
     parts += ["optimizer offload"] * o.offload_optimizer + ["parameter offload"] * o.offload_params
     parts += ["states streamed"] * o.stream_states
     return " + ".join(parts + ([] if root else [o.policy.words]))

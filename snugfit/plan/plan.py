@@ -126,6 +126,9 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     # before the first step: "device" (max over ranks), "host" (max over nodes); plan.estimate
     startup_bytes: dict[str, int] = field(default_factory=dict)
+    # the node closest to its host RAM: "node", "training" and "startup" bytes, its "ram", and whether that RAM is
+    # "assumed" (a catalogue cluster's default) rather than given or measured
+    host_memory: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -82,7 +82,7 @@ def explain_losses(model: CostModel, cands: list[Candidate], found: list[Candida
         if least_bytes > budget:
             needs_gib, has_gib = gib_apart(least_bytes, budget)
             reason = (f"needs {needs_gib} GiB per GPU even with micro-batch {least.micro_batch_size} and every block "
-                      f"{describe(option)}, has {has_gib}")
+                      f"{describe(option, dp=least.dp)}, has {has_gib}")
         else:
             t = min(x.score if x.solved else x.lower for x in members)
             reason = (f"slower: at best {t:.3g} s/step (knapsack) vs {best_time:.3g}" if best_time <= t < INF else

@@ -17,6 +17,7 @@ import gc
 from collections.abc import Iterator
 
 from snugfit.hardware.cluster import Cluster
+from snugfit.plan.candidates import next_splittable_batch, ranks_word
 from snugfit.plan.cost_model import CostModel
 from snugfit.plan.estimate import tensor_parallel_problem
 from snugfit.plan.options import Constraints
@@ -101,13 +102,17 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     cands = model.candidates()
     res = SearchResult(None, budget_bytes=budget, candidates=len(cands))
     if not cands:
-        fixed = ", ".join(f"{k}={v}" for k, v in c.fixed().items()) or "none"
         if in_backward and c.grad_reduce == "step":
             raise NoPlanError(f"the step in backward needs one microbatch per step or gradients reduced every "
                               f"microbatch, and global batch {global_batch} takes several under --grad-reduce step; "
                               "set --grad-reduce microbatch", res)
-        raise NoPlanError(f"global batch {global_batch} is not divisible into micro-batch x microbatches x dp "
-                          f"on {cluster.world_size} GPUs with the fixed parts ({fixed})", res)
+        fixed = ", ".join(f"{k}={v}" for k, v in c.fixed().items())
+        larger = next_splittable_batch(profile, cluster, global_batch, c, in_backward)
+        fix = f"a global batch of {larger} (--batch-size {larger}) can be" if larger else "drop fixed parts"
+        raise NoPlanError(f"global batch {global_batch} cannot be split into micro-batch x microbatches x dp on "
+                          f"{cluster.world_size} {ranks_word(cluster)}" + (f" with {fixed}" if fixed else "")
+                          + f" (a pipeline needs at least pp microbatches); {fix}, or use fewer {ranks_word(cluster)}",
+                          res)
     for x in cands:
         x.lower = model.lower_bound(x)
     found = best_first(model, log, cands, 1 + max(alternatives, EXPLORED))

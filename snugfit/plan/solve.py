@@ -39,12 +39,15 @@ def solve(model: CostModel, cand: Candidate, slack: float = 0.0, fine: bool = Fa
     for s in range(pp):
         view = model.stage(cand, s)
         st, blk, roots, r = view.costs, view.block, view.roots, view.resident
+        # the working peak over every option, not only those the host RAM allows: more RAM (more options) would
+        # otherwise leave the knapsack less room for all (and working_peak's cache keys these lists by identity)
+        walk = st.working_peak(blk, roots, view.options, view.root_options, cand.num_microbatches)
+        cap = usable(st.gpu, model.budget) - walk - slack
         opts = model.host_fits(cand, st, blk, roots, view.options, r)
         ropts = model.host_fits(cand, st, None, roots, view.root_options, r)
         opts_of.append(opts)
         ropts_of.append(ropts)
         rcost = [st.root(roots, o) for o in ropts] if roots else None
-        cap = usable(st.gpu, model.budget) - st.working_peak(blk, roots, opts, ropts, cand.num_microbatches) - slack
         tables.append(knapsack(rcost, [st.cost(blk, o) for o in opts], [buffer_kinds(o) for o in opts],
                                [int(o.zero == 3) for o in ropts], resident=r, m=cand.num_microbatches, cap=cap,
                                n_max=n_max, buffers=model.buffers(cand), buckets=buckets))
@@ -67,7 +70,7 @@ def _solve_uniform(model: CostModel, cand: Candidate, slack: float, opts: list[B
     m = cand.num_microbatches
     view = model.stage(cand, 0)
     st, blk, roots, r, n = view.costs, view.block, view.roots, view.resident, model.n_blocks
-    walk = st.working_peak(blk, roots, opts, ropts, m)
+    walk = st.working_peak(blk, roots, view.options, view.root_options, m)  # as solve() counts it
     cap = usable(st.gpu, model.budget) - walk - slack
     best = None
     for o in opts:

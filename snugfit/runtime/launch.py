@@ -14,6 +14,11 @@ import logging
 import os
 import signal
 import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -32,6 +37,12 @@ from snugfit.errors import SnugfitError
 from snugfit.runtime.dist import ROUND_ENV
 
 log = logging.getLogger(__name__)
+PLAN_ENV = "SNUGFIT_LAUNCH_PLAN"  # the plan file the launcher searched (--plan auto), for the ranks it starts
+PLAN_KEY = "snugfit/launch_plan"  # the same plan, in the rendezvous store, for the other nodes' launchers
+PLAN_READ_KEY = "snugfit/launch_plan_read"  # how many other launchers read it
+ERROR_MARK = "error: "
+PLAN_WAIT_S = 600  # how long a launcher waits for node 0's plan (node 0 may first measure its machine)
+ERROR_HOLD_S = 10  # how long node 0 keeps the store up after a plan error, for the other launchers to read it
 
 
 def inside_launch() -> bool:
@@ -51,6 +62,60 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def handed_plan() -> str | None:
+    """In a rank: the path of the plan its launcher searched for it (`--plan auto`), or None."""
+    return os.environ.get(PLAN_ENV) or None
+
+
+@dataclass
+class PlanHandoff:
+    """How a launcher comes by the plan its ranks run under `--plan auto`: `search` finds it, as JSON, or raises
+    SnugfitError (on node 0, or on every node where none names its rank); without it, node 0's plan comes through
+    the rendezvous store. The ranks read it from a file in `folder` (launch() makes and removes it)."""
+
+    search: Callable[[], str] | None = None
+    nodes: int = 1
+    folder: str = ""
+
+    def hand_to_ranks(self, plan_json: str) -> None:
+        """Write the plan where this launcher's ranks read it: they inherit its environment."""
+        path = os.path.join(self.folder, "plan.json")
+        with open(path, "w") as f:
+            f.write(plan_json)
+        os.environ[PLAN_ENV] = path
+
+    def share(self, store) -> str:
+        """The plan JSON every node runs: the first one published, perhaps this node's. A plan error is one line
+        on every node: the searching node's own, and `node 0 could not plan the run: ...` on the others."""
+        mine = None
+        if self.search is not None:
+            try:
+                mine = self.search()
+            except SnugfitError as e:
+                mine = ERROR_MARK + str(e)
+            shared = store.compare_set(PLAN_KEY, "", mine).decode()
+        else:
+            try:
+                store.wait([PLAN_KEY], timedelta(seconds=PLAN_WAIT_S))
+            except RuntimeError:  # DistStoreError: it timed out, or the store's node went
+                raise SnugfitError(f"no plan from node 0's launcher in {PLAN_WAIT_S} s: start it with the same "
+                                   "options, or give every node --plan FILE (from `snugfit plan --json`)") from None
+            shared = store.get(PLAN_KEY).decode()
+        if not shared.startswith(ERROR_MARK):
+            return shared
+        error = shared.removeprefix(ERROR_MARK)
+        if shared != mine:
+            store.add(PLAN_READ_KEY, 1)
+            raise SnugfitError(f"node 0 could not plan the run: {error}")
+        deadline = time.monotonic() + ERROR_HOLD_S  # this launcher may hold the store: let the others read it
+        while store.add(PLAN_READ_KEY, 0) < self.nodes - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise SnugfitError(error)
+
+
+_handoff: PlanHandoff | None = None  # this launcher's, for the rendezvous handler torchrun constructs
+
+
 BACKEND = "snugfit-c10d"  # torchrun's --rdzv-backend for RoundNamingRendezvous
 
 
@@ -68,6 +133,8 @@ class RoundNamingRendezvous(RendezvousHandler):
     def __init__(self, params: RendezvousParameters):
         backend, self.store = create_backend(params)
         self.inner = create_handler(self.store, backend, params)
+        if _handoff is not None:  # --plan auto: every node's ranks run node 0's plan
+            _handoff.hand_to_ranks(_handoff.share(self.store))
 
     def next_rendezvous(self) -> RendezvousInfo:
         info = self.inner.next_rendezvous()
@@ -123,6 +190,12 @@ def torchrun_args(
     return [*args, "-m", "snugfit", *argv]
 
 
+# torchrun's own lines that repeat what snugfit says (a rank's `error:` line, launch()'s summary) or a default it
+# accepts (one OpenMP thread per rank), at the level from which they still show
+QUIET_LOGGERS = {"torch.distributed.run": logging.ERROR, "torch.distributed.elastic": logging.ERROR,
+                 "torch.distributed.elastic.multiprocessing.api": logging.CRITICAL}
+
+
 def launch(
     argv: list[str],
     nproc: int,
@@ -130,24 +203,75 @@ def launch(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     max_restarts: int = 0,
+    plan: PlanHandoff | None = None,
 ) -> int:
     """Run `python -m snugfit <argv>` on nproc ranks (x nnodes); 0 when every rank succeeded, else the
     exit status of the first failed rank. The ranks see torchrun's environment, so a CLI that checks
     `inside_launch()` trains there instead of launching again.
+
+    plan: the `--plan auto` plan's handoff. On one node it is searched here, before torchrun starts anything (a
+    plan error raises, and no rank starts); across nodes, when the rendezvous store is up (PlanHandoff.share).
     """
+    global _handoff
     if inside_launch():
         raise SnugfitError("already inside a torchrun launch; run `snugfit train` without --nproc here")
     args = torchrun_args(argv, nproc, nnodes, node_rank, rdzv_endpoint, max_restarts)
-    log.info("launch: torchrun %s", " ".join(args))
+    levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    with tempfile.TemporaryDirectory(prefix="snugfit-launch-") as folder:
+        try:
+            if plan is not None:
+                plan.folder, plan.nodes = folder, nnodes
+                if nnodes == 1:
+                    plan.hand_to_ranks(plan.search())
+                else:
+                    _handoff = plan
+            log.info("launch: torchrun %s", " ".join(args))
+            for name, level in QUIET_LOGGERS.items():
+                logging.getLogger(name).setLevel(level)
+            return _run_torchrun(args, rdzv_endpoint)
+        finally:
+            _handoff = None
+            os.environ.pop(PLAN_ENV, None)
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+
+
+def _run_torchrun(args: list[str], rdzv_endpoint: str | None) -> int:
     try:
         run(parse_args(args))
     except SignalException as e:  # torchrun passed the signal on to the ranks, which saved a checkpoint and said so
         return 128 + int(e.sigval)
     except RendezvousConnectionError:  # torchrun's traceback names a socket; say which node went
         raise SnugfitError(f"lost the rendezvous at {rdzv_endpoint}: the node whose launcher holds it is gone; "
-                           "restart every node's launcher, with --resume to continue from the last checkpoint"
+                           "restart every node's launcher, with --resume if the run has written a checkpoint"
                            ) from None
     except ChildFailedError as e:
-        log.error("launch failed: %s", "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in sorted(e.failures.items())))
-        return next(f.exitcode for _, f in sorted(e.failures.items())) or 1
+        by_status: dict[int, list[int]] = {}
+        for rank, failure in sorted(e.failures.items()):
+            by_status.setdefault(failure.exitcode, []).append(rank)
+        said = "; ".join(f"{_status(code)} on {_ranks(ranks)}" for code, ranks in sorted(by_status.items(),
+                                                                                     key=lambda cr: cr[0] < 0))
+        log.error("launch failed: %s", said)
+        first = min(e.failures.values(), key=lambda f: (f.timestamp, f.exitcode == -signal.SIGTERM))
+        return first.exitcode or 1
     return 0
+
+
+def _status(code: int) -> str:
+    """'exit 2', or 'SIGTERM' for a rank a signal ended (torchrun stops the others when one fails)."""
+    try:
+        return f"exit {code}" if code >= 0 else signal.Signals(-code).name
+    except ValueError:
+        return f"exit {code}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-3', 'ranks 0, 2-3' for sorted rank numbers."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from snugfit.config import RunConfig, optimizer_plan
-from snugfit.errors import SnugfitError
+from snugfit.errors import PeerFailed, SnugfitError
 from snugfit.hardware.cluster import Cluster, Node, get_link, make_node, parse_cluster
-from snugfit.plan import Plan
+from snugfit.plan import Plan, PlanError
 from snugfit.runtime.dist import DistEnv
 
 log = logging.getLogger("snugfit")
@@ -22,20 +22,26 @@ MEASURE_WAIT_S = 600  # how long other ranks wait for rank 0's first measurement
 
 
 def local_cluster(env: DistEnv) -> Cluster:
-    """The launched ranks as a cluster: N x this machine's CPU, or this node's GPUs on each node, with this host:
-    the card and host as `snugfit profile-hardware` measured them here, else the catalogue's entry for the card's
-    name, else the card measured now (never refused)."""
-    if env.device.type == "cpu":
-        return parse_cluster(f"{env.world_size}xcpu")
-    from snugfit.hardware.catalogue import Host, Link, gpu_for_device, load_local, measured_card
-    from snugfit.calibrate.hardware import host_ram, measure_accelerator
+    """The launched ranks as a cluster (cluster_here), from inside one of them."""
+    return cluster_here(env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
+
+
+def cluster_here(device: torch.device, world_size: int, per_node: int) -> Cluster:
+    """`world_size` ranks, `per_node` on each node, as a cluster: N x this machine's CPU, or this node's GPUs on
+    each node, with this host: the card and host as `snugfit profile-hardware` measured them here, else the
+    catalogue's entry for the card's name, else the card measured now (never refused). The launcher calls it
+    too, before any rank starts: it only reads the device's properties (no CUDA context is made) unless the card
+    is unknown and must be measured."""
+    if device.type == "cpu":
+        return parse_cluster(f"{world_size}xcpu")
+    from snugfit.hardware.catalogue import Host, Link, gpu_for_device, host_ram, load_local, measured_card
+    from snugfit.calibrate.hardware import measure_accelerator
     from snugfit.runtime.dist import disable_p2p_without_peer_access
 
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    nodes = env.world_size // per_node if env.world_size % per_node == 0 else 1
-    per_node = env.world_size // nodes
-    props = torch.cuda.get_device_properties(env.device) if env.device.type == "cuda" else None
-    name = props.name if props else env.device.type
+    nodes = world_size // per_node if world_size % per_node == 0 else 1
+    per_node = world_size // nodes
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    name = props.name if props else device.type
     host = Host(ram_bytes=host_ram(), cores=os.cpu_count() or 1)
     local = load_local()
     measured = measured_card(name, props.total_memory, props.multi_processor_count, local) if props else None
@@ -51,17 +57,53 @@ def local_cluster(env: DistEnv) -> Cluster:
                     "%.0f GB/s memory, %.1f GB/s host link); add it to a cluster TOML to plan elsewhere", name,
                     ", ".join(f"{d} {t:.0f}" for d, t in gpu.tflops.items()), gpu.hbm_gbps, pcie.gbps)
         node = Node(gpu, per_node, pcie, pcie, host)
-    if env.device.type == "cuda" and disable_p2p_without_peer_access(per_node, torch.cuda.can_device_access_peer):
+    if device.type == "cuda" and disable_p2p_without_peer_access(per_node, torch.cuda.can_device_access_peer):
         # each byte crosses PCIe twice, out to host memory and in to the peer, over one root complex
         node.intra = Link(f"{node.pcie.name}-via-host", node.pcie.gbps / 2, 2 * node.pcie.latency_s)
     inter = get_link(gpu.inter) if nodes > 1 else node.intra
     return Cluster([replace(node) for _ in range(nodes)], inter, f"{nodes}x{per_node}x{gpu.name}")
 
 
+def launch_device() -> torch.device:
+    """The device the launched ranks will train on, as the launcher sees it: the first accelerator (without
+    selecting it, which would give the launcher a CUDA context of its own), else the CPU."""
+    if torch.accelerator.is_available():
+        return torch.device(torch.accelerator.current_accelerator().type, 0)
+    return torch.device("cpu")
+
+
+def plan_for_launch(cfg: RunConfig, nproc: int, nnodes: int = 1) -> str:
+    """`--plan auto` under `snugfit train --nproc N`: the launcher measures this machine (CPU ranks), profiles the
+    model, searches and validates the plan once, before any rank starts, so that a plan error is one line and
+    starts nothing. Returns the plan as JSON, which the ranks read (runtime.launch hands it to them)."""
+    from snugfit.train.loop import run_dtype
+
+    device = launch_device()
+    world = nproc * nnodes
+    fixed = fixed_constraints(cfg, world)
+    dtype, _ = run_dtype(cfg.train.dtype, device)
+    cfg = replace(cfg, train=replace(cfg.train, dtype=dtype))
+    measure_once(nproc, device.type == "cpu")
+    return _search(cfg, cluster_here(device, world, nproc), device, fixed).to_json()
+
+
 def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
-    """The fastest plan that fits, found on rank 0 and sent to every rank (the profile cache is written once)."""
+    """The fastest plan that fits, found on rank 0 and sent to every rank (the profile cache is written once), for
+    ranks started without snugfit's launcher (`torchrun ... -m snugfit train`). A search that fails is rank 0's one
+    line; the others exit quietly (errors.PeerFailed)."""
     fixed = fixed_constraints(cfg, env.world_size)  # on every rank: a bad one fails them all alike
-    return Plan.from_json(decided_on_main(lambda: _search(cfg, env, fixed).to_json(), env))
+
+    def decide() -> str | SnugfitError:
+        try:
+            measure_once(env.world_size, env.device.type == "cpu")
+            return _search(cfg, local_cluster(env), env.device, fixed).to_json()
+        except SnugfitError as e:
+            return e
+
+    found = decided_on_main(decide, env)
+    if isinstance(found, SnugfitError):
+        raise found if env.is_main else PeerFailed(f"rank 0: {found}")
+    return Plan.from_json(found)
 
 
 def decided_on_main(decide, env: DistEnv):
@@ -78,14 +120,14 @@ def decided_on_main(decide, env: DistEnv):
     return result[0]
 
 
-def _profile(cfg: RunConfig, micro_batch_size: int, env: DistEnv):
+def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device):
     from snugfit.profile.profile import profile_model
 
     model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
                          lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
                          frozen=cfg.finetune.freeze or None,
-                         quantize_base=cfg.finetune.quantize_base, kernels="cpu" if env.device.type == "cpu" else "gpu",
+                         quantize_base=cfg.finetune.quantize_base, kernels="cpu" if device.type == "cpu" else "gpu",
                          compile=cfg.train.compile)
 
 
@@ -93,7 +135,7 @@ def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
     """The time model's simulation of `plan` on the launched ranks, to draw beside a measured step."""
     from snugfit.report.timeline import timeline_for
 
-    return timeline_for(plan, _profile(cfg, plan.micro_batch_size, env), local_cluster(env))
+    return timeline_for(plan, _profile(cfg, plan.micro_batch_size, env.device), local_cluster(env))
 
 
 def measure_once(ranks: int, on_cpu: bool = True) -> None:
@@ -143,17 +185,16 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
     return fixed_parts_of(cfg.parallel, cfg.train.micro_batch_size, world_size)
 
 
-def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
+def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Plan:
     from snugfit.plan.explain import advise, format_result
     from snugfit.calibrate.corrections import with_stored_corrections
     from snugfit.plan.search import NoPlanError, search
 
     t = cfg.train
-    measure_once(env.world_size, env.device.type == "cpu")
-    if cfg.train.compile and env.device.type == "cpu":
+    if cfg.train.compile and device.type == "cpu":
         measure_compiled_once()
-    profile = _profile(cfg, 1, env)
-    cluster, corrected = with_stored_corrections(local_cluster(env), profile)
+    profile = _profile(cfg, 1, device)
+    cluster, corrected = with_stored_corrections(cluster, profile)  # what a run measured here, where one did
     if corrected:
         log.info(corrected)
     try:
@@ -166,6 +207,10 @@ def _search(cfg: RunConfig, env: DistEnv, fixed) -> Plan:
                         result=e.result, optimizer=optimizer_plan(t))  # the binding limit and the smallest change
         # that lifts it, first
         raise SnugfitError(f"--plan auto: {e}; {advice[0]}") from None
+    try:  # what the ranks will check again: a plan for this model and these ranks
+        res.best.validate(n_blocks=len(profile.blocks), world_size=cluster.world_size)
+    except PlanError as e:
+        raise SnugfitError(f"--plan auto: {e}") from None
     log.info("auto plan for %s:\n%s", cluster_name(cluster), format_result(res, cluster))
     return res.best
 

@@ -16,17 +16,20 @@ import torch
 import torch.distributed as dist
 
 from snugfit.config import RunConfig, optimizer_plan
-from snugfit.errors import SnugfitError, Stopped
+from snugfit.errors import PeerFailed, SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.compile import compile_seconds
 from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, release_cached_groups
 from snugfit.runtime.engine import Engine, OptimConfig
+from snugfit.runtime.host_alloc import return_freed_host_memory
 from snugfit.runtime.launch import die_with_launcher
 from snugfit.train.calibration import StepProbe
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
-from snugfit.train.metrics import MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields
+from snugfit.train.metrics import (
+    MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields, resident_bytes, resident_record,
+)
 from snugfit.train.liveness import Heartbeat
 from snugfit.train.preemption import StopRequests
 
@@ -52,40 +55,22 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
-    """The plan searched for this run (`auto`), a plan file as written, or plain data parallelism (`dp`)."""
+    """The plan searched for this run (`auto`: by the launcher before the ranks started, else here), a plan file
+    as written, or plain data parallelism (`dp`)."""
     t = cfg.train
     if cfg.parallel.plan == "auto":
+        from snugfit.runtime.launch import handed_plan
         from snugfit.train.autoplan import search_plan
 
-        return search_plan(cfg, env)
+        handed = handed_plan()
+        if handed is None:  # ranks started by torchrun itself
+            return search_plan(cfg, env)
+        return _checked_plan_file(handed, "the launcher's plan", cfg, model_cfg, env)
     from snugfit.plan.options import refuse_fixed_parts_beside
 
     refuse_fixed_parts_beside(cfg.parallel)
     if cfg.parallel.plan != "dp":
-        try:
-            plan = Plan.from_json(Path(cfg.parallel.plan).read_text())
-        except OSError as e:
-            raise SnugfitError(f"cannot read plan {cfg.parallel.plan}: {e.strerror}; pass an existing plan JSON") from None
-        except (ValueError, TypeError) as e:
-            raise SnugfitError(f"plan {cfg.parallel.plan} is not a valid plan: {e}") from None
-        if (plan.global_batch, plan.seq_len) != (t.batch_size, t.seq_len):
-            raise SnugfitError(
-                f"plan {cfg.parallel.plan} is for batch {plan.global_batch} x seq {plan.seq_len}, the run asks "
-                f"{t.batch_size} x {t.seq_len}; set --batch-size {plan.global_batch} --seq-len {plan.seq_len}"
-            )
-        try:
-            plan.validate(n_blocks=model_cfg.n_layers, world_size=env.world_size)
-        except PlanError as e:
-            raise SnugfitError(f"plan {cfg.parallel.plan}: {e}") from None
-        plan.compile = plan.compile or t.compile  # --compile compiles a plan file's blocks too
-        if plan.optimizer != optimizer_plan(t):
-            o = plan.optimizer
-            raise SnugfitError(
-                f"plan {cfg.parallel.plan} updates {o.master_weights} weights with {o.states} states"
-                f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
-                f"{o.master_weights} --optimizer-states {o.states} "
-                f"--optimizer-in-backward {str(o.in_backward).lower()}")
-        return plan
+        return _checked_plan_file(cfg.parallel.plan, f"plan {cfg.parallel.plan}", cfg, model_cfg, env)
     if t.batch_size % env.world_size:
         raise SnugfitError(f"train.batch_size ({t.batch_size}) must be divisible by the {env.world_size} ranks")
     per_rank = t.batch_size // env.world_size
@@ -101,22 +86,60 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
     )
 
 
-def run_dtype(requested: str, env: DistEnv) -> tuple[str, str]:
+def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
+    """A plan JSON read and checked against this run: its batch, sequence, model and ranks."""
+    t = cfg.train
+    try:
+        plan = Plan.from_json(Path(path).read_text())
+    except OSError as e:
+        raise SnugfitError(f"cannot read plan {path}: {e.strerror}; pass an existing plan JSON") from None
+    except (ValueError, TypeError) as e:
+        raise SnugfitError(f"{what} is not a valid plan: {e}") from None
+    if (plan.global_batch, plan.seq_len) != (t.batch_size, t.seq_len):
+        raise SnugfitError(
+            f"{what} is for batch {plan.global_batch} x seq {plan.seq_len}, the run asks "
+            f"{t.batch_size} x {t.seq_len}; set --batch-size {plan.global_batch} --seq-len {plan.seq_len}"
+        )
+    try:
+        plan.validate(n_blocks=model_cfg.n_layers, world_size=env.world_size)
+    except PlanError as e:
+        raise SnugfitError(f"{what}: {e}") from None
+    if plan.optimizer != optimizer_plan(t):
+        o = plan.optimizer
+        raise SnugfitError(
+            f"{what} updates {o.master_weights} weights with {o.states} states"
+            f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
+            f"{o.master_weights} --optimizer-states {o.states} "
+            f"--optimizer-in-backward {str(o.in_backward).lower()}")
+    plan.compile = plan.compile or t.compile  # --compile compiles a plan file's blocks too
+    return plan
+
+
+def run_dtype(requested: str, device: torch.device) -> tuple[str, str]:
     """The compute dtype for this launch's device (plan.dtype.choose_dtype; bf16 as torch finds the device)."""
     from snugfit.plan.dtype import choose_dtype
 
-    if env.device.type == "cuda":
+    if device.type == "cuda":
         has_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        return choose_dtype(requested, torch.cuda.get_device_name(env.device), has_bf16, on_cpu=False)
-    return choose_dtype(requested, env.device.type, True, on_cpu=env.device.type == "cpu")
+        return choose_dtype(requested, torch.cuda.get_device_name(device.index or 0), has_bf16, on_cpu=False)
+    return choose_dtype(requested, device.type, True, on_cpu=device.type == "cpu")
 
 
 def train(cfg: RunConfig) -> TrainResult:
     die_with_launcher()
+    return_freed_host_memory()
+    at_start = resident_bytes()[0]  # before the model: the run's own memory is what grows above it
     stops = StopRequests(cfg.train.save_on_signal, cfg.parallel.timeout_s)  # from the start: a signal during set-up stops after step 1
     env = init_distributed(cfg.parallel.timeout_s)
+    heartbeat = Heartbeat(env.rank, env.world_size)
     try:
-        return _train(cfg, env, stops)
+        return _train(cfg, env, stops, at_start, heartbeat)
+    except (Stopped, PeerFailed):  # said by rank 0 / by the rank that failed first
+        raise
+    except Exception as err:  # one line from the rank that failed first; the others, failing for it, say nothing
+        if not heartbeat.first_to_fail():
+            raise PeerFailed(str(err)) from None
+        raise
     finally:
         stops.close()
         if dist.is_initialized():
@@ -124,9 +147,10 @@ def train(cfg: RunConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
+def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
+           heartbeat: Heartbeat) -> TrainResult:
     t = cfg.train
-    t.dtype, why = run_dtype(t.dtype, env)
+    t.dtype, why = run_dtype(t.dtype, env.device)
     if env.is_main:
         log.info("dtype %s: %s", t.dtype, why)
     out = Path(t.out_dir)
@@ -185,7 +209,6 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
     window: list[float] = []  # train_step seconds since the last log line
     bad_in_a_row, skipped_total, overflow_total = 0, 0, 0
     profile_checked = False  # the first measured steps against the prediction from this machine's profile
-    heartbeat = Heartbeat(env.rank, env.world_size)
     probe = StepProbe(cfg, env, plan, start, out, metrics, lambda text: _say(text, bar))
     try:
         for step in range(start, t.steps):
@@ -264,14 +287,16 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests) -> TrainResult:
         checkpoints.settle(min(SETTLE_S, cfg.parallel.timeout_s))  # a save in flight still commits if it can
         if isinstance(err, RuntimeError):  # a collective or transfer gave up waiting: name the rank that stopped
             latest = checkpoints.latest()
-            heartbeat.explain(err, result.last_step, cfg.parallel.timeout_s, latest.name if latest else "none")
+            heartbeat.explain(err, result.last_step, cfg.parallel.timeout_s, latest.name if latest else None)
         raise
     probe.finish()
     if bar is not None:
         bar.close()
+    end = resident_record(result.last_step, at_start)
+    metrics.write(end)
     metrics.close()
     if env.is_main:
-        _report(cfg, out, result, checkpoints)
+        _report(cfg, out, result, checkpoints, end)
     return result
 
 
@@ -356,12 +381,14 @@ def _say(text: str, bar) -> None:
         log.info(text)
 
 
-def _report(cfg: RunConfig, out: Path, result: TrainResult, checkpoints: Checkpoints) -> None:
+def _report(cfg: RunConfig, out: Path, result: TrainResult, checkpoints: Checkpoints, end: dict) -> None:
     plot = plot_losses(out / "metrics.jsonl", out / "loss.png") if cfg.train.plot else None
     first = result.val_losses.get(0)
     last = result.val_losses.get(result.last_step)
     if first is not None and last is not None:
         log.info("validation loss %.4f -> %.4f (%.0f%% lower)", first, last, 100 * (1 - last / first))
+    log.info("peak resident memory per process (MiB): %s",
+             " ".join(f"{b / 2**20:.0f}" for b in end["peak_resident_bytes"]))
     log.info("metrics: %s", out / "metrics.jsonl")
     if plot:
         log.info("loss curve: %s", plot)

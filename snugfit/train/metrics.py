@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
@@ -35,8 +36,11 @@ class MetricsLog:
 
 
 def _summary_writer(folder: Path):
+    from snugfit.quiet import quiet_imports
+
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        with quiet_imports():
+            from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise SnugfitError("train.tensorboard needs the tensorboard package: pip install 'snugfit[tensorboard]', "
                            "or set train.tensorboard = false") from None
@@ -113,6 +117,33 @@ def measured_memory(engine, step_time_s: float | None = None) -> dict:
         out["allocator_peak_bytes"] = [m[3][0] for m in everyone]
         out["allocator_reserved_bytes"] = [m[3][1] for m in everyone]
     return out
+
+
+def resident_bytes() -> tuple[int, int]:
+    """(now, the largest so far) resident set of this process in bytes: on CPU ranks, all of a rank's memory."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        now = peak
+    return now, peak
+
+
+def resident_record(step: int, at_start: int) -> dict:
+    """The run's end record: each rank's resident set before the model was built and its peak over the whole run
+    (start-up, steps, evaluations, checkpoints), gathered to every rank (a collective)."""
+    import torch.distributed as dist
+
+    mine = (at_start, resident_bytes()[1])
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return {"kind": "end", "step": step, "start_resident_bytes": [m[0] for m in everyone],
+            "peak_resident_bytes": [m[1] for m in everyone]}
 
 
 def allocator_peaks() -> tuple[int, int] | None:

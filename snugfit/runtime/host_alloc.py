@@ -1,0 +1,33 @@
+"""Host memory a rank frees goes back to the system, so sharding lowers a rank's resident peak over a whole run.
+
+glibc's malloc serves an allocation above its mmap threshold with its own mapping, which free() unmaps. But the
+threshold rises to the size of each such block freed, up to 32 MiB, and from then on a ZeRO-3 rank's gathered
+weights (a block's tensors of a few to tens of MiB, gathered and freed block after block, by the main thread in
+forward and by autograd's in backward) come from malloc's heaps, which keep what is freed for later and
+fragment. Measured on the built-in decoder at dim 1536, 8 blocks (226M parameters, LoRA), one step at batch
+4 x 64, the whole run (start-up, evaluations, step, final checkpoint): each of 4 ZeRO-3 ranks peaked at
+1466-1749 MiB resident, above the 1556 MiB of one rank holding the whole model; with the threshold fixed at
+1 MiB, 982-988 MiB, against 1446 MiB for the one rank. Step times of the small default model did not change
+measurably (0.389 s against 0.391 s a step, 40 steps each, interleaved in one process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+M_MMAP_THRESHOLD = -3  # <malloc.h>
+MMAP_THRESHOLD_BYTES = 2**20  # smaller blocks (a small model's activations) stay on malloc's fast path
+
+
+def return_freed_host_memory() -> bool:
+    """Fix glibc's mmap threshold for this process (which also stops it rising): blocks above it are unmapped
+    when freed. A user's own MALLOC_MMAP_THRESHOLD_ wins; elsewhere than glibc, nothing to do. True when set."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
