@@ -123,27 +123,36 @@ def test_a_qlora_run_exports_merged_bf16_weights_transformers_loads(tmp_path):
 
 
 class _CountOps(TorchDispatchMode):
-    """Operators that make tensors, as the profile's recorder counts them."""
+    """Operators that make tensors, and the bytes those other than matmuls and views read and write, as the
+    profile's recorder counts them."""
 
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
         out = func(*args, **(kwargs or {}))
-        self.ops += any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(out))
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.ops += bool(outs)
+        view = str(func._overloadpacket) == "aten._unsafe_view" or any(r.alias_info for r in func._schema.returns)
+        if outs and func._overloadpacket not in flop_registry and not view:
+            ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in ins + outs)
         return out
 
 
 def test_the_profile_charges_what_torchao_dispatches_for_each_nf4_linear():
-    """NF4_LINEAR_OPS is what linear_nf4 adds to a plain linear, forward and backward, at two shapes; a profile
-    with NF4 base weights carries it for each of a block's seven linears."""
+    """NF4_LINEAR_OPS and NF4_LINEAR_BYTES (per weight) are what linear_nf4 adds to a plain linear, forward and
+    backward, at two shapes; a profile with NF4 base weights carries them for each of a block's seven linears."""
     import torch.nn.functional as F
 
     from snugfit.model.decoder import ModelConfig
     from snugfit.model.quantize import quantize
     from snugfit.profile.profile import profile_model
-    from snugfit.profile.types import NF4_LINEAR_OPS
+    from snugfit.profile.types import NF4_LINEAR_BYTES, NF4_LINEAR_OPS
 
     for shape in ((128, 512), (512, 1024)):
         weight = torch.randn(*shape, dtype=torch.bfloat16)
@@ -154,10 +163,30 @@ def test_the_profile_charges_what_torchao_dispatches_for_each_nf4_linear():
                 y = F.linear(x, w)
             with _CountOps() as bwd:
                 y.backward(torch.ones_like(y))
-            counts.append((fwd.ops, bwd.ops))
+            counts.append((fwd.ops, bwd.ops, fwd.bytes, bwd.bytes))
         assert (counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]) == NF4_LINEAR_OPS, shape
+        for i in (2, 3):
+            assert (counts[1][i] - counts[0][i]) / weight.numel() == pytest.approx(NF4_LINEAR_BYTES, rel=0.01)
     cfg = ModelConfig(arch="llama", dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=16)
     kw = dict(micro_batch_size=1, seq_len=16, dtype="bfloat16", lora_rank=4, use_cache=False)
     plain, nf4 = (profile_model(cfg, quantize_base=q, **kw) for q in ("none", "nf4"))
     for a, b in zip(plain.blocks, nf4.blocks):
         assert (b.fwd_ops - a.fwd_ops, b.bwd_ops - a.bwd_ops) == (7 * NF4_LINEAR_OPS[0], 7 * NF4_LINEAR_OPS[1])
+        assert b.fwd_mem_bytes - a.fwd_mem_bytes == pytest.approx(b.quantized * NF4_LINEAR_BYTES)
+
+
+def test_compiled_nf4_dequantization_is_one_fused_kernel_per_linear():
+    """Compiled, each NF4 linear's dequantization is one kernel a pass, reading the 4-bit weight and writing it in
+    the compute dtype: a twelfth of eager's traffic (NF4_LINEAR_BYTES), which is what QLoRA gains from compile."""
+    from snugfit.model.decoder import ModelConfig
+    from snugfit.profile.profile import profile_model
+    from snugfit.profile.types import NF4_LINEAR_BYTES, nf4_bytes
+
+    cfg = ModelConfig(arch="llama", dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=16)
+    kw = dict(micro_batch_size=1, seq_len=16, dtype="bfloat16", lora_rank=4, use_cache=False, compile=True)
+    plain, nf4 = (profile_model(cfg, quantize_base=q, **kw) for q in ("none", "nf4"))
+    for a, b in zip(plain.blocks, nf4.blocks):
+        assert b.compiled and (b.fwd_ops - a.fwd_ops, b.bwd_ops - a.bwd_ops) == (7, 7)
+        fused = nf4_bytes(b.quantized) + 2 * b.quantized
+        assert b.fwd_mem_bytes - a.fwd_mem_bytes == b.bwd_mem_bytes - a.bwd_mem_bytes == fused
+        assert fused < b.quantized * NF4_LINEAR_BYTES / 12

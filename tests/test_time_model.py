@@ -271,7 +271,7 @@ def test_working_share_weighs_a_pipelines_work_by_how_many_ranks_run_beside_it()
 def test_gpu_ranks_pay_fsdp2s_host_time_per_unit_and_microbatch_where_the_host_is_the_bottleneck():
     """FSDP2's hooks and launches cost the host time per wrapped unit and microbatch (an H200: snugfit's engine
     spent 0.17 s of host time per step where plain PyTorch, the same operators, spent 0.08 s; docs/gpu.md). Each
-    block is a unit, the root pieces one; a one-process fp32 plan runs unwrapped and pays none."""
+    block is a unit, the root pieces one; a one-process plan with nothing sharded runs unwrapped and pays none."""
     from dataclasses import replace
 
     def host_bound(dtype):  # 10 ms of dispatch each way per piece, next to no kernel time
@@ -283,15 +283,16 @@ def test_gpu_ranks_pay_fsdp2s_host_time_per_unit_and_microbatch_where_the_host_i
 
     cluster = parse_cluster("H100")
     gpu = cluster.nodes[0].gpu
-    plan = _plan(num_microbatches=2)
-    charged = estimate(plan, host_bound("bfloat16"), cluster).time_by_phase["compute"]
+    wrapped = _plan(num_microbatches=2, block=BlockPlan(zero=3), root=BlockPlan(zero=3))
+    charged = estimate(wrapped, host_bound("bfloat16"), cluster).time_by_phase["compute"]
     cluster.nodes[0].gpu = replace(gpu, unit_overhead_s=0.0)
-    free = estimate(plan, host_bound("bfloat16"), cluster).time_by_phase["compute"]
+    free = estimate(wrapped, host_bound("bfloat16"), cluster).time_by_phase["compute"]
     assert charged - free == pytest.approx(2 * (8 + 1) * gpu.unit_overhead_s)
     cluster.nodes[0].gpu = gpu
-    fp32 = _plan(num_microbatches=2, compute_dtype="float32")
-    assert fp32.runs_unwrapped
-    assert estimate(fp32, host_bound("float32"), cluster).time_by_phase["compute"] == pytest.approx(free)
+    plan = _plan(num_microbatches=2)
+    for unwrapped, dtype in ((plan, "bfloat16"), (_plan(num_microbatches=2, compute_dtype="float32"), "float32")):
+        assert unwrapped.runs_unwrapped
+        assert estimate(unwrapped, host_bound(dtype), cluster).time_by_phase["compute"] == pytest.approx(free)
     # selective checkpointing's policy sees every forward operator twice, in the forward and in the replay, which
     # dispatches them all again (an H200 ran selective slower than full recompute, docs/gpu.md)
     keep = estimate(plan, host_bound("bfloat16"), cluster).time_by_phase

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on a leased GPU machine (a few minutes; see bench/gpu/README.md): the acceptance suite, where a
-# replicated step's time goes (diagnose.py), the README's default `snugfit train` on the GPU with a checkpoint,
+# One call on a leased GPU machine (a few minutes; see bench/gpu/README.md): the acceptance suite, speed at equal
+# plans against a plain loop, eager and compiled (bench/speed.py), where a replicated step's time goes
+# (diagnose.py; both print to diagnose.log), the README's default `snugfit train` on the GPU with a checkpoint,
 # then `snugfit profile-hardware --toml` and a plan for that TOML. Each part has its own time limit, so one that
 # hangs does not cost the others; what it prints lands under $OUT in 8 files (the most that come back).
 # torchao (NF4 rows) travels as a wheel in .whl/ where the machine lacks it.
@@ -16,10 +17,14 @@ date -u
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit,driver_version --format=csv
 python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
 
-timeout "${ACCEPTANCE_S:-330}" python3 bench/gpu/run.py "$@" > "$OUT/acceptance.log" 2>&1
+timeout "${ACCEPTANCE_S:-400}" python3 bench/gpu/run.py "$@" > "$OUT/acceptance.log" 2>&1
 echo "acceptance: exit $?"; tail -n 40 "$OUT/acceptance.log"
 
-timeout "${DIAGNOSE_S:-90}" python3 bench/gpu/diagnose.py > "$OUT/diagnose.log" 2>&1
+OUT=/tmp/speed timeout "${SPEED_S:-150}" python3 bench/speed.py --model 1b-shaped --rounds 3 --steps 3 \
+    > "$OUT/diagnose.log" 2>&1
+echo "speed: exit $?"; tail -n 8 "$OUT/diagnose.log"
+
+timeout "${DIAGNOSE_S:-90}" python3 bench/gpu/diagnose.py >> "$OUT/diagnose.log" 2>&1
 echo "diagnose: exit $?"; grep -E "^(shape|tiny):" "$OUT/diagnose.log"; tail -n 3 "$OUT/diagnose.log"
 
 rm -rf /tmp/snugfit-run

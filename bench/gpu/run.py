@@ -84,6 +84,7 @@ class Technique:
     dtype: str | None = None  # None: the run's compute dtype
     tune: str = ""  # "lora", "qlora" (LoRA over NF4 block linears)
     grad_reduce: str = "step"  # plan.GRAD_REDUCE
+    compile: bool = False  # Plan.compile: each block compiled (its first warm-up step compiles)
     optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
 
     @property
@@ -118,7 +119,12 @@ def techniques(on_gpu: bool) -> list[Technique]:
         Technique("8-bit streamed in backward, bf16 weights", BlockPlan(zero=3, stream_states=True),
                   BlockPlan(zero=3, stream_states=True), grad_reduce="microbatch",
                   optimizer=OptimizerPlan(master_weights="bf16", states="8bit", in_backward=True)),
-    ]
+    ] + ([  # compiled blocks: fused kernels, the partitioner's saved tensors (profile.compiled); NF4's dequantization
+        # fuses too (eager QLoRA dispatches ~25 operators more per linear and pass). GPU only: on CPU each compiles
+        # for tens of seconds, which tests/test_compile.py spends already
+        Technique("replicated, compiled", BlockPlan(), BlockPlan(), compile=True),
+        Technique("NF4 base (QLoRA), compiled", BlockPlan(), BlockPlan(), tune="qlora", compile=True),
+    ] if on_gpu else [])
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -297,10 +303,10 @@ def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster:
     on_gpu = env.device.type == "cuda"
     plan = Plan.uniform(cfg.n_layers, block=t.block, root=t.root, micro_batch_size=mbs,
                         num_microbatches=args.batch // mbs, seq_len=args.seq, compute_dtype=t.dtype or dtype,
-                        grad_reduce=t.grad_reduce, optimizer=t.optimizer)
+                        grad_reduce=t.grad_reduce, compile=t.compile, optimizer=t.optimizer)
     prof = profile_model(cfg, micro_batch_size=mbs, seq_len=args.seq, dtype=plan.compute_dtype,
                          lora_rank=LORA_RANK if t.tune else None, kernels="gpu" if on_gpu else "cpu",
-                         quantize_base="nf4" if t.tune == "qlora" else "none")
+                         quantize_base="nf4" if t.tune == "qlora" else "none", compile=t.compile)
     on_measured = estimate(plan, prof, measured).step_time_s if measured is not None else None
     estimate(plan, prof, cluster)
     row = {"predicted_measured_step_s": on_measured,

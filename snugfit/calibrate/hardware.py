@@ -113,6 +113,31 @@ def dispatch_costs(device: str, sync) -> tuple[float, float]:
             max(0.0, step["selective"] - step["recompute"]) / passes)
 
 
+def compiled_launch_cost(device: str, sync) -> float:
+    """Host seconds per kernel a compiled block launches (GPU.compiled_launch_s): a tiny block compiled as the runtime
+    compiles it (runtime.compile), its kernels taking next to nothing, its forward and backward over the launches
+    the profile counts for it (profile.compiled). The first call compiles (seconds to a minute on a CPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from snugfit.model.decoder import Block, ModelConfig, rope_table
+    from snugfit.profile.compiled import trace_block
+    from snugfit.runtime.compile import CompiledForward
+
+    cfg = ModelConfig(arch="llama", dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=8)
+    with FakeTensorMode():
+        fwd, bwd = trace_block(Block(cfg), (torch.empty(1, 8, cfg.dim), rope_table(cfg)), {})
+    with torch.device(device):
+        block, rope = Block(cfg), rope_table(cfg)
+    block.forward = CompiledForward(block.forward)
+    x = torch.randn(1, 8, cfg.dim, device=device, requires_grad=True)
+
+    def run():
+        block(x, rope).sum().backward()
+        sync()
+    run()  # compiles
+    return best_time(run, 20) / (fwd.launches + bwd.launches)
+
+
 def host_step_params_per_s(n: int = 16_000_000, tensors: int = 16, staged: torch.dtype | None = None) -> float:
     """Parameters per second of an optimizer step on host tensors as snugfit runs it: each gradient's norm
     (runtime.engine.global_grad_norm), the clip's multiply, fused AdamW and, where offloaded units run in a lower
@@ -180,8 +205,20 @@ def measure_accelerator(name: str, dev: str | None = None, size: int = 4096) -> 
     return gpu, link
 
 
-def profile_hardware(out: str | Path | None = None, collectives: bool = True) -> LocalHardware:
-    """Measure this machine and cache the result (default ~/.cache/snugfit/hardware.json)."""
+def measure_compiled(local: LocalHardware, out: str | Path | None = None) -> LocalHardware:
+    """Add what a compiled block's launches cost here to a measurement (and save it): taken only where compiled
+    blocks are planned, since it compiles."""
+    dev = "cpu" if local.device.name == "cpu" else torch.accelerator.current_accelerator().type
+    sync = torch.accelerator.synchronize if dev != "cpu" else lambda: None
+    local.device.compiled_launch_s = compiled_launch_cost(dev, sync)
+    local.compiled = True
+    local.save(out or hardware_cache_path())
+    return local
+
+
+def profile_hardware(out: str | Path | None = None, collectives: bool = True, compiled: bool = False) -> LocalHardware:
+    """Measure this machine and cache the result (default ~/.cache/snugfit/hardware.json); `compiled`: also what a
+    compiled block's launches cost (`measure_compiled`)."""
     # offloaded units of a GPU's model run in bf16: their masters are cast for the copy back; a CPU trains in fp32
     staged = torch.bfloat16 if torch.accelerator.is_available() else None
     host = Host(ram_bytes=host_ram(), adam_params_per_s=host_step_params_per_s(staged=staged),
@@ -204,4 +241,4 @@ def profile_hardware(out: str | Path | None = None, collectives: bool = True) ->
         links["gloo-loopback"] = measure_local_ranks(host)
     local = LocalHardware(device, host, links)
     local.save(out or hardware_cache_path())
-    return local
+    return measure_compiled(local, out) if compiled else local

@@ -116,9 +116,11 @@ class Target:
     cache_dir: str | None = None
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
     lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
+    compile: bool = False  # train.compile: blocks as torch.compile runs them (profile.compiled)
 
-    def profile(self, micro_batch: int, seq: int, dtype: str) -> ModelProfile:
-        """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches)."""
+    def profile(self, micro_batch: int, seq: int, dtype: str, compile: bool | None = None) -> ModelProfile:
+        """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches),
+        compiled as `compile` (default: the target's) says."""
         from snugfit.profile.profile import profile_model
 
         if isinstance(self.model, ModelConfig) and self.model.max_seq_len < seq:
@@ -126,12 +128,13 @@ class Target:
         return profile_model(self.model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name,
                              cache_dir=self.cache_dir, lora_rank=self.lora_rank or None,
                              lora_targets=self.lora_targets, frozen=self.frozen or None,
-                             quantize_base=self.quantize_base, kernels=self.kernels)
+                             quantize_base=self.quantize_base, kernels=self.kernels,
+                             compile=self.compile if compile is None else compile)
 
 
 def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
     """Profile the model for the plan's micro-batch, sequence and dtype, then estimate the plan."""
-    prof = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype)
+    prof = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype, plan.compile)
     try:
         return estimate(plan, prof, cluster, memory_budget)
     except PlanError as e:
@@ -193,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     named = cfg.model.name
     model = resolve_model(named) if named else cfg.model
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
-                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets)
+                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets,
+                    compile=t.compile)
     cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
     target.kernels = "cpu" if all(n.gpu.name == "cpu" for n in cluster.nodes) else "gpu"
     if args.host_ram:
@@ -218,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_from_options(replace(par, micro_batch=micro), seq=seq, global_batch=gb, dtype=dtype,
                                  reduce_dtype=args.reduce_dtype, n_blocks=n_blocks, world_size=cluster.world_size,
                                  optimizer=optimizer_plan(t))
+        plan.compile = t.compile
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
     if par.plan == "dp":  # plain data parallelism, as `snugfit train --plan dp` runs it; the micro-batch searched
@@ -249,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
             lines += ["smallest changes that fit:"] + [f"  {a}" for a in advice]
             print("\n".join(lines))
         return 2
+    if t.compile:
+        notes.append(compile_note(res.best, prof, target, cluster, gb, c, budget, args.reduce_dtype))
     if args.json:
         print(res.best.to_json())
     else:
@@ -260,10 +267,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def compile_note(best: Plan, prof: ModelProfile, target: Target, cluster: Cluster, global_batch: int, c,
+                 budget: int | None, reduce_dtype: str) -> str:
+    """What compiling buys: the compiled plan's predicted speed against the best eager plan's, searched alike."""
+    if not prof.compiled:
+        return "compile: the blocks could not be traced as torch.compile runs them; they run eager"
+    eager = target.profile(prof.micro_batch_size, prof.seq_len, prof.dtype, compile=False)
+    try:
+        other = search(eager, cluster, global_batch=global_batch, constraints=c, memory_budget=budget,
+                       reduce_dtype=reduce_dtype, alternatives=0).best
+    except NoPlanError:
+        return "compile: only compiled blocks fit (no eager plan does)"
+    fast, slow = best.predicted.tokens_per_s, other.predicted.tokens_per_s
+    return (f"compile: {fast:,.0f} tokens/s predicted against {slow:,.0f} for the best eager plan "
+            f"({fast / slow - 1:+.0%}); the first step compiles the blocks")
+
+
 def _report(args: argparse.Namespace, plan: Plan, pred: Prediction, target: Target, cluster: Cluster,
             budget: int | None, notes: list[str]) -> None:
     """A plan evaluated as given: what was planned, the prediction, the notes (or all as JSON)."""
-    plan.model = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype).summary()
+    plan.model = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype, plan.compile).summary()
     print(plan.to_json() if args.json else "\n".join([format_prediction(plan, pred), *notes]))
     _draw(args, plan, target, cluster, budget)
 
@@ -274,7 +297,7 @@ def _draw(args: argparse.Namespace, plan: Plan, target: Target, cluster: Cluster
         return
     from snugfit.report.timeline import draw_timeline, timeline_for
 
-    prof = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype)
+    prof = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype, plan.compile)
     sim, detail = timeline_for(plan, prof, cluster, budget)
     out = draw_timeline(sim, plan, args.timeline, detail=detail)
     print(f"timeline: {out}", file=sys.stderr if args.json else sys.stdout)

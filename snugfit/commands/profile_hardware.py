@@ -15,6 +15,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile-hardware", help="measure matmul, memory, collective and optimizer rates here")
     p.add_argument("--out", help="write here instead of ~/.cache/snugfit/hardware.json (the file plans read)")
     p.add_argument("--no-collectives", action="store_true", help="skip the 2-process gloo measurement")
+    p.add_argument("--no-compile", action="store_true", help="skip timing a compiled block (it compiles one: seconds "
+                                                             "to a minute on a CPU)")
     p.add_argument("--toml", help="also write this machine as a cluster file `snugfit plan --cluster` takes, e.g. "
                                   "on a GPU machine to plan for it elsewhere (its GPU as a [[gpu]] table)")
     return p
@@ -23,7 +25,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from snugfit.calibrate.hardware import profile_hardware
 
-    local = profile_hardware(args.out, collectives=not args.no_collectives)
+    local = profile_hardware(args.out, collectives=not args.no_collectives, compiled=not args.no_compile)
     print(json.dumps(local.to_dict(), indent=2))
     if args.toml:
         Path(args.toml).write_text(machine_cluster(local).to_toml())

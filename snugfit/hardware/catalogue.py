@@ -52,6 +52,11 @@ class GPU:
     # (profile_hardware measures it), 11-22 us on an H200's host (selective 0.34-0.41 s a step against full
     # recompute's 0.27 s, docs/gpu.md)
     sac_overhead_s: float = 13e-6
+    # Host time per kernel a compiled block launches (Plan.compile; profile.compiled counts them), its graph's call
+    # and guards spread over them. profile_hardware measures it where it measures a compiled block; elsewhere an
+    # estimate, not yet measured on a GPU: inductor's generated code calls each Triton or library kernel from
+    # Python, a few microseconds each, where eager dispatches each operator through autograd for ~10 us
+    compiled_launch_s: float = 4e-6
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
     p2p: bool = True
@@ -267,6 +272,7 @@ class LocalHardware:
     # 5: the pipeline stage cost without saved-tensor accounting, FSDP2's costs timed interleaved; 6: attention's
     # rate on GPUs too, and the host's optimizer step as the runtime runs it, past the CPU's caches
     version: int = MEASUREMENT_VERSION
+    compiled: bool = False  # device.compiled_launch_s was measured here (taken where compiled blocks are planned)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -274,7 +280,8 @@ class LocalHardware:
     @classmethod
     def from_dict(cls, d: dict) -> "LocalHardware":
         links = {k: Link(**v) for k, v in d.get("links", {}).items()}
-        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links, d.get("version", 1))
+        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links, d.get("version", 1),
+                   d.get("compiled", False))
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

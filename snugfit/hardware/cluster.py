@@ -132,7 +132,8 @@ def load_cluster_toml(path: str | Path) -> Cluster:
     """TOML: top-level `inter`; [host] (ram_gib, cores, adam_params_per_s) for every node; [[gpu]] tables defining
     GPUs the catalogue lacks (name, memory_gib, tflops = {float32 = .., bfloat16 = ..}, hbm_gbps, pcie_gen, and
     optionally nvlink, p2p = false for cards without PCIe peer access, and the GPU_FIGURES profile-hardware
-    measures: matmul_efficiency, mem_efficiency, sms, arch, op_overhead_s, sac_overhead_s, attention_tflops); then
+    measures: matmul_efficiency, mem_efficiency, sms, arch, op_overhead_s, sac_overhead_s, attention_tflops,
+    compiled_launch_s); then
     [[node]] tables with gpu, count and optional intra, pcie, host_ram_gib, host_adam_params_per_s."""
     try:
         import tomllib
@@ -181,7 +182,7 @@ def _gpu_table(t: dict, path) -> GPU:
 # cluster files so that plans for a measured card time its GEMMs by tile and wave (sms), its attention as its
 # generation runs it (arch), and its host costs as measured
 GPU_FIGURES = ("matmul_efficiency", "mem_efficiency", "sms", "arch", "op_overhead_s", "sac_overhead_s",
-               "attention_tflops")
+               "attention_tflops", "compiled_launch_s")
 _GPU_DEFAULTS = {k: getattr(GPU("", 0, {}, 0.0, 0), k) for k in GPU_FIGURES}
 
 

@@ -101,7 +101,16 @@ class _KeepAlongside(torch.autograd.Function):
         return (grad, *([None] * len(ctx.saved_tensors)))
 
 
+def _compiled_contexts(policy: str):
+    """A selective policy's contexts in a compiled block (runtime.compile), where torch decides per operator once, as
+    it traces the graph; what is kept is then the graph's to save, seen by saved-tensor hooks outside it."""
+    return create_selective_checkpoint_contexts(_Policy(policy, []))
+
+
 def _recompute(forward: Callable, policy: str, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # a compiled block: the checkpoint becomes a region the partitioner recomputes
+        context = {} if policy == "recompute" else {"context_fn": functools.partial(_compiled_contexts, policy)}
+        return checkpoint(forward, x, *args, use_reentrant=False, **context)
     tracked = torch.is_grad_enabled() and x.requires_grad
     if tracked:
         x = _KeepInput.apply(x)

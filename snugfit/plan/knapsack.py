@@ -103,9 +103,8 @@ class StageCosts:
         self.dp_link = cluster.link_for(list(range(rank, rank + dp * tp, tp)))  # plan.RankLayout: tp innermost
         self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype,
                          grad_reduce=grad_reduce, optimizer=optimizer or OptimizerPlan())
-        # one fp32 process whose blocks shard and offload nothing runs the model unwrapped (Plan.runs_unwrapped)
-        self.unwrapped = (cluster.world_size == 1 and self.dtype == "float32"
-                          and self.stub.optimizer.master_weights == "fp32")
+        # one process whose blocks shard and offload nothing runs the model unwrapped (Plan.runs_unwrapped)
+        self.unwrapped = cluster.world_size == 1 and self.stub.optimizer.master_weights == "fp32"
         self._cache: dict[tuple, Cost] = {}
         self._walks: dict[tuple, float] = {}  # working_peak's
         self._computed: dict[tuple, tuple[float, float]] = {}  # piece_compute's, the same for every option
@@ -130,7 +129,7 @@ class StageCosts:
 
     def _reduce_held(self, blk: PieceProfile, block: BlockPlan) -> float:
         """During a block's backward that syncs: the reduce-scatter input of the block reduced before it, less
-        that block's gathered copy, freed after its backward (zero 0-2). None on one fp32 rank, which runs
+        that block's gathered copy, freed after its backward (zero 0-2). None on one rank, which runs
         unwrapped (nearly always)."""
         if self.unwrapped:
             return 0.0
@@ -199,7 +198,7 @@ class StageCosts:
             grads = reduced
         if self.stub.optimizer.in_backward:  # each unit steps once reduced and frees its gradient
             reduced = 0
-        unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone fp32 process, nothing sharded
+        unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
                   computed=self._computed, gathers=self.gathers)

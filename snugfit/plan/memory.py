@@ -109,9 +109,10 @@ def wrapped_params(sp: StagePiece, dp: int) -> int:
 
 
 def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
-    """The unsharded copy FSDP2 all-gathers for the piece (none when the model runs unwrapped): the compute
-    dtype, NF4 weights as they are stored (each matmul dequantizes its own, a transient)."""
-    if plan.runs_unwrapped:
+    """The unsharded copy FSDP2 all-gathers for the piece: the compute dtype, NF4 weights as they are stored (each
+    matmul dequantizes its own, a transient). A model that runs unwrapped holds none in fp32, and below it the
+    compute copies of its trainable parameters (runtime.precision), what a zero-0 unit gathers."""
+    if plan.runs_unwrapped and plan.compute_dtype == "float32":
         return 0
     nf4 = sp.piece.quantized if sp.decision.zero > 0 and plan.dp > 1 else 0
     return (wrapped_params(sp, plan.dp) - nf4) * DTYPE_BYTES[plan.compute_dtype] + nf4_bytes(nf4)
@@ -119,11 +120,11 @@ def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
 
 def stored_params(plan: Plan, sp: StagePiece, trainable_bytes: int = 4) -> dict[str, int]:
     """The piece's parameters as stored, unsharded: trainable ones at `trainable_bytes` each ("parameters"),
-    frozen ones in the compute dtype ("frozen_parameters"; fp32 when the model runs unwrapped, as built), or in
-    NF4 where quantized (QLoRA: about 0.52 bytes each)."""
+    frozen ones in the compute dtype ("frozen_parameters"), or in NF4 where quantized (QLoRA: about 0.52 bytes
+    each)."""
     out = {"parameters": sp.n_trainable * trainable_bytes}
     if sp.n_params > sp.n_trainable:
-        frozen = 4 if plan.runs_unwrapped else DTYPE_BYTES[plan.compute_dtype]
+        frozen = DTYPE_BYTES[plan.compute_dtype]
         nf4 = sp.piece.quantized
         out["frozen_parameters"] = (sp.n_params - sp.n_trainable - nf4) * frozen + nf4_bytes(nf4)
     return out

@@ -148,6 +148,9 @@ class Plan:
     reduce_dtype: str = "float32"  # dtype of gradient reduction
     grad_reduce: str = "step"  # GRAD_REDUCE: reduce once a step, or every microbatch (ZeRO-2/3 then hold shards)
     optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
+    # each block compiled once (torch.compile, runtime.compile): fused kernels, what the partitioner saves; the math
+    # is the same up to float order, so the search weighs it as any other choice (its profile: profile.compiled)
+    compile: bool = False
     root: BlockPlan = field(default_factory=BlockPlan)  # embedding, final norm, head
     blocks: list[BlockPlan] = field(default_factory=list)
     predicted: Prediction | None = None
@@ -176,12 +179,13 @@ class Plan:
 
     @property
     def runs_unwrapped(self) -> bool:
-        """One fp32 process with nothing sharded or offloaded: the runtime runs the model as is, without FSDP2,
-        whose one-rank parameter copies cost ~4% of a small model's step for nothing."""
+        """One process with nothing sharded or offloaded: the runtime runs the model as is, without FSDP2, whose
+        hooks and per-microbatch copies on one rank cost ~4% of a small model's step on CPU and took the host
+        twice a plain loop's time on an H200 (docs/gpu.md); below fp32, runtime.precision casts the compute copies
+        once a step."""
         units = [self.root, *self.blocks]
         plain = all(u.zero == 0 and not u.states_on_host for u in units)
-        return (self.world_size == 1 and self.compute_dtype == "float32" and plain
-                and self.optimizer.master_weights == "fp32")
+        return self.world_size == 1 and plain and self.optimizer.master_weights == "fp32"
 
     @property
     def reduces_every_microbatch(self) -> bool:

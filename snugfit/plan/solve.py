@@ -90,7 +90,7 @@ def _solve_uniform(model: CostModel, cand: Candidate, slack: float, opts: list[B
     return Solution(Plan(world_size=cand.dp * cand.tp, dp=cand.dp, tp=cand.tp, micro_batch_size=cand.micro_batch_size,
                          num_microbatches=m, seq_len=prof.seq_len, stage_blocks=[n], compute_dtype=prof.dtype,
                          reduce_dtype=model.reduce_dtype_of(cand), grad_reduce=cand.grad_reduce,
-                         optimizer=replace(model.optimizer), root=replace(best[2]),
+                         compile=prof.compiled, optimizer=replace(model.optimizer), root=replace(best[2]),
                          blocks=[replace(best[1]) for _ in range(n)]), best[0])
 
 
@@ -142,4 +142,4 @@ def layout(model: CostModel, cand: Candidate, choices, sizes: list[int], opts_of
                 stage_blocks=stage_blocks,
                 evict_bound=model.constraints.evict_bound if SCHEDULES[cand.schedule].evicts else None,
                 compute_dtype=prof.dtype, reduce_dtype=model.reduce_dtype_of(cand), grad_reduce=cand.grad_reduce,
-                optimizer=replace(model.optimizer), root=replace(root), blocks=blocks)
+                compile=prof.compiled, optimizer=replace(model.optimizer), root=replace(root), blocks=blocks)

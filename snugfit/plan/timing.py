@@ -126,8 +126,9 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
     by their shapes (plan.kernels: tiles, waves, a ceiling per dtype), other FLOPs (attention) at flash attention's
     rate where it is known, else at the flat rate. On a GPU the host
     dispatches ahead of the kernels, so the slower of the two counts; on the CPU the same
-    thread dispatches and computes, so they add up. host_extra: more host seconds (forward, backward): FSDP2's
-    share, selective checkpointing's policy.
+    thread dispatches and computes, so they add up. A compiled block (p.compiled) launches kernels rather than
+    dispatching operators: its ops are its launches, each at GPU.compiled_launch_s. host_extra: more host seconds
+    (forward, backward): FSDP2's share, selective checkpointing's policy.
     """
     if measured_on == gpu.name and p.fwd_time_s is not None and p.bwd_time_s is not None:
         return p.fwd_time_s, p.bwd_time_s
@@ -144,8 +145,9 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
         af, ab = (t * 1e12 for t in gpu.attention_tflops)
         fwd = gf_flops / rate + max(0.0, p.fwd_flops - gf_flops) / af
         bwd = gb_flops / rate + max(0.0, p.bwd_flops - gb_flops) / ab
-    return (combine(fwd + p.fwd_mem_bytes / bw, p.fwd_ops * gpu.op_overhead_s + host_extra[0]),
-            combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * gpu.op_overhead_s + host_extra[1]))
+    per_op = gpu.compiled_launch_s if p.compiled else gpu.op_overhead_s  # a compiled block's ops are its launches
+    return (combine(fwd + p.fwd_mem_bytes / bw, p.fwd_ops * per_op + host_extra[0]),
+            combine(bwd + p.bwd_mem_bytes / bw, p.bwd_ops * per_op + host_extra[1]))
 
 
 def recompute_time(p: PieceProfile, policy: ActivationPolicy, fwd: float, gpu: GPU, dtype: str,
@@ -163,7 +165,8 @@ def recompute_time(p: PieceProfile, policy: ActivationPolicy, fwd: float, gpu: G
         gemms = (gemm_seconds(dropped, gpu, dtype, 0.0)[0] if gpu.name != "cpu" and gpu.sms
                  else sum(2.0 * m * n * k for m, n, k in dropped) / gpu.flops_per_s(dtype))
         kernels = p.fwd_mem_bytes / gpu.mem_bytes_per_s() + gemms
-        replay = p.fwd_ops * (gpu.op_overhead_s + gpu.sac_overhead_s)
+        # compiled, the policy ran once, as the graph was traced: the replay is the forward's launches again
+        replay = p.fwd_ops * (gpu.compiled_launch_s if p.compiled else gpu.op_overhead_s + gpu.sac_overhead_s)
         return kernels + replay if gpu.name == "cpu" else max(kernels, replay)
     return 0.0
 
@@ -269,9 +272,12 @@ def stage_time(
         p, d = sp.piece, sp.decision
         policy = d.policy if sp.is_block else ACTIVATION_POLICIES["keep"]
         # host time beyond dispatch: FSDP2's per unit, half each way (each block is a unit, the stage's root pieces
-        # share one); selective checkpointing's policy on every forward operator
-        unit = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and not on_cpu else 0.0
-        extra = (unit + (p.fwd_ops * gpu.sac_overhead_s if policy.selective else 0.0), unit)
+        # share one; a zero-0 block frozen whole is none: runtime.sharding.needs_unit); selective checkpointing's
+        # policy on every forward operator, unless compiled (it ran once, when the graph was traced)
+        unit_of = not sp.is_block or d.zero > 0 or sp.n_trainable > 0
+        unit = gpu.unit_overhead_s / 2 / (1 if sp.is_block else roots) if wrapped and unit_of and not on_cpu else 0.0
+        sac = policy.selective and not p.compiled
+        extra = (unit + (p.fwd_ops * gpu.sac_overhead_s if sac else 0.0), unit)
         if computed is None or (p.name, extra) not in computed:
             f, b = piece_compute(p, gpu, dtype, measured_on, extra)
             if computed is not None:

@@ -18,6 +18,7 @@ Saved-activation policies (bytes a block keeps between its forward and backward)
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,10 +36,15 @@ import torch.nn as nn
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.lora import apply_lora, freeze, parse_targets
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
+from snugfit.profile.compiled import GraphCost, compiled_costs
 from snugfit.plan.policies import PROFILED
 from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
-from snugfit.profile.types import DTYPE_BYTES, NF4_LINEAR_OPS, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes
+from snugfit.profile.types import (
+    DTYPE_BYTES, NF4_LINEAR_BYTES, NF4_LINEAR_OPS, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes,
+)
+
+log = logging.getLogger(__name__)
 
 
 # -- building --
@@ -100,11 +107,33 @@ def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int, 
     )
 
 
+def _compiled(piece: PieceProfile, fwd: GraphCost, bwd: GraphCost) -> PieceProfile:
+    """A block's profile as torch.compile runs it (profile.compiled): what the partitioner keeps, the fused
+    kernels' traffic and launches. Recomputing policies keep what eager keeps, so no more than compiled "keep"."""
+    keep = max(fwd.saved_bytes, piece.input_bytes)
+    saved = {k: keep if k == "keep" else min(keep, v) for k, v in piece.saved_bytes.items()}
+    return replace(piece, saved_bytes=saved, fwd_mem_bytes=fwd.mem_bytes, bwd_mem_bytes=bwd.mem_bytes,
+                   fwd_ops=fwd.launches, bwd_ops=bwd.launches, compiled=True)
+
+
+def _trace_compiled(model: nn.Module, parts: ModelParts,
+                    tokens: torch.Tensor) -> list[tuple[GraphCost, GraphCost]] | None:
+    """The blocks' compiled costs, or None (with the reason logged) where they cannot be traced: the plan then
+    runs them eager, as the runtime would."""
+    try:
+        return compiled_costs(model, parts.blocks, lambda: parts.loss(tokens, tokens))
+    except Exception as err:  # noqa: BLE001 - any tracing failure means the same: plan these blocks eager
+        log.warning("compile: the blocks cannot be traced as torch.compile runs them (%s); planned eager",
+                    str(err).strip().splitlines()[0][:200])
+        return None
+
+
 def profile_module(
     model: nn.Module, parts: ModelParts, *, name: str, config: dict, micro_batch_size: int, seq_len: int,
-    dtype: str, vocab_size: int,
+    dtype: str, vocab_size: int, compile: bool = False,
 ) -> ModelProfile:
-    """Profile a model built on the meta device: counts its (trainable) parameters, then records one fake step."""
+    """Profile a model built on the meta device: counts its (trainable) parameters, then records one fake step
+    (and with `compile`, traces its blocks as torch.compile runs them)."""
     model.to(getattr(torch, dtype))
     seen: set[int] = set()
     embed_ids = {id(p) for m in parts.embed for p in m.parameters()}
@@ -122,7 +151,10 @@ def profile_module(
         recs = record_step(model, parts, tokens)
         # again at twice the micro-batch: what of each peak does not grow with it (ModelProfile.scaled)
         twice = record_step(model, parts, torch.randint(0, vocab_size, (2 * micro_batch_size, seq_len)))
+        costs = _trace_compiled(model, parts, tokens) if compile else None
     blocks = [_piece(f"block.{i}", recs[f"block.{i}"], p, True) for i, p in enumerate(block_p)]
+    if costs is not None:
+        blocks = [_compiled(b, *c) for b, c in zip(blocks, costs)]
     prof = ModelProfile(
         model=name, config=config, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
         embed=_piece("embed", recs["embed"], embed_p, False), blocks=blocks,
@@ -146,9 +178,12 @@ def profile_model(
     name: str | None = None, cache_dir: str | Path | None = None, use_cache: bool = True,
     measure_on: str | None = None, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
     lora_rank: int | None = None, frozen: str | None = None, quantize_base: str = "none", kernels: str = "cpu",
-    lora_targets: str = "",
+    lora_targets: str = "", compile: bool = False,
 ) -> ModelProfile:
     """Profile a built-in ModelConfig or a Hugging Face config dict (cached by its inputs).
+
+    compile: its blocks as torch.compile runs them (Plan.compile; profile.compiled); measured times are eager's,
+    so a compiled profile is not measured (measure_on is refused).
 
     lora_rank / lora_targets / frozen: profile the model fine-tuned as the runtime will (model.lora):
     frozen parameters have no gradients or optimizer states, and their weight-gradient
@@ -162,12 +197,14 @@ def profile_model(
     with real (random) weights: only for models that fit in host memory. `clock` is
     what times it (time.process_time on a single-threaded CPU run ignores other load).
     """
+    if compile and measure_on:
+        raise ValueError("a compiled profile is not measured: its times come from the time model")
     is_hf = isinstance(model, dict)
     config = dict(model) if is_hf else model.to_dict()
     key = {"config": config, "mbs": micro_batch_size, "seq": seq_len, "dtype": dtype,
            "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__, "lora": lora_rank,
            "lora_targets": parse_targets(lora_targets) if lora_rank else None,
-           "frozen": frozen, "quantize": quantize_base, "kernels": kernels}
+           "frozen": frozen, "quantize": quantize_base, "kernels": kernels, "compile": compile}
     path = _cache_path(cache_dir, key)
     if use_cache and path.exists():
         return ModelProfile.load(path)
@@ -184,7 +221,7 @@ def profile_model(
     fine_tune(net, lora_rank, frozen, lora_targets)
     with gpu_kernels(net) if kernels == "gpu" else nullcontext():
         prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
-                              seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
+                              seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size, compile=compile)
     if quantize_base == "nf4":
         count_quantized(prof, net)
     if measure_on and not is_hf:
@@ -197,19 +234,23 @@ def profile_model(
 
 def count_quantized(prof: ModelProfile, net: nn.Module) -> None:
     """Mark the weights NF4 will hold, block by block, and charge their dequantization to each forward and
-    backward, which recomputation repeats: memory traffic (read 4-bit, write the compute dtype) and its operators
-    (NF4_LINEAR_OPS per linear; the meta-device recording never runs torchao's)."""
+    backward, which recomputation repeats (the meta-device recording never runs torchao's): eager, torchao's
+    operators and their traffic (NF4_LINEAR_OPS per linear, NF4_LINEAR_BYTES per weight); compiled, one fused
+    kernel per linear that reads the 4-bit weight and writes it in the compute dtype."""
     from snugfit.model.quantize import quantizable
 
     c = DTYPE_BYTES[prof.dtype]
     for piece, block in zip(prof.blocks, net.blocks.values()):
         linears = quantizable(block).values()
         piece.quantized = sum(m.weight.numel() for m in linears)
-        moved = nf4_bytes(piece.quantized) + piece.quantized * c
+        moved = (nf4_bytes(piece.quantized) + piece.quantized * c if piece.compiled
+                 else piece.quantized * NF4_LINEAR_BYTES)
         piece.fwd_mem_bytes += moved
         piece.bwd_mem_bytes += moved
-        piece.fwd_ops += NF4_LINEAR_OPS[0] * len(linears)
-        piece.bwd_ops += NF4_LINEAR_OPS[1] * len(linears)
+        # compiled, each weight's dequantization fuses into one kernel per pass
+        ops = (1, 1) if piece.compiled else NF4_LINEAR_OPS
+        piece.fwd_ops += ops[0] * len(linears)
+        piece.bwd_ops += ops[1] * len(linears)
 
 
 SPAN = 4  # measured times are taken at the profile's micro-batch and at SPAN times it

@@ -13,8 +13,8 @@ from pathlib import Path
 # the GPU kernels' RMSNorm one pass each way
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
 # 14: "selective_half"'s saved bytes and measured recompute time; 15-16: trainable matrices' sizes (quantized states),
-# the peaks' fixed part
-PROFILE_VERSION = 16
+# the peaks' fixed part; 17: compiled blocks (profile.compiled); 18: eager NF4 traffic as torchao moves it
+PROFILE_VERSION = 18
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -27,6 +27,11 @@ NF4_SCALER_BLOCK = 256  # scales per block of their own 8-bit quantization (QLoR
 # them up, rescales by the double-quantized scales and reshapes, once in forward and again for the input's
 # gradient. Each is a kernel launch and a host dispatch; a GPU plan whose blocks are dispatch-bound pays them.
 NF4_LINEAR_OPS = (25, 24)
+# Bytes those operators read and write per NF4 weight, in each pass, counted as the profile counts eager traffic
+# (tests/test_qlora.py recounts it, at bf16): the codes unpacked to int64 indices, looked up, rescaled, and stacked
+# into the bf16 weight: 35 bytes where the fused kernel a compiled block runs moves the 4-bit codes in and the
+# bf16 weight out (2.5 bytes). Eager QLoRA's cost beside LoRA is mostly this traffic.
+NF4_LINEAR_BYTES = 35.11
 
 
 def nf4_bytes(n: int) -> int:
@@ -64,6 +69,9 @@ class PieceProfile:
     # times by tile and wave on a GPU (their backward is two GEMMs of the same sizes, transposed)
     gemms: list[list[int]] = field(default_factory=list)
     head_dim: int = 0  # of its attention (the FLOPs beyond the GEMMs): what flash attention's rate depends on; 0: none
+    # run as a compiled graph (Plan.compile, profile.compiled): saved bytes, memory traffic and operators (then
+    # kernel launches) are the compiled graphs'
+    compiled: bool = False
     # elements of each trainable parameter of 2 dimensions or more: whether torchao quantizes a tensor's optimizer
     # states depends on its size (plan.optimizer); the rest of the trainable elements are 1-D
     matrices: list[int] = field(default_factory=list)
@@ -98,6 +106,11 @@ class ModelProfile:
     tied_params: int = 0  # parameters shared by embedding and head (counted in embed)
     device: str | None = None  # where fwd/bwd times were measured
     version: int = PROFILE_VERSION
+
+    @property
+    def compiled(self) -> bool:
+        """Its blocks run compiled (Plan.compile)."""
+        return any(b.compiled for b in self.blocks)
 
     @property
     def pieces(self) -> list[PieceProfile]:

@@ -35,6 +35,16 @@ import torch.nn as nn
 from snugfit.model.recompute import recompute
 from snugfit.plan.policies import policy as policy_entry
 
+
+def _same_layout(t: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Tensor:
+    """An empty tensor of t's shape and strides on `device` (contiguous where t overlaps itself, as an expanded
+    tensor does): a compiled block's backward asserts the layout of what its forward saved."""
+    stride = t.stride() if all(s or n == 1 for s, n in zip(t.stride(), t.shape)) else None
+    if stride is None:
+        return torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=device, pin_memory=pin)
+
+
 class _HostCopy:
     """One saved tensor in host memory; `fetch` starts the copy back, `get` waits for it."""
 
@@ -45,7 +55,7 @@ class _HostCopy:
         self.used = False  # handed to autograd: not fetched ahead again
         self.event = None
         pin = stream is not None
-        self.host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        self.host = _same_layout(t, torch.device("cpu"), pin)
         if stream is None:
             self.host.copy_(t)
             return
@@ -59,11 +69,11 @@ class _HostCopy:
         if self.back is not None or self.used:
             return
         if self.stream is None:
-            self.back = self.host.to(self.device, copy=True)
+            self.back = _same_layout(self.host, self.device).copy_(self.host)
             return
         self.stream.wait_event(self.event)
         with self.stream:
-            self.back = self.host.to(self.device, non_blocking=True)
+            self.back = _same_layout(self.host, self.device).copy_(self.host, non_blocking=True)
         self.event = self.stream.record_event()
 
     def get(self) -> torch.Tensor:
@@ -198,12 +208,17 @@ def _fetch_all(packed: list, ahead: list) -> None:
         p.fetch()
 
 
-def apply_activation_policy(block: nn.Module, policy: str) -> nn.Module:
+def apply_activation_policy(block: nn.Module, policy: str,
+                            compile_block: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Make `block` do what its policy's entry (plan.policies) says, in place: recompute (fully or selectively)
-    what it does not keep, and keep on host what it keeps there (all it saves, or its recomputation checkpoint)."""
+    what it does not keep, and keep on host what it keeps there (all it saves, or its recomputation checkpoint).
+    `compile_block` (runtime.compile) compiles the block between the two layers: its recomputation inside the
+    compiled region, the offload's saved-tensor hooks outside it."""
     entry = policy_entry(policy)
     if entry.recomputes:
         recompute(block, entry.keeps)
+    if compile_block is not None:
+        compile_block(block)
     if entry.on_host:
         block.forward = functools.partial(_offload_checkpoint if entry.recomputes else _offload, block.forward)
     return block

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.activations import apply_activation_policy
+from snugfit.runtime.compile import compile_block
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
@@ -65,12 +66,14 @@ def offload_units(model: nn.Module, plan: Plan) -> list[tuple[nn.Module, list[st
 
 
 def apply_activations(blocks: dict[str, nn.Module], plan: Plan) -> None:
-    """Saved-activation policy per block (keep, recompute, selective, offload; see runtime.activations); blocks
-    by their index in the model."""
+    """Saved-activation policy per block (keep, recompute, selective, offload; see runtime.activations), and each
+    block compiled between its recomputation and its saved-tensor hooks where the plan compiles (runtime.compile);
+    blocks by their index in the model."""
     for name, block in blocks.items():
-        apply_activation_policy(block, plan.blocks[int(name)].activations)
+        apply_activation_policy(block, plan.blocks[int(name)].activations, compile_block if plan.compile else None)
     policies = [plan.blocks[int(name)].activations for name in blocks]
-    log.info("activations: %s", {p: policies.count(p) for p in sorted(set(policies))})
+    log.info("activations: %s%s", {p: policies.count(p) for p in sorted(set(policies))},
+             ", blocks compiled" if plan.compile else "")
 
 
 def parallelize(part: nn.Module, plan: Plan, dims: ParallelDims, output_fp32: bool = True) -> None:
@@ -91,8 +94,7 @@ def place(model: nn.Module, plan: Plan, device: torch.device, weights: Weights |
     """Frozen parameters and partial offload's units cast to the compute dtype, the other trainable ones to the
     master dtype (before FSDP2), then the model on `device`. A model still on the meta device stays there for
     `read_weights` after sharding."""
-    if not plan.runs_unwrapped:
-        store_frozen_in_compute_dtype(model, plan)
+    store_frozen_in_compute_dtype(model, plan)
     units = offload_units(model, plan)
     master = torch.bfloat16 if plan.optimizer.master_weights == "bf16" else torch.float32
     host = HostOffload(model, units, DTYPES[plan.compute_dtype], weights, master) if units else None

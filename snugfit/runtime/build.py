@@ -17,6 +17,8 @@ from snugfit.runtime.dist import DistEnv, ensure_process_group
 from snugfit.runtime.engine import Accumulate, Engine, OptimConfig
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.pipeline import TorchSchedule, refuse_tied_embeddings, stage_parts
+from snugfit.runtime.precision import apply_mixed_precision
+from snugfit.runtime.sharding import DTYPES
 
 RUNNERS = {  # the schedules registry's runner name -> the step runner (model, stages, plan, dims, env)
     "accumulate": lambda model, stages, plan, dims, env: Accumulate(model),
@@ -47,5 +49,7 @@ def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
     for part in stages or [model]:
         parallelize(part, plan, dims, output_fp32=part is model or part.index == last)
     read_weights(model, plan, env.device, weights)
+    # a plan that runs unwrapped computes below fp32 through copies cast once a step (FSDP2's mixed precision else)
+    cast = apply_mixed_precision(model, DTYPES[plan.compute_dtype]) if plan.runs_unwrapped else None
     runner = RUNNERS[plan.schedule_entry.runner](model, stages, plan, dims, env)
-    return Engine(model, plan, optim, env.device, runner, dp_group=dims.dp_group, host=host)
+    return Engine(model, plan, optim, env.device, runner, dp_group=dims.dp_group, host=host, cast=cast)

@@ -35,6 +35,7 @@ from snugfit.runtime.offload import HostOffload
 from snugfit.runtime.optimizer import (  # noqa: F401 - OptimConfig, make_adamw: where callers have found them
     OptimConfig, OptimUnit, load_state, make_adamw, make_optimizer, optimizer_units, saved_state, set_lr,
 )
+from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.step_in_backward import StepInBackward
 from snugfit.runtime.stream_states import StreamedStates
 from snugfit.runtime.tensor_parallel import vocab_parallel_loss
@@ -112,13 +113,16 @@ def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     meshes (zero 0 blocks live on a 2-D mesh, sharded ones on a 1-D mesh) and
     knows nothing of gradients held on host.
     """
-    by_groups: dict[tuple, torch.Tensor] = {}
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
     for p, g in grads:
-        sq = torch.linalg.vector_norm(local(g), dtype=torch.float32).to(device) ** 2
-        key = shard_groups(p)
-        by_groups[key] = by_groups.get(key, torch.zeros((), device=device)) + sq
+        g = local(g)
+        by_groups.setdefault((shard_groups(p), g.device, g.dtype), []).append(g)
+    squares: dict[tuple, torch.Tensor] = {}
+    for (groups, _, _), tensors in by_groups.items():  # one foreach kernel per kind, not four operators per tensor
+        sq = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum().to(device)
+        squares[groups] = squares[groups] + sq if groups in squares else sq
     total = torch.zeros((), device=device)
-    for groups, sq in by_groups.items():
+    for groups, sq in squares.items():
         for group in groups:  # a 2-D shard: sum over dp, then over tp
             dist.all_reduce(sq, group=group)
         total += sq
@@ -158,6 +162,8 @@ class Accumulate:
         for i, (inputs, targets) in enumerate(micro):
             if isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            elif engine.cast is not None:
+                engine.cast.keep = i < len(micro) - 1  # the last backward drops each compute copy once used
             with vocab_parallel_loss(engine.plan):
                 with engine.span("F", i), engine.memory.track_activations() if engine.track_memory else nullcontext():
                     loss = local(self.model(inputs, targets)) / divisors[i]
@@ -184,7 +190,8 @@ class Engine:
 
     model: this rank's model (its pipeline stages' part of it), as runtime.build parallelised it; runner: how the
     microbatches run (`StepRunner`; default `Accumulate`); dp_group: data-parallel process group (None: one
-    process); host: the partially offloaded units. `memory` (a MemoryTracker) is sampled at each phase of a step;
+    process); host: the partially offloaded units; cast: the compute copies of a model that runs unwrapped below
+    fp32 (runtime.precision). `memory` (a MemoryTracker) is sampled at each phase of a step;
     after `train_step`, `memory.peak()` is that step's peak by category.
 
     Each unit (a block, the root pieces) has its own optimizer (runtime.optimizer, as plan.optimizer says), so a
@@ -202,10 +209,12 @@ class Engine:
         runner: StepRunner | None = None,
         dp_group=None,
         host: HostOffload | None = None,
+        cast: CastOnce | None = None,
     ):
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
         self.runner = runner or Accumulate(model)
         self.dp_group, self.host, self.stage_group = dp_group, host, self.runner.stage_group
+        self.cast = cast
         units = self.runner.units
         self.lr = optim.lr
         self.scaler = LossScale() if plan.compute_dtype == "float16" else None
@@ -214,7 +223,9 @@ class Engine:
         self.units: list[OptimUnit] = optimizer_units(model, plan, optim, skip=lambda p: host and host.owns(p))
         self.streamed = StreamedStates(self.units, device) if any(u.streamed for u in self.units) else None
         sources = [x.memory for x in (host, self.streamed) if x is not None]
-        self.memory = MemoryTracker(model, [u.optimizer for u in self.units], sources, units)
+        sources += [cast.memory] if cast is not None else []
+        self.memory = MemoryTracker(model, [u.optimizer for u in self.units], sources, units,
+                                    not_saved=lambda: cast.storages if cast is not None else set())
         self.in_backward = None
         if plan.optimizer.in_backward:
             groups = {u.name: u.params for u in self.units}
@@ -262,7 +273,10 @@ class Engine:
         divisors = loss_divisors(batch, self.plan, self.dp_group, self.device)
         self.memory.reset_peak()
         self._begin()
-        return self._update(self.runner.train(self, micro, divisors))
+        loss = self.runner.train(self, micro, divisors)
+        if self.cast is not None:
+            self.cast.release()  # the optimizer changes the masters; the next step casts them again
+        return self._update(loss)
 
     def stage_stats(self) -> dict | None:
         """What this rank's pipeline stages held in the last step (runtime.pipeline), None without a pipeline."""

@@ -104,7 +104,8 @@ class MemoryTracker:
 
     model: the (parallelised) model; optimizers: device optimizers whose state to
     count; sources: extra accounting (see `Source`); units: FSDP2 roots outside `model` that hold
-    its parameters (pipeline stages wrap the model's pieces in their own root units).
+    its parameters (pipeline stages wrap the model's pieces in their own root units); not_saved: storage keys
+    that are never activations though autograd saves them (runtime.precision's compute copies, counted as buffers).
     """
 
     def __init__(
@@ -113,8 +114,10 @@ class MemoryTracker:
         optimizers: Iterable[torch.optim.Optimizer] = (),
         sources: Iterable[Source] = (),
         units: Iterable[nn.Module] = (),
+        not_saved: Callable[[], set[int]] = set,
     ):
         self.model = model
+        self.not_saved = not_saved  # storages autograd saves that are no activations (compute copies of weights)
         self.optimizers = list(optimizers)
         self.sources = list(sources)
         self._groups = _fsdp_groups([model, *units])
@@ -235,7 +238,7 @@ class MemoryTracker:
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
                 return t
             key = storage_key(t)
-            if key in static or key == 0:
+            if key in static or key == 0 or key in self.not_saved():
                 return t
             entry = self._saved.setdefault(key, [local(t).untyped_storage().nbytes(), 0])
             if entry[1] == 0:

@@ -41,7 +41,8 @@ before sharding): FSDP2 then gathers them without a cast. A zero-0 unit leaves
 them out of FSDP2 altogether (`ignored_params`): a replicated weight that is never
 reduced needs no second, gathered copy, so a frozen 7B model costs its 2 bytes per
 parameter once, not again as FSDP2's unsharded copy. So does a one-rank unit with
-NF4 weights (torchao's all-gather hooks need a real all-gather; nothing to shard).
+NF4 weights (torchao's all-gather hooks need a real all-gather; nothing to shard). A zero-0 block frozen whole
+is then no unit at all (`needs_unit`).
 """
 
 from __future__ import annotations
@@ -103,10 +104,19 @@ def store_masters(model: nn.Module, plan: Plan, skip: set[str] = frozenset()) ->
                 p.data = p.data.to(torch.bfloat16)
 
 
-def shard_unit(module: nn.Module, block: BlockPlan, dims: ParallelDims, mp: MixedPrecisionPolicy) -> None:
-    """Make `module` one FSDP2 unit as `block.zero` says (see the module docstring)."""
+def needs_unit(module: nn.Module, block: BlockPlan) -> bool:
+    """Whether FSDP2 has anything to do for `module`: a zero-0 block whose every parameter is frozen has nothing to
+    gather, reduce or cast (its weights are ignored and stored in the compute dtype), and runs without FSDP2's
+    hooks, which would otherwise run around each of its forwards and backwards for nothing."""
+    return block.zero > 0 or any(p.requires_grad for p in module.parameters())
+
+
+def shard_unit(module: nn.Module, block: BlockPlan, dims: ParallelDims, mp: MixedPrecisionPolicy,
+               ignored: set[nn.Parameter] = frozenset()) -> None:
+    """Make `module` one FSDP2 unit as `block.zero` says (see the module docstring); `ignored`: parameters of
+    its submodules that run without FSDP2 (`needs_unit`)."""
     frozen = {p for p in module.parameters() if not p.requires_grad and (block.zero == 0 or (
-        dims.dp == 1 and is_quantized(p)))}  # torchao's NF4 all-gather hooks fail on a one-rank group
+        dims.dp == 1 and is_quantized(p)))} | set(ignored)  # torchao's NF4 all-gather hooks fail on a one-rank group
     if block.zero > 0:
         check_shardable(module, dims.dp)
     fully_shard(
@@ -139,16 +149,22 @@ def apply_fsdp(
     """
     indices = [int(name) for name in blocks]
     mp = mixed_precision(plan, root=False)
+    plain: set[nn.Parameter] = set()  # of frozen blocks that need no unit
     for i, block in zip(indices, blocks.values()):
-        shard_unit(block, plan.blocks[i], dims, mp)
-    shard_unit(root, plan.root, dims, mixed_precision(plan, root=output_fp32))
+        if needs_unit(block, plan.blocks[i]):
+            shard_unit(block, plan.blocks[i], dims, mp)
+        else:
+            plain |= set(block.parameters())
+    shard_unit(root, plan.root, dims, mixed_precision(plan, root=output_fp32), plain)
     if plan.grad_reduce == "microbatch":
         reduce_every_microbatch(root)
     stages = Counter(f"zero{plan.blocks[i].zero}" + ("+offload_params" if plan.blocks[i].offload_params else "")
                      for i in indices)
+    frozen = sum(not needs_unit(b, plan.blocks[i]) for i, b in zip(indices, blocks.values()))
     log.info(
-        "fsdp: dp=%d, %d blocks %s, root zero%d%s, params %s, reduce %s every %s",
-        dims.dp, len(indices), dict(stages), plan.root.zero,
+        "fsdp: dp=%d, %d blocks %s%s, root zero%d%s, params %s, reduce %s every %s",
+        dims.dp, len(indices), dict(stages), f" ({frozen} frozen ones without FSDP2)" if frozen else "",
+        plan.root.zero,
         "+offload_params" if plan.root.offload_params else "", plan.compute_dtype, plan.reduce_dtype,
         plan.grad_reduce,
     )

@@ -127,7 +127,8 @@ def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device):
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
                          lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
                          frozen=cfg.finetune.freeze or None,
-                         quantize_base=cfg.finetune.quantize_base, kernels="cpu" if device.type == "cpu" else "gpu")
+                         quantize_base=cfg.finetune.quantize_base, kernels="cpu" if device.type == "cpu" else "gpu",
+                         compile=cfg.train.compile)
 
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
@@ -165,6 +166,18 @@ def measure_once(ranks: int, on_cpu: bool = True) -> None:
     profile_hardware(collectives=multi)
 
 
+def measure_compiled_once() -> None:
+    """Where compiled blocks are planned on CPU ranks: what their kernel launches cost here, measured once (it
+    compiles a tiny block) and kept with this machine's measurement."""
+    from snugfit.calibrate.hardware import measure_compiled
+    from snugfit.hardware.catalogue import load_local
+
+    local = load_local()
+    if local is not None and not local.compiled:
+        log.info("measuring what a compiled block's kernel launches cost here, once (it compiles a tiny block)")
+        measure_compiled(local)
+
+
 def fixed_constraints(cfg: RunConfig, world_size: int):
     """The parts of the plan the run's [parallel] options fix (the micro-batch from train.micro_batch_size)."""
     from snugfit.plan.options import fixed_parts_of
@@ -178,6 +191,8 @@ def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Pl
     from snugfit.plan.search import NoPlanError, search
 
     t = cfg.train
+    if cfg.train.compile and device.type == "cpu":
+        measure_compiled_once()
     profile = _profile(cfg, 1, device)
     cluster, corrected = with_stored_corrections(cluster, profile)  # what a run measured here, where one did
     if corrected:

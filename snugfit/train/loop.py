@@ -19,6 +19,7 @@ from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import PeerFailed, SnugfitError, Stopped
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.build import build_engine
+from snugfit.runtime.compile import compile_seconds
 from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, release_cached_groups
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.runtime.host_alloc import return_freed_host_memory
@@ -80,7 +81,7 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         )
     return Plan.uniform(
         model_cfg.n_layers, dp=env.world_size, micro_batch_size=micro, num_microbatches=per_rank // micro,
-        seq_len=t.seq_len, compute_dtype=t.dtype, optimizer=optimizer_plan(t),
+        seq_len=t.seq_len, compute_dtype=t.dtype, compile=t.compile, optimizer=optimizer_plan(t),
         grad_reduce="microbatch" if t.optimizer_in_backward else "step",  # the step in backward needs it
     )
 
@@ -110,6 +111,7 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
             f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
             f"{o.master_weights} --optimizer-states {o.states} "
             f"--optimizer-in-backward {str(o.in_backward).lower()}")
+    plan.compile = plan.compile or t.compile  # --compile compiles a plan file's blocks too
     return plan
 
 
@@ -217,8 +219,13 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
             engine.track_memory = log_now  # count saved tensors only on the steps we report
             batch = sampler.next_batch()
             t0 = time.perf_counter()
+            compiling = compile_seconds() if plan.compile else 0.0
             res = probe.train_step(engine, batch, done)
-            window.append(time.perf_counter() - t0)
+            # the blocks compile in the process's first step: said at start-up, and left out of its step time
+            compiling = compile_seconds() - compiling if plan.compile else 0.0
+            window.append(time.perf_counter() - t0 - compiling)
+            if compiling and env.is_main:
+                _say(f"compiled the blocks in {compiling:.1f} s (step {done}; not counted in its step time)", bar)
             probe.after(engine, done)
             result.losses[done] = res.loss
             result.last_step = done
