@@ -20,7 +20,8 @@ from snugfit.model import Decoder
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import OptimConfig
-from snugfit.train.loop import lr_at, resolve_plan, run_dtype
+from snugfit.train.autoplan import run_dtype
+from snugfit.train.loop import lr_at, resolve_plan
 
 
 def plain_step(model, optimizer, batch, lr, clip):

@@ -72,12 +72,20 @@ def launch_device() -> torch.device:
     return torch.device("cpu")
 
 
+def run_dtype(requested: str, device: torch.device) -> tuple[str, str]:
+    """The compute dtype for this launch's device (plan.dtype.choose_dtype; bf16 as torch finds the device)."""
+    from snugfit.plan.dtype import choose_dtype
+
+    if device.type == "cuda":
+        has_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return choose_dtype(requested, torch.cuda.get_device_name(device.index or 0), has_bf16, on_cpu=False)
+    return choose_dtype(requested, device.type, True, on_cpu=device.type == "cpu")
+
+
 def plan_for_launch(cfg: RunConfig, nproc: int, nnodes: int = 1) -> str:
     """`--plan auto` under `snugfit train --nproc N`: the launcher measures this machine (CPU ranks), profiles the
     model, searches and validates the plan once, before any rank starts, so that a plan error is one line and
     starts nothing. Returns the plan as JSON, which the ranks read (runtime.launch hands it to them)."""
-    from snugfit.train.loop import run_dtype
-
     device = launch_device()
     world = nproc * nnodes
     fixed = fixed_constraints(cfg, world)

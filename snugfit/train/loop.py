@@ -24,6 +24,7 @@ from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, rele
 from snugfit.runtime.engine import Engine, OptimConfig
 from snugfit.runtime.host_alloc import return_freed_host_memory
 from snugfit.runtime.launch import die_with_launcher
+from snugfit.train.autoplan import run_dtype, search_plan
 from snugfit.train.calibration import StepProbe
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
@@ -60,7 +61,6 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
     t = cfg.train
     if cfg.parallel.plan == "auto":
         from snugfit.runtime.launch import handed_plan
-        from snugfit.train.autoplan import search_plan
 
         handed = handed_plan()
         if handed is None:  # ranks started by torchrun itself
@@ -113,16 +113,6 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
             f"--optimizer-in-backward {str(o.in_backward).lower()}")
     plan.compile = plan.compile or t.compile  # --compile compiles a plan file's blocks too
     return plan
-
-
-def run_dtype(requested: str, device: torch.device) -> tuple[str, str]:
-    """The compute dtype for this launch's device (plan.dtype.choose_dtype; bf16 as torch finds the device)."""
-    from snugfit.plan.dtype import choose_dtype
-
-    if device.type == "cuda":
-        has_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        return choose_dtype(requested, torch.cuda.get_device_name(device.index or 0), has_bf16, on_cpu=False)
-    return choose_dtype(requested, device.type, True, on_cpu=device.type == "cpu")
 
 
 def train(cfg: RunConfig) -> TrainResult:
