@@ -1,5 +1,6 @@
 """The multi-rank tests' helpers: the process runner (it lives in snugfit.runtime.spawn, which bench/ uses too),
-and finding the processes of a `snugfit train` run, launchers and ranks, by its out dir via /proc."""
+finding the processes of a `snugfit train` run, launchers and ranks, by its out dir via /proc, and checking the
+gradients an engine's update sees against a one-process reference."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from snugfit.runtime.spawn import free_port, run_ranks
 
-__all__ = ["free_port", "rank_pid", "run_pids", "run_ranks"]
+__all__ = ["check_update_gradients", "free_port", "rank_pid", "run_pids", "run_ranks"]
 
 
 def _processes():
@@ -34,3 +35,30 @@ def rank_pid(out: Path, rank: int) -> int | None:
             return pid
     return None
 
+
+
+def check_update_gradients(engine, reference: dict, checked: list, bad: list):
+    """Wrap `engine._update` so that the gradients it sees (final: reduced, on host where offloaded) are compared
+    with this rank's shard of the one-process `reference`; names go to `checked`, mismatches to `bad`. Returns
+    the original update, to put back."""
+    import torch
+
+    from snugfit.model.shards import local_shard
+    from snugfit.runtime.memory import local
+
+    update = engine._update
+
+    def check_grads(loss):
+        pairs = [(n, p, p.grad) for n, p in engine.model.named_parameters() if p.grad is not None]
+        if engine.host is not None:
+            pairs += [(n, p, master.grad) for n, p, master, _ in engine.host.named_masters()]
+        for n, p, g in pairs:
+            checked.append(n)
+            try:
+                torch.testing.assert_close(local(g), local_shard(reference[n], p), rtol=1e-5, atol=1e-6)
+            except AssertionError as err:
+                bad.append(f"{n}: {err}")
+        return update(loss)
+
+    engine._update = check_grads
+    return update

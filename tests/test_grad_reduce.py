@@ -17,15 +17,13 @@ import torch
 
 from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import Decoder, ModelConfig
-from snugfit.model.shards import local_shard
 from snugfit.plan import BlockPlan, Plan
 from snugfit.plan.estimate import estimate
 from snugfit.plan.search import Constraints, search
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import OptimConfig, split_batch
-from snugfit.runtime.memory import local
-from tests.distributed import run_ranks
+from tests.distributed import check_update_gradients, run_ranks
 from tests.test_search import synth
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, vocab_size=64, max_seq_len=16)
@@ -70,19 +68,8 @@ def _run(env: DistEnv, plan: Plan) -> dict:
     ref = _reference(plan, batch)
     torch.manual_seed(0)
     engine = build_engine(Decoder(CFG), plan, OptimConfig(grad_clip=0.0), env)
-    checked, bad, update = [], [], engine._update
-
-    def check_grads(loss):
-        pairs = [(n, p, p.grad) for n, p in engine.model.named_parameters() if p.grad is not None]
-        if engine.host is not None:
-            pairs += [(n, p, master.grad) for n, p, master, _ in engine.host.named_masters()]
-        for n, p, g in pairs:
-            checked.append(n)
-            try:
-                torch.testing.assert_close(local(g), local_shard(ref[n], p), rtol=1e-5, atol=1e-6)
-            except AssertionError as err:
-                bad.append(f"{n}: {err}")
-        return update(loss)
+    checked, bad = [], []
+    check_update_gradients(engine, ref, checked, bad)
 
     real, reduces = param_group.foreach_reduce, []
 
@@ -90,7 +77,6 @@ def _run(env: DistEnv, plan: Plan) -> dict:
         reduces.append(1)
         return real(*args, **kwargs)
 
-    engine._update = check_grads
     param_group.foreach_reduce = counted
     try:
         engine.train_step(batch.chunk(plan.dp)[plan.layout.coords(env.rank)[1]])

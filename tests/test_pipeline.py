@@ -18,11 +18,9 @@ from snugfit.plan import BlockPlan, Plan, PlanError
 from snugfit.plan.schedules import SCHEDULES, programs
 from snugfit.plan.simulate import simulate
 from snugfit.runtime.engine import OptimConfig, split_batch
-from snugfit.runtime.memory import local
-from snugfit.model.shards import local_shard
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.p2p import PipelineError
-from tests.distributed import run_ranks
+from tests.distributed import check_update_gradients, run_ranks
 
 SEQ, MICRO = 16, 4
 KEEP = ["keep"]
@@ -95,21 +93,7 @@ def _run(env, name: str) -> dict:
     torch.manual_seed(0)
     engine = build_engine(Decoder(cfg), plan, OptimConfig(grad_clip=0.0), env)
     checked, bad = [], []
-    update = engine._update
-
-    def check_grads(loss):  # gradients are final (reduced, on host where offloaded) when the update starts
-        pairs = [(n, p, p.grad) for n, p in engine.model.named_parameters() if p.grad is not None]
-        if engine.host is not None:
-            pairs += [(n, p, master.grad) for n, p, master, _ in engine.host.named_masters()]
-        for n, p, g in pairs:
-            checked.append(n)
-            try:
-                torch.testing.assert_close(local(g), local_shard(ref_grads[n], p), rtol=1e-5, atol=1e-6)
-            except AssertionError as err:
-                bad.append(f"{n}: {err}")
-        return update(loss)
-
-    engine._update = check_grads
+    update = check_update_gradients(engine, ref_grads, checked, bad)
     rank_batch = batch.chunk(plan.dp)[env.rank % plan.dp]
     eval_loss = engine.eval_loss(rank_batch)
     result = engine.train_step(rank_batch)
