@@ -34,6 +34,7 @@ BREAKS = [
     _plan(pp=2, schedule="zbv", num_microbatches=2, block=BlockPlan(activations="selective")),
     _plan(pp=2, schedule="zbv", num_microbatches=2, optimizer=OptimizerPlan(in_backward=True)),
     _plan(pp=2, schedule="zbv", num_microbatches=2, grad_reduce="microbatch"),
+    _plan(pp=2, schedule="zbv", num_microbatches=2, compile=True),
     _plan(num_microbatches=2, optimizer=OptimizerPlan(in_backward=True)),
     _plan(compute_dtype="float16", optimizer=OptimizerPlan(in_backward=True)),
 ]

@@ -79,15 +79,17 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
                   and tensor_parallel_problem(prof, t) is None]
 
 
-def grad_reduce_modes(dp: int, m: int, c: Constraints, sched: Schedule, in_backward: bool = False) -> list[str]:
+def grad_reduce_modes(dp: int, m: int, c: Constraints, sched: Schedule, in_backward: bool = False,
+                      compiled: bool = False) -> list[str]:
     """When gradients may be reduced: per microbatch only where it can differ from once a step (accumulation
     over data-parallel ranks, or the step in backward, which needs it where there are several microbatches) and
-    no rule forbids it beside the schedule (plan.rules: a split backward makes gradients in a later weight pass);
-    the same math but for summation order, so searched freely unless fixed."""
+    no rule forbids it beside the schedule (plan.rules: a split backward makes gradients in a later weight pass,
+    and takes no compiled blocks); the same math but for summation order, so searched freely unless fixed."""
     every = (dp > 1 or in_backward) and m > 1
     modes = [c.grad_reduce] if c.grad_reduce else ["step", "microbatch"] if every else ["step"]
     return [g for g in modes
-            if allows(Parts(schedule=sched.name, num_microbatches=m, grad_reduce=g, in_backward=in_backward))]
+            if allows(Parts(schedule=sched.name, num_microbatches=m, grad_reduce=g, in_backward=in_backward,
+                            compile=compiled))]
 
 
 def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
@@ -115,7 +117,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                 if not any(allows_unit(o, tp=tp, schedule=sched.name) for o in block_options(c, dp)):
                     continue  # no option the fixed parts leave runs beside this schedule (plan.rules)
                 out += [Candidate(dp, pp, mbs, m, sched.name, v, tp=tp, grad_reduce=g)
-                        for g in grad_reduce_modes(dp, m, c, sched, in_backward)]
+                        for g in grad_reduce_modes(dp, m, c, sched, in_backward, prof.compiled)]
     return out
 
 

@@ -309,7 +309,7 @@ class Plan:
         """What the rules read of this plan: its plan-wide parts, then each distinct unit's beside them."""
         wide = dict(tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
                     schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound,
-                    compute_dtype=self.compute_dtype, in_backward=self.optimizer.in_backward)
+                    compute_dtype=self.compute_dtype, in_backward=self.optimizer.in_backward, compile=self.compile)
         yield "plan", Parts(**wide)
         units = {}  # each distinct unit once, where it first appears
         for where, u in (("plan.root", replace(self.root, activations="keep")),  # the root pieces keep theirs

@@ -1,8 +1,8 @@
 """The compatibility rules: which parts of a plan cannot go together, each written once, with its fix.
 
 A rule reads named parts of a plan: plan-wide ones (tp, pp, schedule, virtual stages, microbatches, gradient
-reduction, evict bound, compute dtype, the step in backward) and one unit's (ZeRO stage, offloads, activation
-policy, streamed states). `Plan.validate` checks every
+reduction, evict bound, compute dtype, the step in backward, compiled blocks) and one unit's (ZeRO stage,
+offloads, activation policy, streamed states). `Plan.validate` checks every
 unit of a plan against the table, so the planner, `snugfit plan --plan-file` and `snugfit train` refuse a plan
 with the same line. The parts a user fixes for a search (plan.options.Constraints) are checked against the same
 rules wherever every part a rule reads is fixed, and the search offers a unit option only where no rule forbids
@@ -31,6 +31,7 @@ class Parts:
     evict_bound: int | None = None
     compute_dtype: str | None = None
     in_backward: bool | None = None  # each unit steps in backward (plan.OptimizerPlan)
+    compile: bool | None = None  # blocks compiled (Plan.compile)
     zero: int | None = None  # the unit's
     offload_optimizer: bool | None = None
     offload_params: bool | None = None
@@ -96,6 +97,10 @@ RULES: tuple[Rule, ...] = (
     Rule(("schedule", "grad_reduce"), lambda p: _splits(p) and p.grad_reduce == "microbatch",
          lambda p: f"grad_reduce 'microbatch' reduces as each backward makes the gradients, but schedule "
                    f"{p.schedule!r} makes them in a later weight pass; use grad_reduce 'step'"),
+    Rule(("schedule", "compile"), lambda p: _splits(p) and p.compile,
+         lambda p: f"schedule {p.schedule!r} splits each backward into an input and a weight pass, and a compiled "
+                   "block has one backward graph; drop --compile or use a schedule that does not split backward "
+                   f"({', '.join(n for n, s in SCHEDULES.items() if s.pipelined and not s.splits_backward)})"),
     Rule(("in_backward", "num_microbatches", "grad_reduce"),
          lambda p: p.in_backward and p.num_microbatches > 1 and p.grad_reduce == "step",
          lambda p: "the step in backward needs one microbatch per step or gradients reduced every microbatch, but "
