@@ -8,8 +8,13 @@ import torch.distributed as dist
 
 # Runs calibrate themselves by default (train.replan): their corrections go to a file of this test session, never
 # to the user's (where they would correct the plans of the tests after them)
-os.environ.setdefault("SNUGFIT_CORRECTIONS",
-                      os.path.join(tempfile.mkdtemp(prefix="snugfit-tests-"), "corrections.json"))
+_SESSION = tempfile.mkdtemp(prefix="snugfit-tests-")
+os.environ.setdefault("SNUGFIT_CORRECTIONS", os.path.join(_SESSION, "corrections.json"))
+# Every process of the session (the tests, their ranks, CLI runs) compiles into one inductor cache, new with the
+# session as on CI, so an identical graph compiles once; and with no pool of compile workers to start on 2 cores.
+# Set before the ranks' fork server (snugfit.runtime.spawn) starts: inductor reads them when imported.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_SESSION, "inductor"))
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,9 @@ above that and far below what a wrong graph does (a recomputation that dropped a
 partitioner lost, a block run without its adapters moves the loss by 1e-2 and more).
 
 Compiling costs tens of seconds of CPU per distinct graph (gcc builds inductor's kernels), so the plans are few and
-tiny, and the spawns share one inductor cache: the one-rank run compiles each graph once, the 2- and 4-rank runs
-(the same blocks under FSDP2, pipelines and BPipe's hooks) and the CLI run find them in the cache.
+tiny, and the ranks share the session's inductor cache (tests/conftest.py): the one-rank run compiles each graph
+once, the 2- and 4-rank runs (the same blocks under FSDP2, pipelines and BPipe's hooks) and the CLI run find them
+in the cache.
 """
 
 from __future__ import annotations
@@ -34,16 +35,6 @@ pytest.importorskip("torchao")
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=32)
 SEQ, MBS, STEPS = 16, 2, 2
 REL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_inductor_cache(tmp_path_factory):
-    """One inductor cache for this module's processes (the spawned ranks inherit the environment)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-    mp.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pool of compile workers to start on 2 cores
-    yield
-    mp.undo()
 
 
 def plan(world: int, block: BlockPlan, *, pp: int = 1, tp: int = 1, m: int = 2, tune: str = "",
