@@ -4,6 +4,7 @@ import os
 import tempfile
 
 import pytest
+import torch
 import torch.distributed as dist
 
 # Runs calibrate themselves by default (train.replan): their corrections go to a file of this test session, never
@@ -15,6 +16,11 @@ os.environ.setdefault("SNUGFIT_CORRECTIONS", os.path.join(_SESSION, "corrections
 # Set before the ranks' fork server (snugfit.runtime.spawn) starts: inductor reads them when imported.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_SESSION, "inductor"))
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# One thread per process, as the ranks run (run_ranks; torchrun sets OMP_NUM_THREADS=1): the tests' models are too
+# small to split an operator across cores, and on a loaded machine a parallel region waits for a descheduled
+# thread (a 12-step run of tests/test_train's tiny model took 5.5-9.9 s with two threads, 0.8-1.1 s with one)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
