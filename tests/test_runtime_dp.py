@@ -9,6 +9,7 @@ world size is one spawn that checks many plans.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from dataclasses import replace
@@ -54,6 +55,7 @@ def mixed(dp: int) -> Plan:
     ])
 
 
+@functools.cache  # searched when a test asks, not when a rank imports this module to find its function
 def searched(world: int) -> tuple[Plan, int]:
     """The planner's choice for `world` CPU ranks and a global batch of 8 under a per-rank budget of 0.8 x what
     replicated data parallelism needs (so the choice matters), and that budget."""
@@ -64,13 +66,10 @@ def searched(world: int) -> tuple[Plan, int]:
     return search(prof, cluster, global_batch=8, memory_budget=budget, alternatives=0).best, budget
 
 
-SEARCHED = {world: searched(world) for world in (1, 2, 4)}
-
-
 def assert_searched_plan_ran(world: int, per_rank: list) -> None:
     """The chosen plan trains as the reference does, and each rank's tracked peak (device and host: one memory
     on CPU) stays under the budget it was chosen for."""
-    plan, budget = SEARCHED[world]
+    plan, budget = searched(world)
     params = {k: v for _, rank_params, _ in per_rank if rank_params for k, v in rank_params.items()}
     assert_matches(plan, per_rank[0][0], params)  # a pipeline plan's stages each hold their own parameters
     for _, _, peak in per_rank:
@@ -196,7 +195,7 @@ def test_one_rank_plans_match_reference(one_rank):
 
 
 def test_one_rank_searched_plan_runs_under_its_budget(one_rank):
-    assert_searched_plan_ran(1, run_plans(one_rank, [SEARCHED[1][0]]))
+    assert_searched_plan_ran(1, run_plans(one_rank, [searched(1)[0]]))
 
 
 # -- two ranks --
@@ -215,7 +214,7 @@ BF16 = [make_plan(2, BlockPlan(zero=3), compute_dtype="bfloat16"),
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_ranks(run_plans, 2, TWO + BF16 + [SEARCHED[2][0]], str(tmp_path_factory.mktemp("ckpt")))
+    return run_ranks(run_plans, 2, TWO + BF16 + [searched(2)[0]], str(tmp_path_factory.mktemp("ckpt")))
 
 
 @pytest.mark.parametrize("i", range(len(TWO)), ids=["zero0", "zero1", "zero2", "zero3", "offload_params",
@@ -267,7 +266,7 @@ FOUR = [make_plan(4, BlockPlan(zero=3)), make_plan(4, BlockPlan(zero=1)),
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_ranks(run_plans, 4, FOUR + [SEARCHED[4][0]])
+    return run_ranks(run_plans, 4, FOUR + [searched(4)[0]])
 
 
 @pytest.mark.parametrize("i", range(len(FOUR)), ids=["zero3", "zero1", "offload_optim_zero3", "mixed", "dp2_tp2_zero3",
