@@ -14,6 +14,7 @@ in the cache.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -106,6 +107,13 @@ FOUR = [plan(4, BlockPlan(zero=0)), plan(4, BlockPlan(zero=3, activations="selec
         plan(4, BlockPlan(), pp=4, m=4, schedule="bpipe", layers=4)]  # BPipe evicts from pp 4 on
 
 
+@functools.cache
+def profiles():
+    """CFG's profile eager and compiled (two tests read them; the compiled one traces the block)."""
+    return tuple(profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False, compile=compiled)
+                 for compiled in (False, True))
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     return run_ranks(train, 1, ONE)[0]
@@ -126,8 +134,7 @@ def test_profile_predicts_what_a_compiled_block_saves(one_rank):
     it, and it is less than eager's."""
     keep = ONE[0][0]
     keep.compile = True
-    prof = profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False, compile=True)
-    eager = profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False)
+    eager, prof = profiles()
     predicted = estimate(keep, prof, _cpu()).tracked_by_rank[0]["device.activations"]
     assert one_rank[0]["activations"] == pytest.approx(predicted, rel=0.02)
     assert prof.blocks[0].saved_bytes["keep"] < eager.blocks[0].saved_bytes["keep"]
@@ -150,22 +157,26 @@ def _cpu():
 
 
 def test_train_cli_compiled_loss_matches_eager(tmp_path):
-    """`snugfit train --compile` runs and ends where eager training does (within 2%: it is ~1e-6 here)."""
-    args = [sys.executable, "-m", "snugfit", "train", "--steps", "8", "--dim", "32", "--n-layers", "2", "--n-heads",
-            "4", "--max-seq-len", "32", "--seq-len", str(SEQ), "--batch-size", "4", "--micro-batch-size", str(MBS),
-            "--plan", "dp", "--progress", "false", "--plot", "false", "--log-every", "4", "--eval-every", "0"]
-    last = {}
-    for flag in ("", "--compile"):
-        out = tmp_path / (flag or "eager")
-        run = subprocess.run([*args, "--out-dir", str(out), *([flag] if flag else [])], capture_output=True,
-                             text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        last[flag] = next(r["loss"] for r in rows if r.get("kind") == "train" and r["step"] == 8)
-        if flag:
-            assert "compiled the blocks in" in run.stderr + run.stdout
-            assert json.loads((out / "plan.json").read_text())["compile"] is True
-    assert last["--compile"] == pytest.approx(last[""], rel=0.02)
+    """`snugfit train --compile` runs and ends where the same run trained eager does (within 2%: it is ~1e-6 here).
+    The eager run trains in this process: the same loop the CLI runs, without a second process to start."""
+    from snugfit.config import build_config
+    from snugfit.train.loop import train as train_loop
+
+    settings = {"steps": 8, "dim": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "seq_len": SEQ,
+                "batch_size": 4, "micro_batch_size": MBS, "plan": "dp", "progress": False, "plot": False,
+                "log_every": 4, "eval_every": 0}
+    eager = train_loop(build_config(None, {**settings, "compile": False, "out_dir": str(tmp_path / "eager")}))
+    args = [f"--{k.replace('_', '-')}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
+    out = tmp_path / "compiled"
+    run = subprocess.run([sys.executable, "-m", "snugfit", "train", *args, "--out-dir", str(out), "--compile"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "compiled the blocks in" in run.stderr + run.stdout
+    assert json.loads((out / "plan.json").read_text())["compile"] is True
+    assert json.loads((tmp_path / "eager" / "plan.json").read_text())["compile"] is False
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    compiled = next(r["loss"] for r in rows if r.get("kind") == "train" and r["step"] == 8)
+    assert compiled == pytest.approx(eager.losses[8], rel=0.02)
 
 
 def test_speed_bench_smoke(tmp_path):
@@ -188,8 +199,7 @@ def test_time_model_charges_a_compiled_block_its_launches():
     from snugfit.plan.policies import policy
     from snugfit.plan.timing import piece_compute, recompute_time
 
-    eager = profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False).blocks[0]
-    block = profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False, compile=True).blocks[0]
+    eager, block = (prof.blocks[0] for prof in profiles())
     assert block.compiled and not eager.compiled
     assert block.fwd_ops < eager.fwd_ops / 3 and block.fwd_mem_bytes < eager.fwd_mem_bytes / 2
     host_bound = replace(GPUS["H100-SXM"], op_overhead_s=1.0, compiled_launch_s=0.25, sac_overhead_s=1.0)
