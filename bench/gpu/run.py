@@ -73,7 +73,10 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
 # Llama-3.2-1B's shape with a 32k vocabulary: 1.1B parameters
 DEFAULT_MODEL = ModelConfig(arch="llama", vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                             ffn_dim=8192, max_seq_len=2048, rope_theta=500000.0)
-SMOKE_MODEL = ModelConfig(arch="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=256)
+# Every matrix 64 x 64 (vocabulary and feed-forward too): torchao compiles its optimizer's update once per tensor
+# shape (dynamic=False), tens of seconds each on CPU, so one matrix shape and the norms' make the 8-bit and bf16 rows
+# compile two updates each, not five
+SMOKE_MODEL = ModelConfig(arch="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=256)
 
 
 @dataclass
