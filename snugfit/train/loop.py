@@ -111,7 +111,8 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
             f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
             f"{o.master_weights} --optimizer-states {o.states} "
             f"--optimizer-in-backward {str(o.in_backward).lower()}")
-    plan.compile = plan.compile if t.compile is None else t.compile  # --compile true|false overrides a plan file
+    if t.compile is not None:  # --compile true|false overrides a plan file
+        plan.compile = t.compile
     return plan
 
 
@@ -215,7 +216,10 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
             compiling = compile_seconds() - compiling if plan.compile else 0.0
             window.append(time.perf_counter() - t0 - compiling)
             if compiling and env.is_main:
-                _say(f"compiled the blocks in {compiling:.1f} s (step {done}; not counted in its step time)", bar)
+                guess = plan.predicted.compile_s if plan.predicted else 0.0
+                predicted = f", ~{guess:.0f} s predicted" if guess else ""
+                _say(f"compiled the blocks in {compiling:.1f} s (step {done}{predicted}; not counted in its step "
+                     "time)", bar)
             probe.after(engine, done)
             result.losses[done] = res.loss
             result.last_step = done
