@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from snugfit.config import RunConfig, optimizer_plan
