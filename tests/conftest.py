@@ -1,6 +1,9 @@
 """Shared test hygiene."""
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -30,3 +33,31 @@ def no_process_group_left_behind():
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """One uninterrupted `snugfit train --nproc 2` of tests.distributed.REFERENCE_RUN, logging every step: the run
+    test_elastic's restarted runs and test_multinode's two-launcher runs end bit-identical to, trained once for
+    both. Started when first asked for, beside the asking test's own runs; calling the fixture's value waits for
+    it and returns its out dir."""
+    from tests.distributed import REFERENCE_RUN
+
+    out = tmp_path_factory.mktemp("reference_run")
+    log = out.with_name(f"{out.name}.log")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as sink:  # a file never fills up and blocks the run, as an unread pipe would
+        proc = subprocess.Popen([sys.executable, "-m", "snugfit", "train", *REFERENCE_RUN, "--log-every", "1",
+                                 "--nproc", "2", "--out-dir", str(out)], stdout=sink, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+
+    def finished():
+        if proc.returncode is None:
+            proc.wait(timeout=400)
+        assert proc.returncode == 0, log.read_text()[-3000:]
+        return out
+
+    yield finished
+    if proc.poll() is None:  # a failed test left it running: its ranks die with its process group
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -8,7 +8,16 @@ from pathlib import Path
 
 from snugfit.runtime.spawn import free_port, run_ranks
 
-__all__ = ["check_update_gradients", "free_port", "rank_pid", "run_pids", "run_ranks"]
+__all__ = ["REFERENCE_RUN", "REFERENCE_STEPS", "check_update_gradients", "free_port", "rank_pid", "run_pids",
+           "run_ranks"]
+
+# The training of the runs test_elastic kills and restarts and test_multinode splits over two launchers: each ends
+# bit-identical to one uninterrupted `snugfit train --nproc 2` of it (conftest's reference_run, trained once)
+REFERENCE_STEPS = 48
+REFERENCE_RUN = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "--max-seq-len", "16",
+                 "--batch-size", "4", "--steps", str(REFERENCE_STEPS), "--warmup-steps", "2", "--eval-every", "0",
+                 "--checkpoint-every", "8", "--keep-checkpoints", "8", "--progress", "false", "--plot", "false",
+                 "--timeout-s", "30", "--plan", "dp"]
 
 
 def _processes():

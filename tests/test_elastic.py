@@ -13,12 +13,9 @@ import pytest
 import torch
 
 from snugfit.train.export import load_checkpoint_model
-from tests.distributed import rank_pid
+from tests.distributed import REFERENCE_RUN, REFERENCE_STEPS, rank_pid
 
-ARGS = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "--max-seq-len", "16",
-        "--batch-size", "4", "--steps", "48", "--warmup-steps", "2", "--eval-every", "0", "--log-every", "4",
-        "--checkpoint-every", "8", "--keep-checkpoints", "8", "--progress", "false", "--plot", "false",
-        "--nproc", "2", "--max-restarts", "1", "--timeout-s", "30", "--plan", "dp"]
+ARGS = [*REFERENCE_RUN, "--log-every", "4", "--nproc", "2", "--max-restarts", "1"]
 
 
 # Imported by every process of a run whose PYTHONPATH starts with its folder: in the first attempt, each rank's
@@ -45,12 +42,9 @@ def launch(out: Path, pythonpath: Path | None = None) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("ref")
-    run = launch(out)
-    log, _ = run.communicate(timeout=400)
-    assert run.returncode == 0, log
-    return final_weights(out)
+def reference(reference_run) -> dict[str, torch.Tensor]:
+    """The uninterrupted run's final weights (conftest.reference_run: the same training, trained once)."""
+    return final_weights(reference_run())
 
 
 def wait_for(path: Path, run: subprocess.Popen) -> None:
@@ -76,7 +70,7 @@ def kill_rank_and_finish(out: Path, run: subprocess.Popen, reference: dict[str, 
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint_model(out / "checkpoints" / "step_00000048").state_dict()
+    return load_checkpoint_model(out / "checkpoints" / f"step_{REFERENCE_STEPS:08d}").state_dict()
 
 
 def test_kill_one_rank_restarts_and_matches_uninterrupted(tmp_path, reference):

@@ -24,13 +24,10 @@ import torch
 
 from snugfit.train.export import load_checkpoint_model
 from snugfit.train.metrics import read_metrics
-from tests.distributed import free_port, rank_pid, run_pids
+from tests.distributed import REFERENCE_RUN, REFERENCE_STEPS, free_port, rank_pid, run_pids
 
-STEPS = 48
-ARGS = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "--max-seq-len", "16",
-        "--batch-size", "4", "--steps", str(STEPS), "--warmup-steps", "2", "--eval-every", "0", "--log-every", "1",
-        "--checkpoint-every", "8", "--keep-checkpoints", "8", "--progress", "false", "--plot", "false",
-        "--timeout-s", "30", "--plan", "dp"]
+STEPS = REFERENCE_STEPS
+ARGS = [*REFERENCE_RUN, "--log-every", "1"]
 TIMEOUT_S = 8  # the dying-node test's parallel.timeout_s
 
 
@@ -94,20 +91,16 @@ def _parent(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory):
-    """The reference, an uninterrupted one-node 2-rank run: started at once, beside the first test's own
-    launchers; calling the fixture's value waits for it and returns its out dir."""
-    out = tmp_path_factory.mktemp("one_node")
-    proc = _train(out, "--nproc", "2")
-
+def one_node(reference_run):
+    """The reference, an uninterrupted one-node 2-rank run of ARGS' training (conftest.reference_run, which
+    test_elastic shares; started when first asked for, beside the test's own launchers); calling the fixture's
+    value waits for it and returns its out dir."""
     def finished() -> Path:
-        if proc.returncode is None:
-            _finish(proc)
-            assert sorted(_losses(out)) == list(range(1, STEPS + 1))
+        out = reference_run()
+        assert sorted(_losses(out)) == list(range(1, STEPS + 1))
         return out
 
-    yield finished
-    _kill([proc])
+    return finished
 
 
 def test_two_launchers_match_one_node_with_two_ranks(tmp_path, one_node):
