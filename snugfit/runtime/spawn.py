@@ -7,10 +7,10 @@ rank's traceback. The multi-rank tests and the bench/ scripts use it; it lives
 in the package so that a bench script runs without the tests on its path.
 
 The ranks are forked from multiprocessing's fork server, which imported torch
-and the engine's modules once (no CUDA, no thread pool started there): a spawned
-rank spent seconds of CPU importing them, so a 4-rank call cost ~16 s on two
-loaded cores, a forked one ~0.3 s. Each rank takes its caller's environment
-(the fork server has the one it started with).
+and the engine's modules once and does nothing else (no CUDA context, no process
+group, no operator run): a spawned rank spent seconds of CPU importing them, so a
+4-rank call cost ~16 s on two loaded cores, a forked one ~0.3 s. Each rank takes
+its caller's environment (the fork server keeps the one it started with).
 """
 
 from __future__ import annotations
