@@ -232,7 +232,7 @@ def test_interleaved_ranks_put_their_leaner_blocks_on_their_first_chunk():
     """An interleaved rank's first chunk can hold every resident microbatch at once (its forwards run ahead of
     the last chunk's backwards), so the search gives it the fewer blocks and the options that save the least:
     the rank's peak then stays near the count the knapsack assumes."""
-    from snugfit.plan.memory import StagePiece, device_saved
+    from snugfit.plan.piece_memory import StagePiece, device_saved
 
     prof, cluster = synth(26, 2048), parse_cluster("4xA10")
     for budget_gib in (6, 8):  # budgets where the search mixes options

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_tp_time
-from snugfit.plan.memory import RankMemory, StagePiece, device_bytes, host_bytes, host_saved, rank_memory, rank_stages
+from snugfit.plan.memory import RankMemory, device_bytes, host_bytes, rank_memory
+from snugfit.plan.piece_memory import StagePiece, host_saved, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.schedules import partner
 from snugfit.plan.simulate import SimResult, simulate, split_backward

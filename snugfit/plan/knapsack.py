@@ -20,8 +20,9 @@ import numpy as np
 
 from snugfit.hardware.catalogue import GPU
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.memory import (
-    FRAGMENTATION, StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, param_state,
+from snugfit.plan.memory import FRAGMENTATION
+from snugfit.plan.piece_memory import (
+    StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, param_state,
 )
 from snugfit.plan.optimizer import master_bytes
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
@@ -80,7 +81,7 @@ def with_reserve(gpu: GPU, nbytes: float) -> int:
 
 
 def working(p: PieceProfile) -> int:
-    """The piece's own forward/backward peak above what is held (memory.stage_walk, policy 'keep')."""
+    """The piece's own forward/backward peak above what is held (walks.stage_walk, policy 'keep')."""
     keep = p.saved_bytes["keep"]
     return max(p.input_bytes + p.fwd_peak_bytes, keep + p.output_bytes + p.bwd_peak_bytes)
 
@@ -112,9 +113,9 @@ class StageCosts:
     def working_peak(self, blk: PieceProfile, roots: list[PieceProfile], opts: list[BlockPlan],
                      ropts: list[BlockPlan], m: int) -> float:
         """The largest piece's working peak above the held bytes the knapsack counts, a block's with FSDP2's
-        gradient buffers of the backward that syncs (memory.sync_held), at the leanest options. The held bytes
+        gradient buffers of the backward that syncs (walks.sync_held), at the leanest options. The held bytes
         include the piece's own saved activations of the microbatch in flight, which working() counts too
-        (memory.stage_walk counts them once), so they come off, at the piece's leanest option to stay an upper
+        (walks.stage_walk counts them once), so they come off, at the piece's leanest option to stay an upper
         bound. Stepping in backward, the stepping unit's gradient comes on top (`stepping`). Cached: the search
         asks for it per candidate and stage (`opts`/`ropts` are the search's own cached lists, so their identity
         names them)."""
