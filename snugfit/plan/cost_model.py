@@ -17,7 +17,7 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE
-from snugfit.plan.knapsack import INF, StageCosts, buffer_bytes, usable, with_reserve
+from snugfit.plan.knapsack import INF, SharedCosts, StageCosts, buffer_bytes, usable, with_reserve
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.optimizer import state_bytes
 from snugfit.plan.plan import BlockPlan, OptimizerPlan
@@ -56,6 +56,7 @@ class CostModel:
         self._scaled: dict[tuple[int, int], ModelProfile] = {}
         self._costs: dict[tuple, StageCosts] = {}
         self._costs_at: dict[tuple, StageCosts] = {}  # by first rank: the links need not be looked up again
+        self._shared: dict[tuple, SharedCosts] = {}
         self._buffers_of: dict[tuple[int, int], tuple[float, float, float, float]] = {}
         self._options: dict[tuple, list[BlockPlan]] = {}
         self._fastest_of: dict[tuple[int, int], tuple[float, float, float]] = {}
@@ -88,16 +89,18 @@ class CostModel:
         # is named by all its fields (one across nodes has the bandwidth and node count of the group it serves)
         dp_link = astuple(self.cluster.link_for(list(range(first, first + cand.dp * cand.tp, cand.tp))))
         tp_link = astuple(self.cluster.link_for(list(range(first, first + cand.tp))))
-        key = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp,
-               cand.micro_batch_size, busy, gathers, cand.grad_reduce, replays, rdtype)
+        alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp,
+                 cand.micro_batch_size, busy, gathers, rdtype)  # the stage's costs share their parts (SharedCosts)
+        key = alike + (cand.grad_reduce, replays)
         if key not in self._costs:
             prof = self.profile_at(cand)
             tensor = None
             if cand.tp > 1:
                 tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))),
                                         prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
+            shared = self._shared.setdefault(alike, SharedCosts())
             self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, rdtype, busy, tensor,
-                                          gathers, cand.grad_reduce, replays, self.optimizer)
+                                          gathers, cand.grad_reduce, replays, self.optimizer, shared)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
 

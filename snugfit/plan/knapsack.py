@@ -14,7 +14,7 @@ Pure: no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -86,12 +86,44 @@ def working(p: PieceProfile) -> int:
     return max(p.input_bytes + p.fwd_peak_bytes, keep + p.output_bytes + p.bwd_peak_bytes)
 
 
+@dataclass
+class _Parts:
+    """What a piece's Cost is made of before when gradients are reduced and whether the backward is split (the
+    two things StageCosts differ in that share a `SharedCosts`) are applied."""
+
+    static: int
+    grads: int  # unsharded, accumulating
+    reduced: int  # the reduced shard
+    act: int
+    t_mb: float
+    host: int
+    host_act: int
+    at_root: int
+    opt_dev: float
+    opt_host: float
+    reduce: float  # one reduction's exposed seconds
+    recompute: float  # one microbatch's (a split backward's W recomputes again)
+    split_host: float
+    update: float
+
+
+@dataclass
+class SharedCosts:
+    """Cost parts and piece_compute's results shared by the StageCosts of one kind of rank that differ only in
+    grad_reduce and replays: the search prices every candidate in both reduction modes and with and without a
+    split backward, and those change only how the parts add up (`StageCosts._cost`)."""
+
+    parts: dict[tuple, _Parts] = field(default_factory=dict)
+    computed: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+
+
 class StageCosts:
     """Option costs on one kind of rank (its node's GPU, dp, micro-batch), cached per piece and option."""
 
     def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str,
                  busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1,
-                 grad_reduce: str = "step", replays: int = 1, optimizer: OptimizerPlan | None = None):
+                 grad_reduce: str = "step", replays: int = 1, optimizer: OptimizerPlan | None = None,
+                 shared: SharedCosts | None = None):
         self.node = cluster.nodes[cluster.node_of(rank)]
         self.gpu = self.node.gpu
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
@@ -108,7 +140,7 @@ class StageCosts:
         self.unwrapped = cluster.world_size == 1 and self.stub.optimizer.master_weights == "fp32"
         self._cache: dict[tuple, Cost] = {}
         self._walks: dict[tuple, float] = {}  # working_peak's
-        self._computed: dict[tuple, tuple[float, float]] = {}  # piece_compute's, the same for every option
+        self.shared = shared or SharedCosts()  # with the StageCosts alike but for grad_reduce and replays
 
     def working_peak(self, blk: PieceProfile, roots: list[PieceProfile], opts: list[BlockPlan],
                      ropts: list[BlockPlan], m: int) -> float:
@@ -168,7 +200,7 @@ class StageCosts:
         key = (p.name, o.zero, o.offload_optimizer, o.offload_params, o.activations, o.stream_states)
         found = self._cache.get(key)
         if found is None:
-            found = self._cache[key] = self._cost((p,), o)
+            found = self._cache[key] = self._cost(key, (p,), o)
         return found
 
     def root(self, pieces: list[PieceProfile], o: BlockPlan) -> Cost:
@@ -176,10 +208,27 @@ class StageCosts:
         key = ("+".join(p.name for p in pieces), o.zero, o.offload_optimizer, o.offload_params, o.activations,
                o.stream_states)
         if key not in self._cache:
-            self._cache[key] = self._cost(tuple(pieces), o)
+            self._cache[key] = self._cost(key, tuple(pieces), o)
         return self._cache[key]
 
-    def _cost(self, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> Cost:
+    def _cost(self, key: tuple, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> Cost:
+        """The pieces under option o (`key` names both), from their parts (`SharedCosts`)."""
+        parts = self.shared.parts.get(key)
+        if parts is None:
+            parts = self.shared.parts[key] = self._parts(pieces, o)
+        grads, reduced, t_mb, reduce = parts.grads, parts.reduced, parts.t_mb, parts.reduce
+        if self.grad_reduce == "microbatch":  # each backward reduces what it made: only the shard accumulates
+            grads = reduced
+        if self.stub.optimizer.in_backward:  # each unit steps once reduced and frees its gradient
+            reduced = 0
+        if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
+            t_mb, reduce = t_mb + reduce, 0.0
+        if self.replays > 1:  # a split backward's W recomputes again (simulate.split_backward), and its host work
+            t_mb += parts.recompute + parts.split_host
+        t_step = parts.opt_dev + parts.opt_host + reduce + parts.update
+        return Cost(parts.static, grads, reduced, parts.act, t_mb, t_step, parts.host, parts.host_act, parts.at_root)
+
+    def _parts(self, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> _Parts:
         sps = [StagePiece(p, o, p.num_params) for p in pieces]
         block = sps[0].is_block
         static = reduced = grads = host_bytes = act = host_act = at_root = 0
@@ -195,14 +244,10 @@ class StageCosts:
             host_bytes += sum(host.values())
             act += device_saved(sp)
             host_act += host_saved(sp)
-        if self.grad_reduce == "microbatch":  # each backward reduces what it made: only the shard accumulates
-            grads = reduced
-        if self.stub.optimizer.in_backward:  # each unit steps once reduced and frees its gradient
-            reduced = 0
         unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone process, nothing sharded
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
-                  computed=self._computed, gathers=self.gathers)
+                  computed=self.shared.computed, gathers=self.gathers)
         one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
         # what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
         # costs the same wherever it is, and the root's per-unit costs count once for its pieces
@@ -224,12 +269,8 @@ class StageCosts:
         reduce = corrected("dp_comm_exposed", reduce, self.node)
         opt_dev = corrected("optimizer", opt_dev, self.node)
         opt_host = corrected("offload_exposed", opt_host, self.node)
-        if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
-            t_mb, reduce = t_mb + reduce, 0.0
-        if self.replays > 1:  # a split backward's W recomputes again (simulate.split_backward), and its host work
-            t_mb += one.recompute + one.split_host
-        return Cost(static, grads, reduced, act, t_mb, opt_dev + opt_host + reduce + one.update, host_bytes, host_act,
-                    at_root)
+        return _Parts(static, grads, reduced, act, t_mb, host_bytes, host_act, at_root, opt_dev, opt_host, reduce,
+                      one.recompute, one.split_host, one.update)
 
 
 def pareto(items: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
