@@ -17,7 +17,7 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE
-from snugfit.plan.knapsack import INF, SharedCosts, StageCosts, buffer_bytes, usable, with_reserve
+from snugfit.plan.knapsack import INF, SharedCosts, StageCosts, Table, buffer_bytes, usable, with_reserve
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.optimizer import state_bytes
 from snugfit.plan.plan import BlockPlan, OptimizerPlan
@@ -57,6 +57,7 @@ class CostModel:
         self._costs: dict[tuple, StageCosts] = {}
         self._costs_at: dict[tuple, StageCosts] = {}  # by first rank: the links need not be looked up again
         self._shared: dict[tuple, SharedCosts] = {}
+        self.tables: dict[tuple, Table] = {}  # knapsack tables by their inputs (solve._table)
         self._buffers_of: dict[tuple[int, int], tuple[float, float, float, float]] = {}
         self._options: dict[tuple, list[BlockPlan]] = {}
         self._fastest_of: dict[tuple[int, int], tuple[float, float, float]] = {}
