@@ -57,6 +57,8 @@ class CostModel:
         self._costs: dict[tuple, StageCosts] = {}
         self._costs_at: dict[tuple, StageCosts] = {}  # by first rank: the links need not be looked up again
         self._shared: dict[tuple, SharedCosts] = {}
+        self._costs_of: dict[tuple, StageCosts] = {}  # by candidate key and stage
+        self._views: dict[tuple, StageView] = {}  # the same
         self.tables: dict[tuple, Table] = {}  # knapsack tables by their inputs (solve._table)
         self._buffers_of: dict[tuple[int, int], tuple[float, float, float, float]] = {}
         self._options: dict[tuple, list[BlockPlan]] = {}
@@ -74,6 +76,14 @@ class CostModel:
         return self._scaled[key]
 
     def costs(self, cand: Candidate, s: int) -> StageCosts:
+        """Stage s's option costs (cached by the candidate's key and the stage)."""
+        at = (cand.key, s)
+        found = self._costs_of.get(at)
+        if found is None:
+            found = self._costs_of[at] = self._stage_costs(cand, s)
+        return found
+
+    def _stage_costs(self, cand: Candidate, s: int) -> StageCosts:
         first = cand.first_rank(s)
         node = self.cluster.nodes[self.cluster.node_of(first)]
         busy = 1.0
@@ -116,7 +126,14 @@ class CostModel:
         return self.reduce_dtype
 
     def stage(self, cand: Candidate, s: int) -> StageView:
-        """Pipeline stage s of the candidate, priced."""
+        """Pipeline stage s of the candidate, priced (cached by the candidate's key and the stage)."""
+        at = (cand.key, s)
+        found = self._views.get(at)
+        if found is None:
+            found = self._views[at] = self._stage(cand, s)
+        return found
+
+    def _stage(self, cand: Candidate, s: int) -> StageView:
         prof, on = self.profile_at(cand), SCHEDULES[cand.schedule].rank_of
         last = cand.pp * cand.virtual_stages - 1  # the embedding sits on the first stage's rank, the head on the last's
         roots = ([prof.embed] if on(0, cand.pp) == s else []) + ([prof.head] if on(last, cand.pp) == s else [])

@@ -33,7 +33,7 @@ def solve(model: CostModel, cand: Candidate, slack: float = 0.0, fine: bool = Fa
     pp, n = cand.pp, model.n_blocks
     n_max = n if pp == 1 else min(n - (pp - 1) * cand.virtual_stages, math.ceil(3 * n / pp) + 1)
     buckets = fine_resolution(n_max) if fine else BUCKETS
-    if sum(model.room(cand, s, slack) for s in range(pp)) < n:
+    if not _room_for(model, cand, slack, n):
         return None
     tables, opts_of, ropts_of = [], [], []
     for s in range(pp):
@@ -60,6 +60,16 @@ def solve(model: CostModel, cand: Candidate, slack: float = 0.0, fine: bool = Fa
     score = max(t.best[k] for t, k in zip(tables, sizes)) + cand.num_microbatches * pipe + bubble
     return Solution(layout(model, cand, [t.choices(k) for t, k in zip(tables, sizes)], sizes, opts_of, ropts_of),
                     score)
+
+
+def _room_for(model: CostModel, cand: Candidate, slack: float, n: int) -> bool:
+    """Whether the stages could hold n blocks at all (CostModel.room), summed until they could."""
+    total = 0
+    for s in range(cand.pp):
+        total += model.room(cand, s, slack)
+        if total >= n:
+            return True
+    return False
 
 
 def _table(model: CostModel, root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root_kinds: list[int], *,
