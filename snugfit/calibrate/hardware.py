@@ -8,6 +8,7 @@ datasheet hardware alike. Kept short (about 10-20 s on 2 cores).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -113,10 +114,11 @@ def dispatch_costs(device: str, sync) -> tuple[float, float]:
             max(0.0, step["selective"] - step["recompute"]) / passes)
 
 
-def compiled_launch_cost(device: str, sync) -> float:
-    """Host seconds per kernel a compiled block launches (GPU.compiled_launch_s): a tiny block compiled as the runtime
-    compiles it (runtime.compile), its kernels taking next to nothing, its forward and backward over the launches
-    the profile counts for it (profile.compiled). The first call compiles (seconds to a minute on a CPU)."""
+def compiled_block_costs(device: str, sync) -> tuple[float, float]:
+    """Host seconds per kernel a compiled block launches (GPU.compiled_launch_s) and per kernel torch.compile
+    generates for it (GPU.compile_kernel_s): a tiny block compiled as the runtime compiles it (runtime.compile), its
+    kernels taking next to nothing, its forward and backward over the launches the profile counts for it
+    (profile.compiled). Its first call compiles (seconds to a minute on a CPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from snugfit.model.decoder import Block, ModelConfig, rope_table
@@ -134,8 +136,11 @@ def compiled_launch_cost(device: str, sync) -> float:
     def run():
         block(x, rope).sum().backward()
         sync()
+    start = time.perf_counter()
     run()  # compiles
-    return best_time(run, 20) / (fwd.launches + bwd.launches)
+    compiling = time.perf_counter() - start
+    launches = fwd.launches + bwd.launches
+    return best_time(run, 20) / launches, compiling / launches
 
 
 def host_step_params_per_s(n: int = 16_000_000, tensors: int = 16, staged: torch.dtype | None = None) -> float:
@@ -210,7 +215,7 @@ def measure_compiled(local: LocalHardware, out: str | Path | None = None) -> Loc
     blocks are planned, since it compiles."""
     dev = "cpu" if local.device.name == "cpu" else torch.accelerator.current_accelerator().type
     sync = torch.accelerator.synchronize if dev != "cpu" else lambda: None
-    local.device.compiled_launch_s = compiled_launch_cost(dev, sync)
+    local.device.compiled_launch_s, local.device.compile_kernel_s = compiled_block_costs(dev, sync)
     local.compiled = True
     local.save(out or hardware_cache_path())
     return local

@@ -310,6 +310,14 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str
         mfu=flops / (step * peak_rate) if step and peak_rate else 0.0,
         fits=fits, memory_budget_bytes=budget, notes=notes,
         startup_bytes={"device": start_device, "host": start_host}, host_memory=host,
+        compile_s=compile_seconds(plan, prof, cluster) if plan.compile else 0.0,
     )
     plan.predicted = pred
     return pred
+
+
+def compile_seconds(plan: Plan, profile: ModelProfile, cluster: Cluster) -> float:
+    """Seconds the first step spends compiling: torch.compile builds one graph per distinct block (blocks alike in
+    shape and activation policy reuse it), each kernel it generates at GPU.compile_kernel_s."""
+    graphs = {(b.fwd_ops, b.bwd_ops, plan.blocks[i].activations) for i, b in enumerate(profile.blocks)}
+    return sum(fwd + bwd for fwd, bwd, _ in graphs) * cluster.gpu_of(0).compile_kernel_s

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from snugfit.config import RunConfig, optimizer_plan
@@ -82,7 +81,7 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         )
     return Plan.uniform(
         model_cfg.n_layers, dp=env.world_size, micro_batch_size=micro, num_microbatches=per_rank // micro,
-        seq_len=t.seq_len, compute_dtype=t.dtype, compile=t.compile, optimizer=optimizer_plan(t),
+        seq_len=t.seq_len, compute_dtype=t.dtype, compile=bool(t.compile), optimizer=optimizer_plan(t),
         grad_reduce="microbatch" if t.optimizer_in_backward else "step",  # the step in backward needs it
     )
 
@@ -112,7 +111,8 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
             f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
             f"{o.master_weights} --optimizer-states {o.states} "
             f"--optimizer-in-backward {str(o.in_backward).lower()}")
-    plan.compile = plan.compile or t.compile  # --compile compiles a plan file's blocks too
+    if t.compile is not None:  # --compile true|false overrides a plan file
+        plan.compile = t.compile
     return plan
 
 
@@ -216,7 +216,10 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
             compiling = compile_seconds() - compiling if plan.compile else 0.0
             window.append(time.perf_counter() - t0 - compiling)
             if compiling and env.is_main:
-                _say(f"compiled the blocks in {compiling:.1f} s (step {done}; not counted in its step time)", bar)
+                guess = plan.predicted.compile_s if plan.predicted else 0.0
+                predicted = f", ~{guess:.0f} s predicted" if guess else ""
+                _say(f"compiled the blocks in {compiling:.1f} s (step {done}{predicted}; not counted in its step "
+                     "time)", bar)
             probe.after(engine, done)
             result.losses[done] = res.loss
             result.last_step = done
