@@ -9,7 +9,8 @@ import pytest
 from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate
 from snugfit.plan.explain import advise, explain_bpipe, format_result
-from snugfit.plan.knapsack import BUCKETS, Cost, fine_resolution, knapsack, split
+from snugfit.plan.knapsack import BUCKETS, fine_resolution, knapsack, split
+from snugfit.plan.stage_costs import Cost
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.cost_model import CostModel
 from snugfit.plan.search import SPLIT_MARGIN, Constraints, NoPlanError, budget_for, search

@@ -1,7 +1,7 @@
 """The search's cost model: what a candidate's stages could hold and how fast, before any plan exists.
 
 Per candidate (candidates.py) and pipeline stage: the options the fixed parts leave and no rule forbids
-(plan.rules), their costs under knapsack.StageCosts (shared by candidates whose stages are alike: same kind of
+(plan.rules), their costs under stage_costs.StageCosts (shared by candidates whose stages are alike: same kind of
 node, links, degrees, micro-batch), the microbatches the stage holds (from its schedule's program), and from
 those a lower bound on the step, the least memory the candidate needs, and the most blocks a stage could hold.
 solve.py turns them into a plan; search.py drives. Blocks are assumed alike (decoder stacks): every block is
@@ -17,13 +17,14 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE
-from snugfit.plan.knapsack import INF, SharedCosts, StageCosts, Table, buffer_bytes, usable, with_reserve
+from snugfit.plan.knapsack import INF, Table, buffer_bytes
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.optimizer import state_bytes
 from snugfit.plan.plan import BlockPlan, OptimizerPlan
 from snugfit.plan.rules import allows_unit
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, unit_run
+from snugfit.plan.stage_costs import SharedCosts, StageCosts, usable, with_reserve
 from snugfit.plan.timing import TensorParallel, gather_every, weight_share
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 

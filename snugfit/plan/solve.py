@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 from snugfit.plan.candidates import Candidate
 from snugfit.plan.cost_model import CostModel
 from snugfit.plan.cpu_ranks import cpu_stage_time
-from snugfit.plan.knapsack import BUCKETS, Cost, Table, buffer_bytes, fine_resolution, knapsack, split, usable
+from snugfit.plan.knapsack import BUCKETS, Table, buffer_bytes, fine_resolution, knapsack, split
 from snugfit.plan.options import buffer_kinds
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.schedules import SCHEDULES
+from snugfit.plan.stage_costs import Cost, usable
 
 
 @dataclass
