@@ -29,6 +29,15 @@ from snugfit.plan.timing import TensorParallel, gather_every, weight_share
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
 
+def _per_stage(cache: dict, cand: Candidate, s: int, make):
+    """cache[(cand.key, s)], made by make(cand, s) the first time."""
+    at = (cand.key, s)
+    found = cache.get(at)
+    if found is None:
+        found = cache[at] = make(cand, s)
+    return found
+
+
 @dataclass(frozen=True)
 class StageView:
     """One pipeline stage of a candidate as the search prices it."""
@@ -78,11 +87,7 @@ class CostModel:
 
     def costs(self, cand: Candidate, s: int) -> StageCosts:
         """Stage s's option costs (cached by the candidate's key and the stage)."""
-        at = (cand.key, s)
-        found = self._costs_of.get(at)
-        if found is None:
-            found = self._costs_of[at] = self._stage_costs(cand, s)
-        return found
+        return _per_stage(self._costs_of, cand, s, self._stage_costs)
 
     def _stage_costs(self, cand: Candidate, s: int) -> StageCosts:
         first = cand.first_rank(s)
@@ -128,11 +133,7 @@ class CostModel:
 
     def stage(self, cand: Candidate, s: int) -> StageView:
         """Pipeline stage s of the candidate, priced (cached by the candidate's key and the stage)."""
-        at = (cand.key, s)
-        found = self._views.get(at)
-        if found is None:
-            found = self._views[at] = self._stage(cand, s)
-        return found
+        return _per_stage(self._views, cand, s, self._stage)
 
     def _stage(self, cand: Candidate, s: int) -> StageView:
         prof, on = self.profile_at(cand), SCHEDULES[cand.schedule].rank_of
