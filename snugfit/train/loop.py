@@ -20,9 +20,10 @@ from snugfit.plan import Plan, PlanError
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.compile import compile_seconds
 from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, release_cached_groups
-from snugfit.runtime.engine import Engine, OptimConfig
+from snugfit.runtime.engine import Engine
 from snugfit.runtime.host_alloc import return_freed_host_memory
 from snugfit.runtime.launch import die_with_launcher
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.train.autoplan import run_dtype, search_plan
 from snugfit.train.calibration import StepProbe
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
