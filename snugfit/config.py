@@ -58,7 +58,9 @@ class TrainConfig:
     optimizer_in_backward: bool = False  # each unit steps as soon as its gradient is reduced; clipped per unit
     max_bad_steps: int = 5  # non-finite loss or gradient this many steps in a row stops the run
     dtype: str = "auto"  # auto: bf16 on GPUs with it, else fp16 (loss scaling), fp32 on CPU | float32 | bfloat16 | float16
-    compile: bool = False  # compile each block (torch.compile): faster steps after a slower first one (README)
+    # compile each block (torch.compile): faster steps after a slower first one (README). unset: the search weighs it
+    # on GPUs (taken where the run's steps repay the compilation); CPU ranks run eager unless it is set
+    compile: bool | None = None
     seed: int = 0
     eval_every: int = 100  # steps between validation losses; 0: only at start and end
     eval_batches: int = 4

@@ -347,7 +347,7 @@ def test_the_search_refuses_only_what_the_estimate_refuses(name, tmp_path):
     from snugfit.commands.plan import Target
     from snugfit.model.catalogue import resolve_model
 
-    prof = Target(resolve_model(name), name, 8, "", "none", str(tmp_path), kernels="gpu").profile(1, 2048, "bfloat16")
+    prof = Target(resolve_model(name), name, 8, "", "none", str(tmp_path), kernels="gpu").profile(1, 2048, "bfloat16", False)
     cluster = parse_cluster("2xRTX4090")
     model = CostModel(prof, cluster, 2, Constraints(), budget_for(cluster, None))
     least = min(max(p.peak_memory_bytes, p.startup_bytes["device"])
@@ -364,3 +364,16 @@ def test_needs_and_has_are_printed_apart():
     assert gib_apart(24.04 * 2**30, 24 * 2**30) == ("24.04", "24.00")
     assert gib_apart(24.0004 * 2**30, 24 * 2**30) == ("24.000", "24.000")  # no finer than 3 decimals
     assert gib_apart(30 * 2**30, 24 * 2**30) == ("30.0", "24.0")
+
+
+def test_a_sharded_root_on_one_gpu_costs_its_fsdp2_overhead():
+    """On one GPU a plain root runs unwrapped and a ZeRO-3 one under FSDP2: the knapsack prices the root whole, so
+    the sharded one costs its unit's host overhead (differenced like a block's, it cost what a plain root did and
+    float noise chose between them: a tiny model's compiled plan took the sharded root at 14x the step)."""
+    prof = synth(2, 256, seq=64, vocab=512)
+    model = CostModel(prof, parse_cluster("1xH100-80GB"), 1, Constraints(), 80 * GiB, "float32", None)
+    view = model.stage(model.candidates()[0], 0)
+    plain, sharded = (view.costs.root(view.roots, BlockPlan(zero=z)) for z in (0, 3))
+    gpu = parse_cluster("1xH100-80GB").gpu_of(0)
+    assert sharded.t_mb >= plain.t_mb + 0.9 * gpu.unit_overhead_s
+    assert search(prof, parse_cluster("1xH100-80GB"), global_batch=1).best.root.zero == 0

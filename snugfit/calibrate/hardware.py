@@ -169,10 +169,11 @@ def step_efficiencies(matmul_flops_per_s: float, copy_bytes_per_s: float, repeat
     return (work["gemm"] / best["gemm"] / matmul_flops_per_s, work["memory"] / best["memory"] / copy_bytes_per_s)
 
 
-def compiled_launch_cost(device: str, sync) -> float:
-    """Host seconds per kernel a compiled block launches (GPU.compiled_launch_s): a tiny block compiled as the runtime
-    compiles it (runtime.compile), its kernels taking next to nothing, its forward and backward over the launches
-    the profile counts for it (profile.compiled). The first call compiles (seconds to a minute on a CPU)."""
+def compiled_block_costs(device: str, sync) -> tuple[float, float]:
+    """Host seconds per kernel a compiled block launches (GPU.compiled_launch_s) and per kernel torch.compile
+    generates for it (GPU.compile_kernel_s): a tiny block compiled as the runtime compiles it (runtime.compile), its
+    kernels taking next to nothing, its forward and backward over the launches the profile counts for it
+    (profile.compiled). Its first call compiles (seconds to a minute on a CPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from snugfit.model.decoder import Block, ModelConfig, rope_table
@@ -190,8 +191,11 @@ def compiled_launch_cost(device: str, sync) -> float:
     def run():
         block(x, rope).sum().backward()
         sync()
+    start = time.perf_counter()
     run()  # compiles
-    return best_time(run, 20) / (fwd.launches + bwd.launches)
+    compiling = time.perf_counter() - start
+    launches = fwd.launches + bwd.launches
+    return best_time(run, 20) / launches, compiling / launches
 
 
 def host_step_params_per_s(n: int = 16_000_000, tensors: int = 16, staged: torch.dtype | None = None) -> float:
@@ -266,7 +270,7 @@ def measure_compiled(local: LocalHardware, out: str | Path | None = None) -> Loc
     blocks are planned, since it compiles."""
     dev = "cpu" if local.device.name == "cpu" else torch.accelerator.current_accelerator().type
     sync = torch.accelerator.synchronize if dev != "cpu" else lambda: None
-    local.device.compiled_launch_s = compiled_launch_cost(dev, sync)
+    local.device.compiled_launch_s, local.device.compile_kernel_s = compiled_block_costs(dev, sync)
     local.compiled = True
     local.save(out or hardware_cache_path())
     return local

@@ -24,6 +24,7 @@ from snugfit.calibrate.corrections import with_stored_corrections
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
+from snugfit.plan.compile_choice import search_compiled_or_eager
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import dtype_for_cluster
 from snugfit.plan.explain import (
@@ -33,7 +34,7 @@ from snugfit.plan.options import Constraints, fixed_parts_of, refuse_fixed_parts
 from snugfit.plan.optimizer import describe as describe_optimizer
 from snugfit.plan.plan import DTYPES, BlockPlan, OptimizerPlan, Plan, PlanError, Prediction
 from snugfit.plan.policies import ACTIVATION_POLICIES
-from snugfit.plan.search import NoPlanError, search
+from snugfit.plan.search import NoPlanError
 from snugfit.profile.types import ModelProfile
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
@@ -116,11 +117,10 @@ class Target:
     cache_dir: str | None = None
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
     lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
-    compile: bool = False  # train.compile: blocks as torch.compile runs them (profile.compiled)
 
-    def profile(self, micro_batch: int, seq: int, dtype: str, compile: bool | None = None) -> ModelProfile:
+    def profile(self, micro_batch: int, seq: int, dtype: str, compile: bool) -> ModelProfile:
         """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches),
-        compiled as `compile` (default: the target's) says."""
+        its blocks eager or as torch.compile runs them (profile.compiled)."""
         from snugfit.profile.profile import profile_model
 
         if isinstance(self.model, ModelConfig) and self.model.max_seq_len < seq:
@@ -129,7 +129,7 @@ class Target:
                              cache_dir=self.cache_dir, lora_rank=self.lora_rank or None,
                              lora_targets=self.lora_targets, frozen=self.frozen or None,
                              quantize_base=self.quantize_base, kernels=self.kernels,
-                             compile=self.compile if compile is None else compile)
+                             compile=compile)
 
 
 def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
@@ -196,8 +196,7 @@ def run(args: argparse.Namespace) -> int:
     named = cfg.model.name
     model = resolve_model(named) if named else cfg.model
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
-                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets,
-                    compile=t.compile)
+                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets)
     cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
     target.kernels = "cpu" if all(n.gpu.name == "cpu" for n in cluster.nodes) else "gpu"
     if args.host_ram:
@@ -207,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if par.plan not in ("auto", "dp"):
         plan = _read_plan(par.plan)
+        plan.compile = plan.compile if t.compile is None else t.compile  # as train runs a plan file
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, [])
         return 0
     notes = [f"dtype {dtype}: {why}"]
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_from_options(replace(par, micro_batch=micro), seq=seq, global_batch=gb, dtype=dtype,
                                  reduce_dtype=args.reduce_dtype, n_blocks=n_blocks, world_size=cluster.world_size,
                                  optimizer=optimizer_plan(t))
-        plan.compile = t.compile
+        plan.compile = bool(t.compile)  # a plan given whole is not searched: eager unless --compile
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
     if par.plan == "dp":  # plain data parallelism, as `snugfit train --plan dp` runs it; the micro-batch searched
@@ -233,18 +233,19 @@ def run(args: argparse.Namespace) -> int:
     if gb is None:
         dp = c.dp or cluster.world_size // (c.pp or 1)
         gb = (micro or 1) * (c.num_microbatches or 1) * (dp if c.num_microbatches else cluster.world_size)
-    prof = target.profile(micro or 1, seq, dtype)
-    cluster, corrected = with_stored_corrections(cluster, prof)  # what a run measured here, where one did
-    notes += [corrected] if corrected else []
+    cluster, corrected = with_stored_corrections(cluster, target.profile(micro or 1, seq, dtype, False))  # what
+    notes += [corrected] if corrected else []  # a run measured here, where one did
     try:
-        res = search(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget,
-                     reduce_dtype=args.reduce_dtype, alternatives=args.alternatives, compare_bpipe=args.explain_bpipe,
-                     optimizer=optimizer_plan(t))
+        chosen = search_compiled_or_eager(lambda compiled: target.profile(micro or 1, seq, dtype, compiled), cluster,
+                                          compile=t.compile if par.plan == "auto" else bool(t.compile), steps=t.steps, global_batch=gb, constraints=c,
+                                          memory_budget=budget, reduce_dtype=args.reduce_dtype,
+                                          alternatives=args.alternatives, compare_bpipe=args.explain_bpipe,
+                                          optimizer=optimizer_plan(t))
     except NoPlanError as e:
         if not e.result.candidates:
             raise SnugfitError(str(e)) from None
-        advice = advise(prof, cluster, global_batch=gb, constraints=c, memory_budget=budget, result=e.result,
-                        optimizer=optimizer_plan(t))
+        advice = advise(target.profile(micro or 1, seq, dtype, bool(t.compile)), cluster, global_batch=gb,
+                        constraints=c, memory_budget=budget, result=e.result, optimizer=optimizer_plan(t))
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "advice": advice,
                               "rejected": [vars(r) for r in e.result.rejected]}, indent=2))
@@ -254,8 +255,8 @@ def run(args: argparse.Namespace) -> int:
             lines += ["smallest changes that fit:"] + [f"  {a}" for a in advice]
             print("\n".join(lines))
         return 2
-    if t.compile:
-        notes.append(compile_note(res.best, prof, target, cluster, gb, c, budget, args.reduce_dtype))
+    res, prof = chosen.result, chosen.profile
+    notes += [chosen.note] if chosen.note else []
     if args.json:
         print(res.best.to_json())
     else:
@@ -265,22 +266,6 @@ def run(args: argparse.Namespace) -> int:
             print(explain_bpipe(res))
     _draw(args, res.best, target, cluster, budget)
     return 0
-
-
-def compile_note(best: Plan, prof: ModelProfile, target: Target, cluster: Cluster, global_batch: int, c,
-                 budget: int | None, reduce_dtype: str) -> str:
-    """What compiling buys: the compiled plan's predicted speed against the best eager plan's, searched alike."""
-    if not prof.compiled:
-        return "compile: the blocks could not be traced as torch.compile runs them; they run eager"
-    eager = target.profile(prof.micro_batch_size, prof.seq_len, prof.dtype, compile=False)
-    try:
-        other = search(eager, cluster, global_batch=global_batch, constraints=c, memory_budget=budget,
-                       reduce_dtype=reduce_dtype, alternatives=0).best
-    except NoPlanError:
-        return "compile: only compiled blocks fit (no eager plan does)"
-    fast, slow = best.predicted.tokens_per_s, other.predicted.tokens_per_s
-    return (f"compile: {fast:,.0f} tokens/s predicted against {slow:,.0f} for the best eager plan "
-            f"({fast / slow - 1:+.0%}); the first step compiles the blocks")
 
 
 def _report(args: argparse.Namespace, plan: Plan, pred: Prediction, target: Target, cluster: Cluster,

@@ -57,6 +57,11 @@ class GPU:
     # estimate, not yet measured on a GPU: inductor's generated code calls each Triton or library kernel from
     # Python, a few microseconds each, where eager dispatches each operator through autograd for ~10 us
     compiled_launch_s: float = 4e-6
+    # Host seconds torch.compile takes per kernel of a block's graph it generates (plan.compile_choice: what the
+    # first step spends compiling, weighed against the faster steps). profile_hardware measures it where it
+    # measures a compiled block (0.1-0.2 s on this project's 2-core CPU, C++ kernels); elsewhere an estimate, not
+    # yet measured on a GPU: inductor builds Triton kernels in parallel worker processes, under a second each
+    compile_kernel_s: float = 0.5
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
     p2p: bool = True
@@ -281,8 +286,9 @@ class LocalHardware:
     @classmethod
     def from_dict(cls, d: dict) -> "LocalHardware":
         links = {k: Link(**v) for k, v in d.get("links", {}).items()}
-        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links, d.get("version", 1),
-                   d.get("compiled", False))
+        # a compiled block measured before its compile time was (GPU.compile_kernel_s) is measured again
+        compiled = d.get("compiled", False) and "compile_kernel_s" in d["device"]
+        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links, d.get("version", 1), compiled)
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -203,10 +203,11 @@ class StageCosts:
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
                   computed=self._computed, gathers=self.gathers)
         one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
-        # what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
-        # costs the same wherever it is, and the root's per-unit costs count once for its pieces
+        # a block: what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
+        # costs the same wherever it is. The root is one unit per stage, the first to gather: counted whole (the
+        # difference dropped its FSDP2 overhead, so on one GPU a sharded root cost what a plain one did)
         t_mb = one.f_total + one.b_total
-        if self.gpu.name != "cpu":
+        if self.gpu.name != "cpu" and block:
             t_mb = two.f_total + two.b_total - t_mb
         # a block's host step hides behind its own backward, as estimate() hides the sum behind the whole one
         opt_dev, opt_host = optimizer_time(sps, gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,

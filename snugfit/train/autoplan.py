@@ -128,7 +128,8 @@ def decided_on_main(decide, env: DistEnv):
     return result[0]
 
 
-def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device):
+def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device, compile: bool):
+    """The run's model profiled for the planner, its blocks eager or as torch.compile runs them."""
     from snugfit.profile.profile import profile_model
 
     model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
@@ -136,14 +137,14 @@ def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device):
                          lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
                          frozen=cfg.finetune.freeze or None,
                          quantize_base=cfg.finetune.quantize_base, kernels="cpu" if device.type == "cpu" else "gpu",
-                         compile=cfg.train.compile)
+                         compile=compile)
 
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
     """The time model's simulation of `plan` on the launched ranks, to draw beside a measured step."""
     from snugfit.report.timeline import timeline_for
 
-    return timeline_for(plan, _profile(cfg, plan.micro_batch_size, env.device), local_cluster(env))
+    return timeline_for(plan, _profile(cfg, plan.micro_batch_size, env.device, plan.compile), local_cluster(env))
 
 
 def measure_once(ranks: int, on_cpu: bool = True) -> None:
@@ -194,33 +195,36 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
 
 
 def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Plan:
-    from snugfit.plan.explain import advise, format_result
     from snugfit.calibrate.corrections import with_stored_corrections
-    from snugfit.plan.search import NoPlanError, search
+    from snugfit.plan.compile_choice import search_compiled_or_eager
+    from snugfit.plan.explain import advise, format_result
+    from snugfit.plan.search import NoPlanError
 
     t = cfg.train
-    if cfg.train.compile and device.type == "cpu":
+    if t.compile and device.type == "cpu":
         measure_compiled_once()
-    profile = _profile(cfg, 1, device)
-    cluster, corrected = with_stored_corrections(cluster, profile)  # what a run measured here, where one did
-    if corrected:
+    cluster, corrected = with_stored_corrections(cluster, _profile(cfg, 1, device, False))  # what a run measured
+    if corrected:  # here, where one did
         log.info(corrected)
     try:
-        res = search(profile, cluster, global_batch=t.batch_size, constraints=fixed, alternatives=0,
-                     optimizer=optimizer_plan(t))
+        chosen = search_compiled_or_eager(lambda compiled: _profile(cfg, 1, device, compiled), cluster,
+                                          compile=t.compile, steps=t.steps, global_batch=t.batch_size,
+                                          constraints=fixed, alternatives=0, optimizer=optimizer_plan(t))
     except NoPlanError as e:
         if not e.result.candidates:
             raise SnugfitError(f"--plan auto: {e}") from None
-        advice = advise(profile, cluster, global_batch=t.batch_size, constraints=fixed, memory_budget=None,
-                        result=e.result, optimizer=optimizer_plan(t))  # the binding limit and the smallest change
-        # that lifts it, first
+        advice = advise(_profile(cfg, 1, device, bool(t.compile)), cluster, global_batch=t.batch_size,
+                        constraints=fixed, memory_budget=None, result=e.result, optimizer=optimizer_plan(t))  # the
+        # binding limit and the smallest change that lifts it, first
         raise SnugfitError(f"--plan auto: {e}; {advice[0]}") from None
+    best = chosen.result.best
     try:  # what the ranks will check again: a plan for this model and these ranks
-        res.best.validate(n_blocks=len(profile.blocks), world_size=cluster.world_size)
+        best.validate(n_blocks=len(chosen.profile.blocks), world_size=cluster.world_size)
     except PlanError as e:
         raise SnugfitError(f"--plan auto: {e}") from None
-    log.info("auto plan for %s:\n%s", cluster_name(cluster), format_result(res, cluster))
-    return res.best
+    log.info("auto plan for %s:\n%s", cluster_name(cluster), format_result(chosen.result, cluster)
+             + (f"\n{chosen.note}" if chosen.note else ""))
+    return best
 
 
 def cluster_name(cluster) -> str:

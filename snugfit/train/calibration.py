@@ -149,7 +149,8 @@ def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_
     from snugfit.train.autoplan import _profile, fixed_constraints, local_cluster
     from snugfit.config import optimizer_plan
 
-    profile, cluster = _profile(cfg, 1, env.device), local_cluster(env)
+    # the re-plan keeps the run's compile choice: its blocks compiled (or not) at start-up
+    profile, cluster = _profile(cfg, 1, env.device, plan.compile), local_cluster(env)
     raw = estimate(replace(plan, predicted=None), profile, cluster)  # the uncorrected model's view of this plan
     corrections = derive(measured, raw.time_by_phase, plan.pp > 1, machine=machine_key(cluster),
                          shape=shape_key(profile), step=step)

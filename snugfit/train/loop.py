@@ -81,7 +81,7 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
         )
     return Plan.uniform(
         model_cfg.n_layers, dp=env.world_size, micro_batch_size=micro, num_microbatches=per_rank // micro,
-        seq_len=t.seq_len, compute_dtype=t.dtype, compile=t.compile, optimizer=optimizer_plan(t),
+        seq_len=t.seq_len, compute_dtype=t.dtype, compile=bool(t.compile), optimizer=optimizer_plan(t),
         grad_reduce="microbatch" if t.optimizer_in_backward else "step",  # the step in backward needs it
     )
 
@@ -111,7 +111,7 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
             f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
             f"{o.master_weights} --optimizer-states {o.states} "
             f"--optimizer-in-backward {str(o.in_backward).lower()}")
-    plan.compile = plan.compile or t.compile  # --compile compiles a plan file's blocks too
+    plan.compile = plan.compile if t.compile is None else t.compile  # --compile true|false overrides a plan file
     return plan
 
 

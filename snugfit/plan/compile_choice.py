@@ -1,0 +1,91 @@
+"""Whether the blocks compile (Plan.compile): a choice the search weighs where the user leaves it open.
+
+Compiling changes the math only in float order, so it is searched like any other part: the model is profiled
+eager and as torch.compile runs its blocks (profile.compiled: what the partitioner saves, the fused kernels'
+traffic and launches), both are searched, and the compiled plan is taken when its faster steps repay the
+compilation within the run's steps. CPU ranks run eager unless asked (--compile): there inductor builds C++
+kernels with the machine's compiler, which a CPU box may lack, and CPU runs are short trials.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from snugfit.hardware.cluster import Cluster
+from snugfit.plan.plan import Plan
+from snugfit.plan.result import NoPlanError, SearchResult
+from snugfit.plan.search import search
+from snugfit.profile.types import ModelProfile
+
+
+@dataclass
+class CompileChoice:
+    """The search's result for the chosen side (its best plan's `compile` says which), that side's profile, and
+    the report's line on the choice (None where compile was not in question)."""
+
+    result: SearchResult
+    profile: ModelProfile
+    note: str | None = None
+
+
+def compile_seconds(plan: Plan, profile: ModelProfile, cluster: Cluster) -> float:
+    """Seconds the first step spends compiling: torch.compile builds one graph per distinct block (blocks alike in
+    shape and activation policy reuse it), each kernel it generates at GPU.compile_kernel_s."""
+    graphs = {(b.fwd_ops, b.bwd_ops, plan.blocks[i].activations) for i, b in enumerate(profile.blocks)}
+    return sum(fwd + bwd for fwd, bwd, _ in graphs) * cluster.gpu_of(0).compile_kernel_s
+
+
+def search_compiled_or_eager(profile_for: Callable[[bool], ModelProfile], cluster: Cluster, *,
+                             compile: bool | None, steps: int, **search_args) -> CompileChoice:
+    """search() on the eager profile, the compiled one, or both, as `compile` (None: weigh it) and the cluster say.
+
+    profile_for(compiled): the model's profile, eager or compiled (compiled=True gives an eager profile, with the
+    reason logged, where the blocks cannot be traced). steps: the run's, over which compiling must pay.
+    Raises NoPlanError where nothing fits: the compiled side's where --compile asked for it, else the eager side's.
+    """
+    eager_profile = profile_for(False)
+    if compile is False or (compile is None and cluster.gpu_of(0).name == "cpu"):
+        return CompileChoice(search(eager_profile, cluster, **search_args), eager_profile)
+    compiled_profile = profile_for(True)
+    if not compiled_profile.compiled:
+        why = "compile: the blocks cannot be traced as torch.compile runs them (the log says why); they run eager"
+        return CompileChoice(search(eager_profile, cluster, **search_args), eager_profile, why)
+    compiled = _searched(compiled_profile, cluster, search_args)
+    # the other side: weighed against (compile None), or the note's comparison (--compile)
+    eager = _searched(eager_profile, cluster, {**search_args, "alternatives": 0} if compile else search_args)
+    if isinstance(compiled, NoPlanError):
+        if compile or isinstance(eager, NoPlanError):
+            raise compiled if compile else eager
+        return CompileChoice(eager, eager_profile, "compile: only eager blocks fit (no compiled plan does)")
+    if isinstance(eager, NoPlanError):
+        return CompileChoice(compiled, compiled_profile, "compile: only compiled blocks fit (no eager plan does)")
+    take, note = _weigh(compiled.best, eager.best, compiled_profile, cluster, steps, asked=bool(compile))
+    return CompileChoice(compiled, compiled_profile, note) if take else CompileChoice(eager, eager_profile, note)
+
+
+def _searched(profile: ModelProfile, cluster: Cluster, search_args: dict) -> SearchResult | NoPlanError:
+    try:
+        return search(profile, cluster, **search_args)
+    except NoPlanError as e:
+        return e
+
+
+def _weigh(compiled: Plan, eager: Plan, profile: ModelProfile, cluster: Cluster, steps: int,
+           asked: bool) -> tuple[bool, str]:
+    """Take the compiled plan (always where asked) when the run's steps repay its compilation: the line says."""
+    fast, slow = compiled.predicted.tokens_per_s, eager.predicted.tokens_per_s
+    saved = eager.predicted.step_time_s - compiled.predicted.step_time_s
+    cost = compile_seconds(compiled, profile, cluster)
+    figures = f"{fast:,.0f} tokens/s compiled against {slow:,.0f} for the best eager plan ({fast / slow - 1:+.0%})"
+    repaid = math.ceil(cost / saved) if saved > 0 else math.inf
+    if asked:
+        return True, (f"compile: {figures}; the first step compiles the blocks (~{cost:.0f} s predicted"
+                      + (f", repaid in {repaid:.0f} steps)" if saved > 0 else ", never repaid)"))
+    if repaid < steps:
+        return True, (f"compile: chosen, {figures}; compiling the blocks (~{cost:.0f} s predicted, in the first "
+                      f"step) is repaid in {repaid:.0f} of the run's {steps} steps (--compile false runs eager)")
+    why = (f"repaid only after {repaid:.0f} steps, more than the run's {steps}" if saved > 0
+           else "compiled blocks are no faster here")
+    return False, f"compile: not chosen, {figures}: {why} (--compile compiles anyway)"
