@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snugfit.calibrate.ops import count_ops  # noqa: E402
+from snugfit.calibrate.timers import clock, use_clock  # noqa: E402
 from snugfit.config import DEFAULT_MODEL  # noqa: E402
 from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.plan import Plan  # noqa: E402
@@ -133,11 +134,11 @@ def run(name: str, cfg: ModelConfig, seq: int, batch: int, m: int, env: DistEnv,
         random.Random(r).shuffle(order)
         for loop in order:
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             for i in range(args.steps):
                 steps[loop](batches[i % len(batches)])
             sync()
-            times[loop].append((time.perf_counter() - t0) / args.steps)
+            times[loop].append((clock() - t0) / args.steps)
     row["step_s"] = {loop: statistics.median(t) for loop, t in times.items()}
     row["rounds_s"] = times
     s, o = row["step_s"], row["ops"]
@@ -171,12 +172,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4, help="steps per loop per round")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="one thread, timed in CPU time (the machine, the steps and the prediction): what other jobs "
+                         "on a shared machine leave out of the comparison")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, 2 rounds of 2 steps: checks the logic")
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.steps, args.model = 2, 2, "smoke"
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        torch.set_num_threads(1)  # the CPU time of one thread is this process's work alone
+        use_clock(time.thread_time)
     env = DistEnv(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if env.device.type == "cpu" and not args.smoke:
         # the predictions use this machine as it is now (a profile of its own, never the one `snugfit train` uses)
@@ -201,6 +208,7 @@ def main() -> int:
     device = torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu"
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "speed.json").write_text(json.dumps({"device": device, "threads": torch.get_num_threads(),
+                                                "clock": "cpu" if args.cpu_time else "wall",
                                                 "rounds": args.rounds, "steps": args.steps, "rows": rows}, indent=1))
     print(f"wrote {OUT / 'speed.json'}")
     return 0

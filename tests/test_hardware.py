@@ -1,6 +1,7 @@
 """Hardware catalogue, cluster specs, TOML files, and measuring this machine."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -124,6 +125,20 @@ def test_a_step_s_operators_are_timed_by_their_roofline_kind():
     assert timer.work["gemm"] == 2 * 64 * 16 * 32
     assert timer.work["memory"] == 3 * z.numel() * 4  # two inputs read, one output written
     assert timer.work["none"] == 0 and timer.seconds["gemm"] > 0 and timer.seconds["memory"] > 0
+
+
+def test_probes_are_timed_by_the_clock_a_bench_chooses():
+    """bench/speed.py --cpu-time times the machine's probes in CPU time (use_clock), which other jobs on a shared
+    machine do not stretch; the wall clock otherwise."""
+    from snugfit.calibrate import timers
+
+    ticks = iter(range(0, 100, 5))
+    try:
+        timers.use_clock(lambda: float(next(ticks)))
+        assert timers.best_time(lambda: None, 3) == 5.0
+    finally:
+        timers.use_clock(time.perf_counter)
+    assert timers._clock[0] is time.perf_counter
 
 
 def test_gloo_collective_bandwidth_and_fsdp_overheads_between_two_processes():

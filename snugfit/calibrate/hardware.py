@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from snugfit.calibrate.local_ranks import measure_local_ranks
-from snugfit.calibrate.timers import best_time
+from snugfit.calibrate.timers import best_time, clock
 from snugfit.hardware.catalogue import (
     GPU, GiB, Host, Link, LocalHardware, cuda_arch, hardware_cache_path, host_ram,
 )
@@ -128,9 +128,9 @@ class _OpTimer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        t0 = time.perf_counter()
+        t0 = clock()
         out = func(*args, **kwargs)
-        seconds = time.perf_counter() - t0
+        seconds = clock() - t0
         cost = op_cost(func, args, kwargs, out)
         self.seconds[cost.kind] += seconds
         self.work[cost.kind] += cost.flops + cost.mem_bytes
