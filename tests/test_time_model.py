@@ -324,8 +324,8 @@ def test_cpu_attention_runs_at_its_measured_rate_and_the_linear_layers_at_the_ma
 
 
 def test_a_cpu_step_runs_its_linear_layers_and_memory_bound_operators_at_their_measured_efficiencies():
-    """On this CPU a training step's GEMMs reached 0.8 of a square matmul's rate and its memory-bound operators
-    0.35-0.45 of a copy's bandwidth; taken at 1, the predicted step was 20-34% short (bench/speed.py).
+    """On this CPU, at one thread, a training step's GEMMs reached 0.8 of a square matmul's rate and its
+    memory-bound operators 0.45 of a copy's bandwidth (the default model's step, each operator timed).
     profile_hardware measures both (calibrate.hardware.step_efficiencies); attention keeps its own measured rate."""
     from dataclasses import replace
 
