@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
-from snugfit.runtime.engine import OptimConfig  # noqa: E402
+from snugfit.runtime.optimizer import OptimConfig  # noqa: E402
 from snugfit.runtime.spawn import run_ranks  # noqa: E402
 
 PLANS = {

@@ -47,7 +47,7 @@ from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan  # noqa: E402
 from snugfit.profile import profile_model  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
-from snugfit.runtime.engine import OptimConfig  # noqa: E402
+from snugfit.runtime.optimizer import OptimConfig  # noqa: E402
 from snugfit.runtime.spawn import run_ranks  # noqa: E402
 
 # (micro-batch, microbatches, activation policy, attention)

@@ -19,7 +19,7 @@ from snugfit.data import BatchSampler, load_tokenizer, load_tokens, split
 from snugfit.model import Decoder
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.train.autoplan import run_dtype
 from snugfit.train.loop import lr_at, resolve_plan
 

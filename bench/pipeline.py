@@ -13,7 +13,7 @@ import torch
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.spawn import run_ranks
 

@@ -59,7 +59,7 @@ def _measure(env, plans: list[str], passes: int, steps: int) -> list[list[float]
     pairs); each pass visits the plans in a new shuffled order, so that a stretch of machine load
     lands on different plans in different passes instead of on one plan's every step."""
     from snugfit.runtime.build import build_engine
-    from snugfit.runtime.engine import OptimConfig
+    from snugfit.runtime.optimizer import OptimConfig
 
     torch.set_num_threads(1)
     out: list[list[float] | str] = [[] for _ in plans]
@@ -96,7 +96,7 @@ def _measure(env, plans: list[str], passes: int, steps: int) -> list[list[float]
 def _calibrate(env, plan_json: str, warmup: int) -> list:
     """On every rank: the chosen plan's calibration (train.calibration), after `warmup` steps."""
     from snugfit.runtime.build import build_engine
-    from snugfit.runtime.engine import OptimConfig
+    from snugfit.runtime.optimizer import OptimConfig
     from snugfit.train.calibration import calibration_steps
 
     torch.set_num_threads(1)

@@ -45,7 +45,7 @@ from snugfit.profile.profile import profile_model  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.compile import compile_seconds  # noqa: E402
 from snugfit.runtime.dist import DistEnv  # noqa: E402
-from snugfit.runtime.engine import OptimConfig, make_adamw  # noqa: E402
+from snugfit.runtime.optimizer import OptimConfig, make_adamw  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
 os.environ.setdefault("SNUGFIT_HARDWARE_PROFILE", str(Path.home() / ".cache" / "snugfit" / "hardware-bench.json"))

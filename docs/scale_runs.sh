@@ -26,7 +26,7 @@ plan $GPT3 --pp 1 --dp 1024 --zero 3
 # with tensor parallelism: OPT's layout (FSDP + tp 8), and what the search picks (OPT's vocabulary, head untied)
 OPT="--model docs/configs/opt-175b-untied.json --cluster 128x8xA100-80GB --seq 2048 --dtype bfloat16 --reduce-dtype bfloat16"
 plan $OPT --tp 8 --pp 1 --dp 128 --zero 3 --micro-batch 8 --num-microbatches 1 --recompute full
-plan $OPT --global-batch 1024
+plan $OPT --global-batch 1024 --compile false  # eager, as OPT ran; a search would weigh compiling too
 for sr in "1f1b keep" "bpipe keep" "1f1b recompute"; do
   set -- $sr
   plan --model gpt2-xl --cluster 4xRTX4090 --seq 1024 --micro-batch 4 --pp 4 --num-microbatches 8 --zero 0 \

@@ -26,7 +26,7 @@ from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
 from snugfit.plan.estimate import estimate
 from snugfit.profile import profile_model
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from tests.distributed import run_ranks
 
 pytest.importorskip("torchao")

@@ -12,7 +12,8 @@ import pytest
 from snugfit.commands import plan as plan_cmd
 from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import ModelConfig
-from snugfit.plan.compile_choice import compile_seconds, search_compiled_or_eager
+from snugfit.plan.compile_choice import search_compiled_or_eager
+from snugfit.plan.estimate import compile_seconds
 from snugfit.plan.options import Constraints
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.profile import profile_model
@@ -50,11 +51,12 @@ def test_compiled_plan_taken_once_the_run_repays_its_compilation(profiles):
     assert not eager.compile
     saved = eager.predicted.step_time_s - compiled.predicted.step_time_s
     assert saved > 0
-    repaid = math.ceil(compile_seconds(compiled, first.profile, GPU) / saved)
+    assert compiled.predicted.compile_s == compile_seconds(compiled, first.profile, GPU) > 0
+    repaid = math.ceil(compiled.predicted.compile_s / saved)
     assert f"repaid in {repaid} of the run's" in first.note
     short = choose(profiles, compile=None, steps=repaid)
     assert not short.result.best.compile and not short.profile.compiled
-    assert f"not chosen" in short.note and f"repaid only after {repaid} steps" in short.note
+    assert "not chosen" in short.note and f"repaid only after {repaid} steps" in short.note
     assert choose(profiles, compile=None, steps=repaid + 1).result.best.compile
 
 

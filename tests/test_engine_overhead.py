@@ -17,7 +17,7 @@ from snugfit.plan.estimate import estimate
 from snugfit.profile import profile_model
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig, make_adamw
+from snugfit.runtime.optimizer import OptimConfig, make_adamw
 
 CFG = ModelConfig(dim=64, n_layers=4, n_heads=4, vocab_size=256, max_seq_len=64)
 OPT = OptimConfig(lr=1e-2)

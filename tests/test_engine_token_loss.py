@@ -16,7 +16,8 @@ from snugfit.data.instruct import IGNORE
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig, loss_divisors
+from snugfit.runtime.microbatches import loss_divisors
+from snugfit.runtime.optimizer import OptimConfig
 from tests.distributed import run_ranks
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16)

@@ -13,7 +13,7 @@ import torch
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from tests.distributed import run_ranks
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)

@@ -34,6 +34,7 @@ def test_acceptance_smoke_reports_every_part_and_every_technique_matches_its_ref
         assert r["measured_peak_bytes"] > 0 and r["predicted_peak_bytes"] > 0, name  # (b)
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0, name  # (c)
         assert r["predicted_measured_step_s"] > 0, name  # (c) on the card as (e) measured it
+        assert r["predicted_compile_s"] == 0 and "measured_compile_s" in r, name  # eager rows on CPU: none to compile
     offload = report["offload_comparison"]  # (d)
     assert set(offload["plans"]) == {"snugfit", "full offload"} and offload["speedup"]["measured"] > 0
     measured = report["hardware"]["measured"]  # (e)

@@ -22,7 +22,8 @@ from snugfit.plan.estimate import estimate
 from snugfit.plan.search import Constraints, search
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig, split_batch
+from snugfit.runtime.microbatches import split_batch
+from snugfit.runtime.optimizer import OptimConfig
 from tests.distributed import check_update_gradients, run_ranks
 from tests.test_search import synth
 

@@ -200,7 +200,7 @@ def _train_two_ranks(env, folders: dict[str, str], saved: str) -> dict:
     from snugfit.model.hf import materialize
     from snugfit.plan import BlockPlan, Plan
     from snugfit.runtime.build import build_engine
-    from snugfit.runtime.engine import OptimConfig
+    from snugfit.runtime.optimizer import OptimConfig
     from snugfit.runtime.mesh import ParallelDims
     from snugfit.runtime.sharding import apply_fsdp
 

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import snugfit.model.hf as hfmod  # noqa: E402
 from snugfit.config import build_config  # noqa: E402
 from snugfit.plan import BlockPlan, Plan  # noqa: E402
-from snugfit.runtime.engine import OptimConfig  # noqa: E402
+from snugfit.runtime.optimizer import OptimConfig  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.safetensors_spy import SafetensorsSpy  # noqa: E402
 

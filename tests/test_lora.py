@@ -8,7 +8,7 @@ import torch
 from snugfit.errors import SnugfitError
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.lora import LoRALinear, apply_lora, freeze, merged_state_dict, trainable_summary
-from snugfit.runtime.engine import OptimConfig, make_adamw
+from snugfit.runtime.optimizer import OptimConfig, make_adamw
 
 CFG = ModelConfig(dim=32, n_layers=3, n_heads=4, vocab_size=64, max_seq_len=32)
 

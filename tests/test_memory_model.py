@@ -5,7 +5,8 @@ import pytest
 from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.estimate import estimate
-from snugfit.plan.memory import device_bytes, param_state, rank_stages
+from snugfit.plan.memory import device_bytes
+from snugfit.plan.piece_memory import param_state, rank_stages
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.simulate import simulate
 from snugfit.profile.types import ModelProfile, PieceProfile

@@ -26,7 +26,7 @@ from snugfit.plan.estimate import estimate
 from snugfit.profile import ModelProfile, profile_model
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from tests.distributed import run_ranks
 
 CFG = ModelConfig(dim=64, n_layers=3, n_heads=4, vocab_size=128, max_seq_len=32)

@@ -17,7 +17,7 @@ from snugfit.plan.estimate import estimate
 from snugfit.profile.profile import profile_model
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.runtime.memory import local
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16)

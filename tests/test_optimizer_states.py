@@ -27,7 +27,7 @@ from snugfit.plan.estimate import estimate
 from snugfit.profile import profile_model
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.runtime.memory import local
 from tests.distributed import run_ranks
 

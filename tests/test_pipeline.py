@@ -17,7 +17,8 @@ from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan, PlanError
 from snugfit.plan.schedules import SCHEDULES, programs
 from snugfit.plan.simulate import simulate
-from snugfit.runtime.engine import OptimConfig, split_batch
+from snugfit.runtime.microbatches import split_batch
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.p2p import PipelineError
 from tests.distributed import check_update_gradients, run_ranks

@@ -20,7 +20,7 @@ pytest.importorskip("torchao")
 from snugfit.config import build_config  # noqa: E402
 from snugfit.model.quantize import dequantized, is_quantized  # noqa: E402
 from snugfit.plan import BlockPlan, Plan  # noqa: E402
-from snugfit.runtime.engine import OptimConfig  # noqa: E402
+from snugfit.runtime.optimizer import OptimConfig  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 SEQ, MBS, STEPS, VOCAB = 16, 2, 3, 128

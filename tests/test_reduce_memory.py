@@ -36,7 +36,7 @@ def _probe(env) -> dict[str, list[tuple[int, int]]]:
     from torch.distributed.fsdp import FSDPModule
 
     from snugfit.runtime.build import build_engine
-    from snugfit.runtime.engine import OptimConfig
+    from snugfit.runtime.optimizer import OptimConfig
 
     real = collectives.foreach_reduce_scatter_copy_in
     out = {}
@@ -81,7 +81,7 @@ def probed():
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_gradient_bytes_at_each_reduce_match_the_live_tensors(probed, name):
-    from snugfit.plan.memory import device_saved, rank_stages
+    from snugfit.plan.piece_memory import device_saved, rank_stages
     from snugfit.plan.reduce_memory import reduce_moments
     from snugfit.profile.profile import profile_model
 

@@ -22,7 +22,7 @@ from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from tests.distributed import run_ranks
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, max_seq_len=16)

@@ -27,7 +27,7 @@ from snugfit.plan.search import search
 from snugfit.profile import profile_model
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from tests.distributed import run_ranks
 
 CFG = ModelConfig(dim=32, n_layers=3, n_heads=4, vocab_size=64, max_seq_len=32)

@@ -9,7 +9,8 @@ import pytest
 from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate
 from snugfit.plan.explain import advise, explain_bpipe, format_result
-from snugfit.plan.knapsack import BUCKETS, Cost, fine_resolution, knapsack, split
+from snugfit.plan.knapsack import BUCKETS, fine_resolution, knapsack, split
+from snugfit.plan.stage_costs import Cost
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.cost_model import CostModel
 from snugfit.plan.search import SPLIT_MARGIN, Constraints, NoPlanError, budget_for, search
@@ -232,7 +233,7 @@ def test_interleaved_ranks_put_their_leaner_blocks_on_their_first_chunk():
     """An interleaved rank's first chunk can hold every resident microbatch at once (its forwards run ahead of
     the last chunk's backwards), so the search gives it the fewer blocks and the options that save the least:
     the rank's peak then stays near the count the knapsack assumes."""
-    from snugfit.plan.memory import StagePiece, device_saved
+    from snugfit.plan.piece_memory import StagePiece, device_saved
 
     prof, cluster = synth(26, 2048), parse_cluster("4xA10")
     for budget_gib in (6, 8):  # budgets where the search mixes options

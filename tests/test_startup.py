@@ -14,7 +14,7 @@ import torch
 
 from snugfit.config import build_config
 from snugfit.plan import BlockPlan, Plan
-from snugfit.runtime.engine import OptimConfig
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.runtime.memory import local
 from tests.distributed import run_ranks
 

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from snugfit.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
-from snugfit.runtime.engine import OptimConfig  # noqa: E402
+from snugfit.runtime.optimizer import OptimConfig  # noqa: E402
 from snugfit.runtime.memory import local  # noqa: E402
 from snugfit.runtime.mesh import ParallelDims  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402

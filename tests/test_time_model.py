@@ -104,7 +104,7 @@ def test_the_host_optimizer_hides_behind_a_gpus_backward_but_not_a_cpus():
     then (runtime.offload steps it in place), so all of it, the copies too, adds to the step."""
     from snugfit.hardware import Host
     from snugfit.hardware.catalogue import GPUS
-    from snugfit.plan.memory import rank_stages
+    from snugfit.plan.piece_memory import rank_stages
     from snugfit.plan.timing import optimizer_time
 
     plan = _plan(block=BlockPlan(offload_optimizer=True), root=BlockPlan(offload_optimizer=True))

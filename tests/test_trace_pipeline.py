@@ -16,7 +16,8 @@ from snugfit.plan.simulate import simulate
 from snugfit.report.timeline import draw_timeline
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.build import build_engine
-from snugfit.runtime.engine import OptimConfig, split_batch
+from snugfit.runtime.microbatches import split_batch
+from snugfit.runtime.optimizer import OptimConfig
 from tests.distributed import run_ranks
 
 SEQ, MICRO = 8, 4

@@ -55,6 +55,7 @@ from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan  # noqa: E402
 from snugfit.plan.search import Constraints, NoPlanError, search  # noqa: E402
 from snugfit.profile.profile import profile_model  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
+from snugfit.runtime.compile import compile_seconds  # noqa: E402
 from snugfit.runtime.dist import DistEnv, init_distributed  # noqa: E402
 from snugfit.runtime.optimizer import OptimConfig, param_groups  # noqa: E402
 from snugfit.train.autoplan import local_cluster  # noqa: E402
@@ -216,6 +217,7 @@ def measure(model: Decoder, plan: Plan, env: DistEnv, batch: torch.Tensor, steps
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     engine = build_engine(model, plan, OPTIM, env)
     losses = []
+    compiled_before = compile_seconds()  # the first warm-up step compiles a compiled plan's blocks
     for i in range(WARMUP):
         engine.track_memory = i == WARMUP - 1  # the last warm-up: the tracker's peak, optimizer states included
         losses.append(engine.train_step(batch).loss)
@@ -235,7 +237,7 @@ def measure(model: Decoder, plan: Plan, env: DistEnv, batch: torch.Tensor, steps
     return {"losses": losses, "step_times_s": times, "measured_step_s": statistics.median(times),
             "measured_peak_bytes": torch.cuda.max_memory_allocated() if on_gpu else tracked,
             "measured_reserved_bytes": torch.cuda.max_memory_reserved() if on_gpu else None,  # fragmentation too
-            "measured_tracked_bytes": tracked}
+            "measured_tracked_bytes": tracked, "measured_compile_s": compile_seconds() - compiled_before}
 
 
 def run_plan(name: str, model: Decoder, plan: Plan, env: DistEnv, batch: torch.Tensor, steps: int) -> dict:
@@ -243,7 +245,8 @@ def run_plan(name: str, model: Decoder, plan: Plan, env: DistEnv, batch: torch.T
     pred = plan.predicted
     row = {"plan": summary(plan), "predicted_step_s": pred.step_time_s, "predicted_tokens_per_s": pred.tokens_per_s,
            "predicted_peak_bytes": predicted_peak(plan, env.device.type == "cuda"),
-           "predicted_tracked_bytes": pred.tracked_by_rank[0]["device.total"], "predicted_phases_s": pred.time_by_phase}
+           "predicted_tracked_bytes": pred.tracked_by_rank[0]["device.total"], "predicted_phases_s": pred.time_by_phase,
+           "predicted_compile_s": pred.compile_s}
     print(f"running {name}: {row['plan']}", flush=True)
     try:
         row.update(measure(model, plan, env, batch, steps))

@@ -205,7 +205,7 @@ def compiled_block_costs(device: str, sync) -> tuple[float, float]:
 
 def host_step_params_per_s(n: int = 16_000_000, tensors: int = 16, staged: torch.dtype | None = None) -> float:
     """Parameters per second of an optimizer step on host tensors as snugfit runs it: each gradient's norm
-    (runtime.engine.global_grad_norm), the clip's multiply, fused AdamW and, where offloaded units run in a lower
+    (runtime.grad_norm.global_grad_norm), the clip's multiply, fused AdamW and, where offloaded units run in a lower
     precision, the master's cast into its staging copy (runtime.offload). Past the CPU's caches (16M parameters,
     256 MB of fp32 state): fused AdamW alone on 2M parameters read 5.6e9 a second on an H200's 16-core host, and on
     this project's 2-core machine 1.5-2.6e9 where the whole step at 16M read 1.3e9 (1.1e9 with the bf16 cast)."""

@@ -50,7 +50,8 @@ def _fsdp_costs(world: int) -> dict[str, list[float]]:
     from torch.distributed.fsdp import fully_shard
 
     from snugfit.model.decoder import Decoder, ModelConfig
-    from snugfit.runtime.engine import OptimConfig, global_grad_norm, make_adamw
+    from snugfit.runtime.grad_norm import global_grad_norm
+    from snugfit.runtime.optimizer import OptimConfig, make_adamw
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "one"))
     meshes = {"replicate": mesh, "shard": mesh["dp"]}
@@ -142,7 +143,7 @@ def _pipeline_stage_cost(world: int, replicate: list[float]) -> float:
     from snugfit.plan.plan import Plan
     from snugfit.runtime.build import build_engine
     from snugfit.runtime.dist import DistEnv
-    from snugfit.runtime.engine import OptimConfig
+    from snugfit.runtime.optimizer import OptimConfig
 
     cfg = ModelConfig(dim=16, n_layers=world, n_heads=2, vocab_size=32, max_seq_len=8)
     rank = torch.distributed.get_rank()

@@ -33,7 +33,7 @@ def measure_single_process(cfg: ModelConfig, plan: Plan, steps: int = 3, track_m
         raise ValueError("measure_single_process runs dp = pp = 1 plans only")
     from snugfit.runtime.build import build_engine
     from snugfit.runtime.dist import DistEnv
-    from snugfit.runtime.engine import OptimConfig
+    from snugfit.runtime.optimizer import OptimConfig
 
     torch.manual_seed(0)
     engine = build_engine(Decoder(cfg), plan, OptimConfig(lr=1e-4), DistEnv())

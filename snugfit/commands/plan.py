@@ -206,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if par.plan not in ("auto", "dp"):
         plan = _read_plan(par.plan)
-        plan.compile = plan.compile if t.compile is None else t.compile  # as train runs a plan file
+        if t.compile is not None:  # as train runs a plan file
+            plan.compile = t.compile
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, [])
         return 0
     notes = [f"dtype {dtype}: {why}"]
@@ -236,8 +237,9 @@ def run(args: argparse.Namespace) -> int:
     cluster, corrected = with_stored_corrections(cluster, target.profile(micro or 1, seq, dtype, False))  # what
     notes += [corrected] if corrected else []  # a run measured here, where one did
     try:
+        weighed = t.compile if par.plan == "auto" else bool(t.compile)  # --plan dp: eager unless asked, as trained
         chosen = search_compiled_or_eager(lambda compiled: target.profile(micro or 1, seq, dtype, compiled), cluster,
-                                          compile=t.compile if par.plan == "auto" else bool(t.compile), steps=t.steps, global_batch=gb, constraints=c,
+                                          compile=weighed, steps=t.steps, global_batch=gb, constraints=c,
                                           memory_budget=budget, reduce_dtype=args.reduce_dtype,
                                           alternatives=args.alternatives, compare_bpipe=args.explain_bpipe,
                                           optimizer=optimizer_plan(t))

@@ -48,6 +48,11 @@ class Cluster:
             raise SnugfitError(f"rank {rank} is outside a cluster of {self.world_size} GPUs")
         return self._node_by_rank[rank]
 
+    def ranks_of(self, node: int) -> range:
+        """The ranks on node `node` (each node's ranks follow the previous node's)."""
+        start = sum(n.count for n in self.nodes[:node])
+        return range(start, start + self.nodes[node].count)
+
     def gpu_of(self, rank: int) -> GPU:
         return self.nodes[self.node_of(rank)].gpu
 

@@ -44,6 +44,13 @@ class Candidate:
     estimated_need: int | None = None  # estimate()'s device peak of its leanest plan, where verify.rescue took one
 
     @property
+    def key(self) -> tuple:
+        """What the candidate is (the rest of its fields are what the search found for it): its stages' costs and
+        views are cached by it (cost_model.CostModel)."""
+        return (self.dp, self.tp, self.pp, self.micro_batch_size, self.num_microbatches, self.schedule,
+                self.virtual_stages, self.grad_reduce)
+
+    @property
     def family(self) -> str:
         return f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}"
 

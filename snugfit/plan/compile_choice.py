@@ -30,13 +30,6 @@ class CompileChoice:
     note: str | None = None
 
 
-def compile_seconds(plan: Plan, profile: ModelProfile, cluster: Cluster) -> float:
-    """Seconds the first step spends compiling: torch.compile builds one graph per distinct block (blocks alike in
-    shape and activation policy reuse it), each kernel it generates at GPU.compile_kernel_s."""
-    graphs = {(b.fwd_ops, b.bwd_ops, plan.blocks[i].activations) for i, b in enumerate(profile.blocks)}
-    return sum(fwd + bwd for fwd, bwd, _ in graphs) * cluster.gpu_of(0).compile_kernel_s
-
-
 def search_compiled_or_eager(profile_for: Callable[[bool], ModelProfile], cluster: Cluster, *,
                              compile: bool | None, steps: int, **search_args) -> CompileChoice:
     """search() on the eager profile, the compiled one, or both, as `compile` (None: weigh it) and the cluster say.
@@ -61,7 +54,7 @@ def search_compiled_or_eager(profile_for: Callable[[bool], ModelProfile], cluste
         return CompileChoice(eager, eager_profile, "compile: only eager blocks fit (no compiled plan does)")
     if isinstance(eager, NoPlanError):
         return CompileChoice(compiled, compiled_profile, "compile: only compiled blocks fit (no eager plan does)")
-    take, note = _weigh(compiled.best, eager.best, compiled_profile, cluster, steps, asked=bool(compile))
+    take, note = _weigh(compiled.best, eager.best, steps, asked=bool(compile))
     return CompileChoice(compiled, compiled_profile, note) if take else CompileChoice(eager, eager_profile, note)
 
 
@@ -72,12 +65,12 @@ def _searched(profile: ModelProfile, cluster: Cluster, search_args: dict) -> Sea
         return e
 
 
-def _weigh(compiled: Plan, eager: Plan, profile: ModelProfile, cluster: Cluster, steps: int,
-           asked: bool) -> tuple[bool, str]:
-    """Take the compiled plan (always where asked) when the run's steps repay its compilation: the line says."""
+def _weigh(compiled: Plan, eager: Plan, steps: int, asked: bool) -> tuple[bool, str]:
+    """Take the compiled plan (always where asked) when the run's steps repay its predicted compilation
+    (Prediction.compile_s): the line says."""
     fast, slow = compiled.predicted.tokens_per_s, eager.predicted.tokens_per_s
     saved = eager.predicted.step_time_s - compiled.predicted.step_time_s
-    cost = compile_seconds(compiled, profile, cluster)
+    cost = compiled.predicted.compile_s
     figures = f"{fast:,.0f} tokens/s compiled against {slow:,.0f} for the best eager plan ({fast / slow - 1:+.0%})"
     repaid = math.ceil(cost / saved) if saved > 0 else math.inf
     if asked:

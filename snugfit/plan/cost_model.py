@@ -1,7 +1,7 @@
 """The search's cost model: what a candidate's stages could hold and how fast, before any plan exists.
 
 Per candidate (candidates.py) and pipeline stage: the options the fixed parts leave and no rule forbids
-(plan.rules), their costs under knapsack.StageCosts (shared by candidates whose stages are alike: same kind of
+(plan.rules), their costs under stage_costs.StageCosts (shared by candidates whose stages are alike: same kind of
 node, links, degrees, micro-batch), the microbatches the stage holds (from its schedule's program), and from
 those a lower bound on the step, the least memory the candidate needs, and the most blocks a stage could hold.
 solve.py turns them into a plan; search.py drives. Blocks are assumed alike (decoder stacks): every block is
@@ -17,15 +17,25 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE
-from snugfit.plan.knapsack import INF, StageCosts, buffer_bytes, usable, with_reserve
+from snugfit.plan.knapsack import INF, Table, buffer_bytes
 from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
 from snugfit.plan.optimizer import state_bytes
 from snugfit.plan.plan import BlockPlan, OptimizerPlan
 from snugfit.plan.rules import allows_unit
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, unit_run
+from snugfit.plan.stage_costs import SharedCosts, StageCosts, usable, with_reserve
 from snugfit.plan.timing import TensorParallel, gather_every, weight_share
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
+
+
+def _per_stage(cache: dict, cand: Candidate, s: int, make):
+    """cache[(cand.key, s)], made by make(cand, s) the first time."""
+    at = (cand.key, s)
+    found = cache.get(at)
+    if found is None:
+        found = cache[at] = make(cand, s)
+    return found
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,10 @@ class CostModel:
         self._scaled: dict[tuple[int, int], ModelProfile] = {}
         self._costs: dict[tuple, StageCosts] = {}
         self._costs_at: dict[tuple, StageCosts] = {}  # by first rank: the links need not be looked up again
+        self._shared: dict[tuple, SharedCosts] = {}
+        self._costs_of: dict[tuple, StageCosts] = {}  # by candidate key and stage
+        self._views: dict[tuple, StageView] = {}  # the same
+        self.tables: dict[tuple, Table] = {}  # knapsack tables by their inputs (solve._table)
         self._buffers_of: dict[tuple[int, int], tuple[float, float, float, float]] = {}
         self._options: dict[tuple, list[BlockPlan]] = {}
         self._fastest_of: dict[tuple[int, int], tuple[float, float, float]] = {}
@@ -72,6 +86,10 @@ class CostModel:
         return self._scaled[key]
 
     def costs(self, cand: Candidate, s: int) -> StageCosts:
+        """Stage s's option costs (cached by the candidate's key and the stage)."""
+        return _per_stage(self._costs_of, cand, s, self._stage_costs)
+
+    def _stage_costs(self, cand: Candidate, s: int) -> StageCosts:
         first = cand.first_rank(s)
         node = self.cluster.nodes[self.cluster.node_of(first)]
         busy = 1.0
@@ -88,16 +106,18 @@ class CostModel:
         # is named by all its fields (one across nodes has the bandwidth and node count of the group it serves)
         dp_link = astuple(self.cluster.link_for(list(range(first, first + cand.dp * cand.tp, cand.tp))))
         tp_link = astuple(self.cluster.link_for(list(range(first, first + cand.tp))))
-        key = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp,
-               cand.micro_batch_size, busy, gathers, cand.grad_reduce, replays, rdtype)
+        alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp,
+                 cand.micro_batch_size, busy, gathers, rdtype)  # the stage's costs share their parts (SharedCosts)
+        key = alike + (cand.grad_reduce, replays)
         if key not in self._costs:
             prof = self.profile_at(cand)
             tensor = None
             if cand.tp > 1:
                 tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))),
                                         prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
+            shared = self._shared.setdefault(alike, SharedCosts())
             self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, rdtype, busy, tensor,
-                                          gathers, cand.grad_reduce, replays, self.optimizer)
+                                          gathers, cand.grad_reduce, replays, self.optimizer, shared)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
 
@@ -112,7 +132,10 @@ class CostModel:
         return self.reduce_dtype
 
     def stage(self, cand: Candidate, s: int) -> StageView:
-        """Pipeline stage s of the candidate, priced."""
+        """Pipeline stage s of the candidate, priced (cached by the candidate's key and the stage)."""
+        return _per_stage(self._views, cand, s, self._stage)
+
+    def _stage(self, cand: Candidate, s: int) -> StageView:
         prof, on = self.profile_at(cand), SCHEDULES[cand.schedule].rank_of
         last = cand.pp * cand.virtual_stages - 1  # the embedding sits on the first stage's rank, the head on the last's
         roots = ([prof.embed] if on(0, cand.pp) == s else []) + ([prof.head] if on(last, cand.pp) == s else [])
@@ -160,12 +183,13 @@ class CostModel:
     def _fastest(self, cand: Candidate, s: int) -> tuple[float, float, float]:
         """(block seconds per step, root seconds per step, block seconds per microbatch) at the fastest options;
         shared by the candidates (schedules) of one kind of stage and microbatch count."""
-        view = self.stage(cand, s)
-        st, blk = view.costs, view.block
+        # not self.stage(): the microbatches a stage holds (its schedule's program walked) are not needed here, and
+        # most candidates are never solved (70B on 8x8 H100s: 206 of 463)
+        st, prof = self.costs(cand, s), self.profile_at(cand)
+        blk = prof.blocks[self.typical]
         key = (id(st), cand.num_microbatches)
         if key not in self._fastest_of:
-            prof = self.profile_at(cand)
-            opts, ropts = may_be_fastest(view.options), may_be_fastest(view.root_options)
+            opts, ropts = may_be_fastest(self.options(cand)), may_be_fastest(self.options(cand, True))
             self._fastest_of[key] = (
                 min(st.cost(blk, o).time(cand.num_microbatches) for o in opts),
                 min(st.root([prof.embed, prof.head], o).time(cand.num_microbatches) for o in ropts),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from snugfit.hardware.cluster import Node
 from snugfit.plan.corrections import corrected
-from snugfit.plan.memory import StagePiece, wrapped_params
+from snugfit.plan.piece_memory import StagePiece, wrapped_params
 from snugfit.profile.types import DTYPE_BYTES
 
 

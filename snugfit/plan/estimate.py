@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_tp_time
-from snugfit.plan.memory import RankMemory, StagePiece, device_bytes, host_bytes, host_saved, rank_memory, rank_stages
+from snugfit.plan.memory import RankMemory, device_bytes, host_bytes, rank_memory
+from snugfit.plan.piece_memory import StagePiece, host_saved, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.schedules import partner
 from snugfit.plan.simulate import SimResult, simulate, split_backward
@@ -83,10 +84,12 @@ def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
     out = {}
     layout, nodes = plan.layout, [repr(n) for n in cluster.nodes]
     dp_links = [repr(cluster.link_for(_dp_group(plan, s))) for s in range(plan.pp)]
+    tp_links: dict[tuple[int, int], str] = {}  # by tensor-parallel group: its members share it
     for rank in range(plan.world_size):
-        pp_rank = layout.coords(rank)[0]
-        tp_link = repr(cluster.link_for(_tp_group(plan, rank)))
-        key = (pp_rank, nodes[cluster.node_of(rank)], dp_links[pp_rank], tp_link)
+        pp_rank, dp_rank, _ = layout.coords(rank)
+        if (pp_rank, dp_rank) not in tp_links:
+            tp_links[pp_rank, dp_rank] = repr(cluster.link_for(_tp_group(plan, rank)))
+        key = (pp_rank, nodes[cluster.node_of(rank)], dp_links[pp_rank], tp_links[pp_rank, dp_rank])
         out[rank] = first.setdefault(key, rank)
     return out
 
@@ -269,16 +272,10 @@ def node_host_need(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[d
                    node: int) -> tuple[int, int]:
     """Host bytes a node needs while training (its ranks' host memory; on CPU ranks all of their memory) and
     at start-up (that, and each rank's one whole tensor while its shards are filled)."""
-    ranks = [r for r in range(plan.world_size) if cluster.node_of(r) == node]
+    ranks = cluster.ranks_of(node)
     on_cpu = cluster.nodes[node].gpu.name == "cpu"
     need = sum(host_bytes(mem[r]) + (device_bytes(mem[r]) if on_cpu else 0) for r in ranks)
     return need, need + len(ranks) * largest_tensor_bytes(prof)
-
-
-def startup_device_bytes(prof: ModelProfile, cats: dict[str, int]) -> int:
-    """A rank's device bytes before its first step: its parameter shards and one whole tensor in fp32 (the
-    copy into a shard of another dtype stages it on the device)."""
-    return cats.get("parameters", 0) + cats.get("frozen_parameters", 0) + largest_tensor_bytes(prof)
 
 
 def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]], step: float,
@@ -286,7 +283,9 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str
     peak = max(device_bytes(c) for c in mem)
     gpu_mem = min(cluster.gpu_of(r).memory_bytes for r in range(plan.world_size))
     budget = min(budget, gpu_mem) if budget else gpu_mem
-    start_device = max(startup_device_bytes(prof, c) for c in mem)
+    # a rank's device bytes before its first step: its parameter shards and one whole tensor in fp32 (the copy
+    # into a shard of another dtype stages it on the device)
+    start_device = max(c.get("parameters", 0) + c.get("frozen_parameters", 0) for c in mem) + largest_tensor_bytes(prof)
     fits = all(device_bytes(c) <= budget for c in mem) and start_device <= budget
     start_host, host, over = 0, {}, []
     for i, node in enumerate(cluster.nodes):
@@ -311,6 +310,14 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str
         mfu=flops / (step * peak_rate) if step and peak_rate else 0.0,
         fits=fits, memory_budget_bytes=budget, notes=notes,
         startup_bytes={"device": start_device, "host": start_host}, host_memory=host,
+        compile_s=compile_seconds(plan, prof, cluster) if plan.compile else 0.0,
     )
     plan.predicted = pred
     return pred
+
+
+def compile_seconds(plan: Plan, profile: ModelProfile, cluster: Cluster) -> float:
+    """Seconds the first step spends compiling: torch.compile builds one graph per distinct block (blocks alike in
+    shape and activation policy reuse it), each kernel it generates at GPU.compile_kernel_s."""
+    graphs = {(b.fwd_ops, b.bwd_ops, plan.blocks[i].activations) for i, b in enumerate(profile.blocks)}
+    return sum(fwd + bwd for fwd, bwd, _ in graphs) * cluster.gpu_of(0).compile_kernel_s

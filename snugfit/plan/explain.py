@@ -29,7 +29,8 @@ def summary(plan: Plan) -> str:
     every = " (gradients reduced every microbatch)" if plan.grad_reduce == "microbatch" else ""
     optimizer = "" if plan.optimizer == OptimizerPlan() else f"; {describe_optimizer(plan.optimizer, clip=False)}"
     return (f"dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
-            f"{plan.num_microbatches}{every}; blocks{' compiled' if plan.compile else ''}: {blocks}; root: {describe(plan.root, root=True, dp=plan.dp)}"
+            f"{plan.num_microbatches}{every}; blocks{' compiled' if plan.compile else ''}: {blocks}; "
+            f"root: {describe(plan.root, root=True, dp=plan.dp)}"
             f"{optimizer}")
 
 

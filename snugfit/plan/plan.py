@@ -129,6 +129,9 @@ class Prediction:
     # the node closest to its host RAM: "node", "training" and "startup" bytes, its "ram", and whether that RAM is
     # "assumed" (a catalogue cluster's default) rather than given or measured
     host_memory: dict = field(default_factory=dict)
+    # seconds the first step spends compiling the blocks (Plan.compile; plan.estimate.compile_seconds), outside
+    # step_time_s: what the search weighs compiling's faster steps against, and what the run reports it beside
+    compile_s: float = 0.0
 
 
 @dataclass

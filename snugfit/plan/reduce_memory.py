@@ -50,7 +50,7 @@ def _units(stages: dict) -> list[list]:
 
 
 def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[ReduceMoment]:
-    """The moments of a rank's syncing backward, in order (`stages`: memory.rank_stages; `saved`: each piece's
+    """The moments of a rank's syncing backward, in order (`stages`: piece_memory.rank_stages; `saved`: each piece's
     device-saved activation bytes by name). None when the model runs unwrapped (no FSDP2)."""
     if plan.runs_unwrapped:
         return []

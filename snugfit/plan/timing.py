@@ -35,7 +35,7 @@ from snugfit.hardware.cluster import Node
 from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_fsdp_time, cpu_share, cpu_stage_time, fsdp_units, line_cost, local_ranks
 from snugfit.plan.kernels import attention_rates, gemm_seconds
-from snugfit.plan.memory import StagePiece, host_saved
+from snugfit.plan.piece_memory import StagePiece, host_saved
 from snugfit.plan.optimizer import host_step_slowdown, state_bytes, update_bytes
 from snugfit.plan.plan import OptimizerPlan
 from snugfit.plan.policies import ACTIVATION_POLICIES, ActivationPolicy

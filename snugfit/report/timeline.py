@@ -16,7 +16,8 @@ from matplotlib.patches import Patch
 
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.estimate import StepEstimate, estimate_step
-from snugfit.plan.memory import device_bytes, device_saved
+from snugfit.plan.memory import device_bytes
+from snugfit.plan.piece_memory import device_saved
 from snugfit.plan.plan import Plan
 from snugfit.plan.schedules import COMPUTE
 from snugfit.plan.simulate import Event, SimResult

@@ -14,11 +14,13 @@ from snugfit.plan import schedules
 from snugfit.runtime.apply import Weights, check_launch, parallelize, place, read_weights
 from snugfit.runtime.bpipe import BPipe
 from snugfit.runtime.dist import DistEnv, ensure_process_group
-from snugfit.runtime.engine import Accumulate, Engine, OptimConfig
+from snugfit.runtime.engine import Engine
 from snugfit.runtime.mesh import ParallelDims
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.runtime.pipeline import TorchSchedule, refuse_tied_embeddings, stage_parts
 from snugfit.runtime.precision import apply_mixed_precision
 from snugfit.runtime.sharding import DTYPES
+from snugfit.runtime.step_runner import Accumulate
 
 RUNNERS = {  # the schedules registry's runner name -> the step runner (model, stages, plan, dims, env)
     "accumulate": lambda model, stages, plan, dims, env: Accumulate(model),

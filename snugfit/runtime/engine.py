@@ -4,10 +4,12 @@ The trainer only talks to an engine: `train_step`, `eval_loss`, `set_lr`, `state
 How the model was parallelised (runtime.apply) is invisible to it; how a step's microbatches run is its
 step runner's business, one per runner the schedules registry (plan.schedules) names: `Accumulate` (no
 pipeline: each microbatch's forward and backward in turn, FSDP2's gradient sync off for all but the last, or
-on for every one where the plan reduces every microbatch: runtime.sharding.reduce_every_microbatch), a torch
-pipeline schedule (runtime.pipeline) or BPipe (runtime.bpipe). The engine keeps what every step needs: the
-loss's divisors, exact global-norm clipping over data-parallel and pipeline ranks, AdamW on device and the host
-optimizer of partially offloaded units (`runtime.offload`), loss scaling, checkpoints.
+on for every one where the plan reduces every microbatch: runtime.sharding.reduce_every_microbatch;
+runtime.step_runner), a torch pipeline schedule (runtime.pipeline) or BPipe (runtime.bpipe). The engine keeps
+what every step needs: the microbatches and the loss's divisors (runtime.microbatches), exact global-norm
+clipping over data-parallel and pipeline ranks (runtime.grad_norm), each unit's optimizer on device
+(runtime.optimizer builds them) and the host optimizer of partially offloaded units (`runtime.offload`), loss
+scaling, checkpoints.
 """
 
 from __future__ import annotations
@@ -16,29 +18,28 @@ import logging
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from snugfit.data.instruct import IGNORE
-from snugfit.plan import Plan, PlanError
+from snugfit.plan import Plan
 from snugfit.plan.optimizer import describe
 from snugfit.report.trace import StepTrace
+from snugfit.runtime.grad_norm import global_grad_norm
 from snugfit.runtime.loss_scale import LossScale
 from snugfit.runtime.memory import MemoryTracker, local
+from snugfit.runtime.microbatches import loss_divisors, split_batch
 from snugfit.runtime.offload import HostOffload
-from snugfit.runtime.optimizer import (  # noqa: F401 - OptimConfig, make_adamw: where callers have found them
-    OptimConfig, OptimUnit, load_state, make_adamw, make_optimizer, optimizer_units, saved_state, set_lr,
+from snugfit.runtime.optimizer import (
+    OptimConfig, OptimUnit, load_state, make_optimizer, optimizer_units, saved_state, set_lr,
 )
 from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.step_in_backward import StepInBackward
+from snugfit.runtime.step_runner import Accumulate, StepRunner
 from snugfit.runtime.stream_states import StreamedStates
-from snugfit.runtime.tensor_parallel import vocab_parallel_loss
 
 log = logging.getLogger(__name__)
 
@@ -49,139 +50,6 @@ class StepResult:
     grad_norm: float  # global, before clipping
     skipped: bool  # non-finite loss or gradient: no update was made
     overflow: bool = False  # of which: fp16 gradients overflowed the loss scale (expected now and then)
-
-
-def split_batch(batch: torch.Tensor, plan: Plan) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's batch -> [(inputs, targets)] per microbatch.
-
-    2-D (rows, seq+1): a token stream, targets are the inputs shifted by one.
-    3-D (rows, 2, seq+1): instruction data, row 0 tokens and row 1 targets
-    (-100 where no loss is taken, e.g. the prompt), shifted the same way.
-    """
-    rows, cols = plan.num_microbatches * plan.micro_batch_size, plan.seq_len + 1
-    expected = (rows, cols) if batch.dim() != 3 else (rows, 2, cols)
-    if tuple(batch.shape) != expected:
-        raise PlanError(
-            f"batch of shape {tuple(batch.shape)} does not fit the plan: each rank needs "
-            f"(num_microbatches x micro_batch_size, seq_len + 1) = ({rows}, {cols}), "
-            f"or ({rows}, 2, {cols}) for (tokens, targets) pairs"
-        )
-    tokens, labels = (batch, batch) if batch.dim() == 2 else (batch[:, 0], batch[:, 1])
-    inputs, targets = tokens[:, :-1], labels[:, 1:]
-    return list(zip(inputs.split(plan.micro_batch_size), targets.split(plan.micro_batch_size)))
-
-
-def loss_divisors(batch: torch.Tensor, plan: Plan, dp_group=None, device: torch.device | None = None) -> list[float]:
-    """What each microbatch's mean loss is divided by, so that the step loss is the mean over every target token
-    of the global batch, however the tokens fall into microbatches and ranks.
-
-    Summed over microbatches and averaged over dp ranks (as FSDP2 averages gradients),
-    mean_i / d_i with d_i = (targets in the global batch) / (dp x targets in microbatch i)
-    is (sum of token losses) / (targets in the global batch). Every position of a token
-    stream is a target, so there d_i is exactly num_microbatches, as it always was, and
-    nothing is counted; instruction data (prompts and padding masked) gathers its count
-    over dp. A microbatch without targets has no mean (NaN): the step is skipped.
-    """
-    m = plan.num_microbatches
-    if batch.dim() == 2:
-        return [float(m)] * m
-    counts = (batch[:, 1, 1:] != IGNORE).reshape(m, -1).sum(1)
-    total = counts.sum().to(device)
-    if dp_group is not None:
-        dist.all_reduce(total, group=dp_group)
-    return [total.item() / (plan.dp * max(c, 1)) for c in counts.tolist()]
-
-
-def shard_groups(p: torch.Tensor) -> tuple:
-    """The process groups over which p's local pieces partition it (FSDP2's dp, tensor parallelism's tp: each
-    mesh dimension that shards it), empty if this rank holds all of it."""
-    if not isinstance(p, DTensor):
-        return ()
-    # not is_shard(): FSDP2 over a tensor-parallel weight shards it with _StridedShard, which is no Shard
-    return tuple(p.device_mesh.get_group(dim) for dim, placement in enumerate(p.placements)
-                 if not (placement.is_replicate() or placement.is_partial()) and p.device_mesh.size(dim) > 1)
-
-
-def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                     stage_group=None) -> torch.Tensor:
-    """L2 norm over all (parameter, local gradient) pairs: shards are summed over their groups, replicas counted
-    once.
-
-    stage_group: pipeline ranks holding disjoint parts of the model; their squares add up too.
-
-    Hand-written because torch's clip_grad_norm_ cannot mix DTensors of different
-    meshes (zero 0 blocks live on a 2-D mesh, sharded ones on a 1-D mesh) and
-    knows nothing of gradients held on host.
-    """
-    by_groups: dict[tuple, list[torch.Tensor]] = {}
-    for p, g in grads:
-        g = local(g)
-        by_groups.setdefault((shard_groups(p), g.device, g.dtype), []).append(g)
-    squares: dict[tuple, torch.Tensor] = {}
-    for (groups, _, _), tensors in by_groups.items():  # one foreach kernel per kind, not four operators per tensor
-        sq = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum().to(device)
-        squares[groups] = squares[groups] + sq if groups in squares else sq
-    total = torch.zeros((), device=device)
-    for groups, sq in squares.items():
-        for group in groups:  # a 2-D shard: sum over dp, then over tp
-            dist.all_reduce(sq, group=group)
-        total += sq
-    if stage_group is not None:
-        dist.all_reduce(total, group=stage_group)
-    return total.sqrt()
-
-
-class StepRunner(Protocol):
-    """How one step's microbatches run on this rank (the plan's schedule's runner, plan.schedules)."""
-
-    stage_group: object  # the pipeline group whose ranks hold the model's other parts (None: this rank has all)
-    units: tuple[nn.Module, ...]  # FSDP2 root units beside the model (pipeline stages), for the memory tracker
-
-    def train(self, engine: "Engine", micro: list[tuple[torch.Tensor, torch.Tensor]],
-              divisors: list[float]) -> torch.Tensor:
-        """Forward and backward of every microbatch (gradients left in place); the step's loss on this rank."""
-
-    def eval(self, engine: "Engine", micro: list[tuple[torch.Tensor, torch.Tensor]],
-             divisors: list[float]) -> torch.Tensor:
-        """The step's loss on this rank, forward only."""
-
-
-class Accumulate:
-    """No pipeline: each microbatch's forward and backward in turn, the gradients accumulated. FSDP2 reduces
-    them in the last microbatch's backward only (or in every one: runtime.sharding.reduce_every_microbatch)."""
-
-    stage_group = None
-    units: tuple[nn.Module, ...] = ()
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def train(self, engine: "Engine", micro: list[tuple[torch.Tensor, torch.Tensor]],
-              divisors: list[float]) -> torch.Tensor:
-        total = torch.zeros((), device=engine.device)
-        for i, (inputs, targets) in enumerate(micro):
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            elif engine.cast is not None:
-                engine.cast.keep = i < len(micro) - 1  # the last backward drops each compute copy once used
-            with vocab_parallel_loss(engine.plan):
-                with engine.span("F", i), engine.memory.track_activations() if engine.track_memory else nullcontext():
-                    loss = local(self.model(inputs, targets)) / divisors[i]
-                engine.sample()
-                with engine.span("B", i):
-                    (loss * engine.loss_scale).backward()
-            total += loss.detach()
-        engine.sample()
-        return total
-
-    @torch.no_grad()
-    def eval(self, engine: "Engine", micro: list[tuple[torch.Tensor, torch.Tensor]],
-             divisors: list[float]) -> torch.Tensor:
-        total = torch.zeros((), device=engine.device)
-        for (inputs, targets), divisor in zip(micro, divisors):
-            with vocab_parallel_loss(engine.plan):
-                total += local(self.model(inputs, targets)).float() / divisor
-        return total
 
 
 class Engine:

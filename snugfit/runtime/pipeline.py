@@ -10,7 +10,7 @@ full model under any split. `StageModule`s are views over it, one per stage; run
 a model part of its own (runtime.apply.parallelize: tensor parallelism, activation policies, FSDP2 with the
 stage as the root unit of its embedding/final norm/head).
 
-The runners (`engine.StepRunner`, one per runner the schedules registry names):
+The runners (`step_runner.StepRunner`, one per runner the schedules registry names):
 - `TorchSchedule`: the plan's action program (plan.schedules, the one the time model simulates) handed to
   torch.distributed.pipelining's `_PipelineScheduleRuntime`: 1F1B, interleaved, zero bubble (I and W), V.
 - `runtime.bpipe.BPipe`: the program with BPipe's evictions, run by hand (torch's runtime has no evict/load).
@@ -126,7 +126,7 @@ class PipelineRunner:
         self.n_stages = len(plan.stage_ranges())
         self.is_last = stages[-1].index == self.n_stages - 1
         self.engine = None  # the engine running the current step (its trace, memory tracker, loss scale)
-        self.divisors: list[float] = []  # this step's, per microbatch (`engine.loss_divisors`)
+        self.divisors: list[float] = []  # this step's, per microbatch (`microbatches.loss_divisors`)
 
     def train(self, engine, micro: list[tuple[torch.Tensor, torch.Tensor]], divisors: list[float]) -> torch.Tensor:
         self.engine, self.divisors = engine, divisors

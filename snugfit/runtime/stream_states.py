@@ -6,7 +6,7 @@ and per step the device's update costs the states' bytes over PCIe twice (a quar
 instead of the host's much slower update. Units step in the order backward finishes them, so while one steps the
 next block's states are already coming in (`prefetch`), on a copy stream beside the compute; stepping in backward
 (runtime.step_in_backward) the copies overlap the rest of backward. The device holds two units' states at most
-(plan.memory.stream_windows).
+(plan.piece_memory.stream_windows).
 
 The states stay the optimizer's own tensors (plain, DTensors, torchao's quantized subclasses): only the storages
 behind them are emptied (`untyped_storage().resize_(0)`, as FSDP2 frees its gathered copies) and refilled, so the

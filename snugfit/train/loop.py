@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from snugfit.config import RunConfig, optimizer_plan
@@ -21,9 +20,10 @@ from snugfit.plan import Plan, PlanError
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.compile import compile_seconds
 from snugfit.runtime.dist import DistEnv, init_distributed, launch_attempt, release_cached_groups
-from snugfit.runtime.engine import Engine, OptimConfig
+from snugfit.runtime.engine import Engine
 from snugfit.runtime.host_alloc import return_freed_host_memory
 from snugfit.runtime.launch import die_with_launcher
+from snugfit.runtime.optimizer import OptimConfig
 from snugfit.train.autoplan import run_dtype, search_plan
 from snugfit.train.calibration import StepProbe
 from snugfit.train.build import build_data, build_model, model_identity, model_weights
@@ -111,7 +111,8 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
             f"{' in backward' if o.in_backward else ''}, the run asks otherwise; set --master-weights "
             f"{o.master_weights} --optimizer-states {o.states} "
             f"--optimizer-in-backward {str(o.in_backward).lower()}")
-    plan.compile = plan.compile if t.compile is None else t.compile  # --compile true|false overrides a plan file
+    if t.compile is not None:  # --compile true|false overrides a plan file
+        plan.compile = t.compile
     return plan
 
 
@@ -215,7 +216,10 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
             compiling = compile_seconds() - compiling if plan.compile else 0.0
             window.append(time.perf_counter() - t0 - compiling)
             if compiling and env.is_main:
-                _say(f"compiled the blocks in {compiling:.1f} s (step {done}; not counted in its step time)", bar)
+                guess = plan.predicted.compile_s if plan.predicted else 0.0
+                predicted = f", ~{guess:.0f} s predicted" if guess else ""
+                _say(f"compiled the blocks in {compiling:.1f} s (step {done}{predicted}; not counted in its step "
+                     "time)", bar)
             probe.after(engine, done)
             result.losses[done] = res.loss
             result.last_step = done

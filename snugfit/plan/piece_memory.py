@@ -1,0 +1,212 @@
+"""Memory model, per piece: what one piece (embedding, block, head) holds on a rank under its BlockPlan.
+
+It describes what the runtime (FSDP2 per block, runtime/offload.py) holds. Per
+parameter element (c = compute-dtype bytes, g = reduce-dtype bytes, dp = data-parallel
+degree; t = trainable elements: frozen ones have no gradient, master or optimizer state):
+  parameters  the local shard at rest: trainable elements in the master dtype (plan.optimizer: fp32 4 each, bf16 2;
+              FSDP2 casts when it gathers); frozen ones in the compute dtype, c each (no master
+              to keep; their own category, frozen_parameters); /dp for zero >= 1 (FSDP2 shards at rest for
+              zero 1-2 too: zero 1 runs as zero 2). offload_optimizer units keep trainable shards in c.
+  comm_buffers the unsharded compute copies FSDP2 all-gathers (c per element): the root
+              unit from forward through backward, zero 0-2 blocks until their backward (FSDP2
+              reshards after it; zero 0 too: FSDP2 copies even on a one-rank shard group,
+              though not frozen elements, which a zero-0 unit leaves out of FSDP2); a zero-3
+              block while it runs, plus, in backward, the one FSDP2 prefetches for the next.
+  reduce_buffers in the backward that syncs, FSDP2's reduce-scatter inputs (g per element,
+              unsharded) and the head's unsharded gradient (plan.reduce_memory).
+  gradients   accumulating (gradient sync off, microbatches after the first): unsharded,
+              g per trainable element, whatever the ZeRO stage; after the reduction: the
+              shard in the master dtype (/dp for zero >= 1), on host for offloaded units. With grad_reduce
+              "microbatch" every backward reduces, so only the shard accumulates. With the step in backward
+              (plan.optimizer.in_backward) a unit's shard is freed once it has stepped: no step-wide buffer, but
+              the stepping unit's.
+  optimizer_states  AdamW's two states (plan.optimizer: fp32, bf16, or torchao's 8- and 4-bit ones with their
+              scales), /dp for zero >= 1.
+  offload_optimizer: master shard, its gradient and the states on host (and the
+              master cast to the compute dtype, staged for the copy back).
+  offload_params (zero 3): shard, gradient shard and states on host.
+  stream_states: the states on host; the update runs on the device, which holds two units' states around each
+              unit's step (the one stepping, the next copied in): `stream_windows`.
+
+A piece's saved activations (device_saved, host_saved) are the bytes it saves under its policy
+(profile.saved_bytes). memory.py adds the pieces up at each moment of a rank's step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snugfit.plan.optimizer import master_bytes, state_bytes
+from snugfit.plan.plan import BlockPlan, Plan
+from snugfit.plan.policies import KEEP
+from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile, nf4_bytes
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StagePiece:
+    piece: PieceProfile
+    decision: BlockPlan
+    n_params: int  # parameters this rank holds for the piece (tied weights included on the last stage)
+    n_trainable: int = -1  # of which trainable; -1: the piece's trainable count (+ tied weights)
+
+    def __post_init__(self) -> None:
+        if self.n_trainable < 0:
+            self.n_trainable = self.piece.num_trainable + self.n_params - self.piece.num_params
+
+    @property
+    def is_block(self) -> bool:
+        return self.piece.name.startswith("block")
+
+
+def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[StagePiece]]:
+    """Global stage index -> its pieces, for the stages pipeline rank pp_rank runs."""
+    ranges = plan.stage_ranges()
+    last = len(ranges) - 1
+    out: dict[int, list[StagePiece]] = {}
+    for k in plan.stages_of(pp_rank):
+        blocks = ranges[k]
+        pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
+        pieces += [StagePiece(prof.blocks[i], plan.blocks[i], prof.blocks[i].num_params) for i in blocks]
+        if k == last:
+            # the head needs its own copy of tied weights on another rank than the embedding's
+            tied = prof.tied_params if plan.stage_rank(last) != plan.stage_rank(0) else 0
+            pieces.append(StagePiece(prof.head, plan.root, prof.head.num_params + tied))
+        out[k] = pieces
+    return out
+
+
+def wrapped_params(sp: StagePiece, dp: int) -> int:
+    """Elements of the piece FSDP2 manages (runtime/sharding.py): a zero-0 unit leaves its frozen ones out, and
+    a unit of one data-parallel rank its NF4 ones (torchao's all-gather hooks need a real all-gather)."""
+    if sp.decision.zero == 0:
+        return sp.n_trainable
+    return sp.n_params - (sp.piece.quantized if dp == 1 else 0)
+
+
+def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
+    """The unsharded copy FSDP2 all-gathers for the piece: the compute dtype, NF4 weights as they are stored (each
+    matmul dequantizes its own, a transient). A model that runs unwrapped holds none in fp32, and below it the
+    compute copies of its trainable parameters (runtime.precision), what a zero-0 unit gathers."""
+    if plan.runs_unwrapped and plan.compute_dtype == "float32":
+        return 0
+    nf4 = sp.piece.quantized if sp.decision.zero > 0 and plan.dp > 1 else 0
+    return (wrapped_params(sp, plan.dp) - nf4) * DTYPE_BYTES[plan.compute_dtype] + nf4_bytes(nf4)
+
+
+def stored_params(plan: Plan, sp: StagePiece, trainable_bytes: int = 4) -> dict[str, int]:
+    """The piece's parameters as stored, unsharded: trainable ones at `trainable_bytes` each ("parameters"),
+    frozen ones in the compute dtype ("frozen_parameters"), or in NF4 where quantized (QLoRA: about 0.52 bytes
+    each)."""
+    out = {"parameters": sp.n_trainable * trainable_bytes}
+    if sp.n_params > sp.n_trainable:
+        frozen = DTYPE_BYTES[plan.compute_dtype]
+        nf4 = sp.piece.quantized
+        out["frozen_parameters"] = (sp.n_params - sp.n_trainable - nf4) * frozen + nf4_bytes(nf4)
+    return out
+
+
+def _sharded(part: dict[str, int], div: int) -> dict[str, int]:
+    return {k: _ceil_div(v, div) for k, v in part.items()}
+
+
+def accumulating_grad_bytes(plan: Plan, sp: StagePiece) -> int:
+    """Unsharded gradient held while gradient sync is off (microbatches before the last)."""
+    return sp.n_trainable * DTYPE_BYTES[plan.reduce_dtype]
+
+
+def optimizer_state_bytes(plan: Plan, sp: StagePiece) -> int:
+    """This rank's bytes of the piece's optimizer states (plan.optimizer), wherever they live."""
+    return state_bytes(plan.optimizer, sp.piece.matrices, sp.n_trainable, plan.dp if sp.decision.zero >= 1 else 1)
+
+
+def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, int]]:
+    """(device, host) bytes of one piece held through a step (see the module docstring).
+
+    Device gradients are the reduced shard; comm_buffers the compute copy a zero 0-2
+    piece keeps from forward through backward (a zero-3 one gathers only while it runs).
+    """
+    t, d, dp = sp.n_trainable, sp.decision, plan.dp
+    div = dp if d.zero >= 1 else 1
+    mb, states = master_bytes(plan.optimizer), optimizer_state_bytes(plan, sp)
+    if d.offload_params:  # host shards serve as master weights; the device only gathers
+        host = {**_sharded(stored_params(plan, sp, mb), dp), "gradients": _ceil_div(t * mb, dp),
+                "optimizer_states": states}
+        if dp == 1 and sp.piece.quantized:  # NF4 weights FSDP2 leaves out (wrapped_params) stay on the device
+            nf4 = nf4_bytes(sp.piece.quantized)
+            host["frozen_parameters"] -= nf4
+            return {"frozen_parameters": nf4}, host
+        return {}, host
+    dev = {"comm_buffers": gathered_bytes(plan, sp) if d.zero < 3 else 0}
+    if d.offload_optimizer:  # trainable shards are stored in the compute dtype; masters, gradients, states on host
+        cbytes = DTYPE_BYTES[plan.compute_dtype]
+        dev.update(_sharded(stored_params(plan, sp, cbytes), div))
+        host = {"master_weights": _ceil_div(t * mb, div), "gradients": _ceil_div(t * mb, div),
+                "optimizer_states": states}
+        if cbytes != mb:  # the masters cast for the copy back (runtime.offload's staged copies)
+            host["staging"] = _ceil_div(t * cbytes, div)
+        return dev, host
+    dev.update(_sharded(stored_params(plan, sp, mb), div), gradients=_ceil_div(t * mb, div))
+    if d.stream_states:
+        return dev, {"optimizer_states": states}
+    dev["optimizer_states"] = states
+    return dev, {}
+
+
+def unit_pieces(pieces: list[StagePiece]) -> list[list[StagePiece]]:
+    """The FSDP2 units (and optimizer units) among a rank's pieces: each block, and the root pieces together."""
+    return [[sp] for sp in pieces if sp.is_block] + ([root] if (root := [sp for sp in pieces if not sp.is_block])
+                                                      else [])
+
+
+def stream_windows(plan: Plan, pieces: list[StagePiece]) -> tuple[dict[str, int], dict[str, int]]:
+    """Device bytes of streamed optimizer states at each unit's reduce and at its step, by the unit's first
+    piece's name (runtime.stream_states): a unit steps with its own states, and the next streamed block's coming
+    in; it has them at its reduce already where the unit before it copied them in. Units step in the order
+    backward finishes them: the last block first, then the root pieces, whose states (the largest: embedding and
+    head) come in only for their own step."""
+    units = unit_pieces(pieces)
+    order = [u for u in units if u[0].is_block][::-1] + [u for u in units if not u[0].is_block]
+    states = [sum(optimizer_state_bytes(plan, sp) for sp in u) if u[0].decision.stream_states else 0 for u in order]
+    at_reduce, at_step = {}, {}
+    prefetched = 0
+    for k, u in enumerate(order):
+        name = u[0].piece.name
+        at_reduce[name] = prefetched
+        later = next((i for i in range(k + 1, len(order)) if states[i]), None)
+        prefetched = states[later] if states[k] and later is not None and order[later][0].is_block else 0
+        at_step[name] = states[k] + prefetched if states[k] else at_reduce[name]
+    return at_reduce, at_step
+
+
+def stepping_gradients(plan: Plan, pieces: list[StagePiece]) -> int:
+    """With the step in backward, the device gradient of the unit stepping: the largest unit's reduced shard."""
+    return max((sum(param_state(plan, sp)[0].get("gradients", 0) for sp in u) for u in unit_pieces(pieces)),
+               default=0)
+
+
+def device_saved(sp: StagePiece) -> int:
+    """Bytes of one microbatch's activations this piece keeps on device until its backward."""
+    policy = sp.decision.policy if sp.is_block else KEEP
+    if policy.on_host:
+        return 0
+    return sp.piece.saved_bytes.get(policy.keeps, sp.piece.saved_bytes["keep"])
+
+
+def host_saved(sp: StagePiece) -> int:
+    """Bytes of one microbatch's activations this piece keeps on host until its backward: all it saves
+    ("offload") or its recomputation checkpoint, the block input ("recompute_offload")."""
+    if not (sp.is_block and sp.decision.policy.on_host):
+        return 0
+    return sp.piece.saved_bytes[sp.decision.policy.keeps]
+
+
+def output_grad_bytes(plan: Plan, sp: StagePiece) -> int:
+    """What a split backward (zero-bubble schedules) holds of one microbatch between its I and its W beyond the
+    saved activations: the gradient of each trainable linear layer's output, which torch keeps for the weight
+    GEMM (pipelining's stage_backward_input)."""
+    share = sp.n_trainable / max(sp.n_params, 1)
+    return int(sum(m * n for m, n, _ in sp.piece.gemms) * share) * DTYPE_BYTES[plan.compute_dtype]
