@@ -1,6 +1,7 @@
 """Hardware catalogue, cluster specs, TOML files, and measuring this machine."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -88,22 +89,61 @@ def test_a_card_profile_hardware_measured_here_is_planned_as_measured():
     assert measured_card("NVIDIA Mystery 9000", 150109880320, 132, local).name == "NVIDIA Mystery 9000"
 
 
-def test_profile_hardware_measures_this_machine(tmp_path):
-    from snugfit.calibrate.hardware import profile_hardware
+def test_profile_hardware_measures_this_machine(tmp_path, monkeypatch):
+    import snugfit.calibrate.hardware as hardware
 
+    measured = []
+    step_efficiencies = hardware.step_efficiencies
+    monkeypatch.setattr(hardware, "step_efficiencies", lambda *a: measured.append(step_efficiencies(*a)) or measured[0])
     out = tmp_path / "hw.json"
-    local = profile_hardware(out, collectives=False)
+    local = hardware.profile_hardware(out, collectives=False)
     assert local.device.name == "cpu" and local.device.tflops["float32"] > 1e-3
     assert local.host.adam_params_per_s > 1e6 and local.device.hbm_gbps > 0.1
-    # measured rates are achieved rates: nothing scales them down (a positional GPU(...) once made this 0)
-    assert local.device.matmul_efficiency == local.device.mem_efficiency == 1.0
-    assert local.device.flops_per_s("float32") == local.device.tflops["float32"] * 1e12
+    # what a decoder's step reaches of the loop-measured rates (step_efficiencies), which flops_per_s and
+    # mem_bytes_per_s charge; a positional GPU(...) once made them 0
+    dev = local.device
+    assert (dev.matmul_efficiency, dev.mem_efficiency) == measured[0]
+    assert dev.matmul_efficiency > 0 and dev.mem_efficiency > 0
+    assert dev.flops_per_s("float32") == pytest.approx(dev.tflops["float32"] * 1e12 * dev.matmul_efficiency)
+    assert dev.mem_bytes_per_s() == pytest.approx(dev.hbm_gbps * 1e9 * dev.mem_efficiency)
     assert len(local.device.attention_tflops) == 2 and min(local.device.attention_tflops) > 1e-4
     assert 1e-7 < local.device.op_overhead_s < 1e-3 and 0 <= local.device.sac_overhead_s < 1e-3
     assert load_local(out) == local == LocalHardware.from_dict(local.to_dict())
     local.host.fsdp = {"2": {"gather": [1e-3, 0.0], "contention": [1.0]}}  # what an older snugfit measured
     local.save(out)
     assert load_local(out) is None  # so it is measured again, not read with costs missing
+
+
+def test_a_step_s_operators_are_timed_by_their_roofline_kind():
+    """step_efficiencies' timer charges each operator's seconds to the work the profile counts for it
+    (profile.record.op_cost): a linear layer's FLOPs, a memory-bound operator's bytes read and written."""
+    from snugfit.calibrate.hardware import _OpTimer
+
+    x, w = torch.randn(64, 32), torch.randn(16, 32)
+    timer = _OpTimer()
+    with timer:
+        y = torch.nn.functional.linear(x, w)
+        z = y + y
+        z.view(-1)
+    # linear's transpose and the views move nothing; the add reads two inputs and writes one output
+    assert [(kind, work) for kind, work, _ in timer.ops if kind != "none"] == [
+        ("gemm", 2 * 64 * 16 * 32), ("memory", 3 * z.numel() * 4)]
+    assert {work for kind, work, _ in timer.ops if kind == "none"} == {0}
+    assert timer.totals("gemm")[1] > 0 and timer.totals("memory")[1] > 0
+
+
+def test_probes_are_timed_by_the_clock_a_bench_chooses():
+    """bench/speed.py --cpu-time times the machine's probes in CPU time (use_clock), which other jobs on a shared
+    machine do not stretch; the wall clock otherwise."""
+    from snugfit.calibrate import timers
+
+    ticks = iter(range(0, 100, 5))
+    try:
+        timers.use_clock(lambda: float(next(ticks)))
+        assert timers.best_time(lambda: None, 3) == 5.0
+    finally:
+        timers.use_clock(time.perf_counter)
+    assert timers._clock[0] is time.perf_counter
 
 
 def test_gloo_collective_bandwidth_and_fsdp_overheads_between_two_processes():

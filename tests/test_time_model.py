@@ -321,3 +321,22 @@ def test_cpu_attention_runs_at_its_measured_rate_and_the_linear_layers_at_the_ma
     memory = block.fwd_mem_bytes / cpu.mem_bytes_per_s()
     assert fwd == pytest.approx(gemm / 0.2e12 + attention / 0.04e12 + memory)
     assert bwd > fwd and piece_compute(block, replace(cpu, attention_tflops=[]), "float32", None)[0] < fwd
+
+
+def test_a_cpu_step_runs_its_linear_layers_and_memory_bound_operators_at_their_measured_efficiencies():
+    """On this CPU, at one thread, a training step's GEMMs reached 0.8 of a square matmul's rate and its
+    memory-bound operators 0.45 of a copy's bandwidth (the default model's step, each operator timed).
+    profile_hardware measures both (calibrate.hardware.step_efficiencies); attention keeps its own measured rate."""
+    from dataclasses import replace
+
+    from snugfit.model.decoder import ModelConfig
+    from snugfit.profile.profile import profile_model
+
+    cfg = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=128)
+    block = profile_model(cfg, micro_batch_size=2, seq_len=128, dtype="float32", use_cache=False).blocks[0]
+    cpu = replace(parse_cluster("cpu").nodes[0].gpu, tflops={"float32": 0.2}, hbm_gbps=20.0, matmul_efficiency=0.8,
+                  mem_efficiency=0.4, op_overhead_s=0.0, attention_tflops=[0.04, 0.05])
+    gemm = sum(2.0 * m * n * k for m, n, k in block.gemms)
+    attention = block.fwd_flops - gemm
+    fwd, _ = piece_compute(block, cpu, "float32", None)
+    assert fwd == pytest.approx(gemm / (0.8 * 0.2e12) + attention / 0.04e12 + block.fwd_mem_bytes / (0.4 * 20e9))

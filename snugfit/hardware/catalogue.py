@@ -261,7 +261,7 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-MEASUREMENT_VERSION = 6
+MEASUREMENT_VERSION = 7
 
 
 @dataclass
@@ -275,7 +275,8 @@ class LocalHardware:
     # step (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate and
     # selective checkpointing's cost per operator; 4: the one-thread slowdown timed past the thread pool's start;
     # 5: the pipeline stage cost without saved-tensor accounting, FSDP2's costs timed interleaved; 6: attention's
-    # rate on GPUs too, and the host's optimizer step as the runtime runs it, past the CPU's caches
+    # rate on GPUs too, and the host's optimizer step as the runtime runs it, past the CPU's caches; 7: a CPU's
+    # matmul and memory efficiencies, what a decoder's training step reaches of its measured rates
     version: int = MEASUREMENT_VERSION
     compiled: bool = False  # device.compiled_launch_s was measured here (taken where compiled blocks are planned)
 

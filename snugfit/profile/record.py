@@ -69,6 +69,37 @@ def _sdpa_flops(args, kwargs, scale: float) -> float:
     return scale * 4.0 * b * h * sq * k.shape[-2] * d * (0.5 if causal else 1.0)
 
 
+@dataclass
+class OpCost:
+    """What one operator costs in a roofline: matmul FLOPs ("gemm", with its [M, N, K] for linear layers),
+    attention FLOPs ("attention"), or the bytes a memory-bound operator reads and writes ("memory"); "none": a
+    view or metadata query, which moves nothing."""
+
+    kind: str
+    flops: float = 0.0
+    mem_bytes: float = 0.0
+    gemm: list[int] | None = None
+
+
+def op_cost(func, args, kwargs, out) -> OpCost:
+    """The roofline cost of one dispatched operator: one classification for the profile (StepRecorder) and for
+    what profile-hardware measures in a real step (calibrate.hardware.step_efficiencies)."""
+    name = str(func._overloadpacket)
+    if func._overloadpacket in flop_registry:
+        gemm = None
+        if name in _GEMM_OPERANDS:
+            a, b = (args[i] for i in _GEMM_OPERANDS[name])
+            gemm = [a.shape[0], b.shape[1], a.shape[1]]
+        return OpCost("gemm", flop_registry[func._overloadpacket](*args, **kwargs, out_val=out), gemm=gemm)
+    if name in _SDPA_CPU:
+        return OpCost("attention", _sdpa_flops(args, kwargs, _SDPA_CPU[name]))
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if outs and name not in _NO_TRAFFIC and not any(r.alias_info is not None for r in func._schema.returns):
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        return OpCost("memory", mem_bytes=sum(_tensor_bytes(t) for t in ins + outs))
+    return OpCost("none")
+
+
 class StepRecorder(TorchDispatchMode):
     """Attribute ops, saved tensors and live memory to the piece that runs them."""
 
@@ -138,23 +169,17 @@ class StepRecorder(TorchDispatchMode):
         piece, phase = self.current
         rec = self.pieces[piece]
         stats = getattr(rec, phase)
-        name = str(func._overloadpacket)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         # an op that makes no tensor is a metadata query the fake tensors answer (prim.device: two of every three
         # ops counted before); eager runs never dispatch it, so it costs no time there
         stats.ops += bool(outs)
-        if func._overloadpacket in flop_registry:
-            stats.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
-            if name in _GEMM_OPERANDS:
-                a, b = (args[i] for i in _GEMM_OPERANDS[name])
-                stats.gemms.append([a.shape[0], b.shape[1], a.shape[1]])
-        elif name in _SDPA_CPU:
-            stats.flops += _sdpa_flops(args, kwargs, _SDPA_CPU[name])
+        cost = op_cost(func, args, kwargs, out)
+        stats.flops += cost.flops
+        stats.mem_bytes += cost.mem_bytes
+        if cost.gemm is not None:
+            stats.gemms.append(cost.gemm)
+        if cost.kind == "attention":
             rec.head_dim = args[0].shape[-1]
-        elif outs and name not in _NO_TRAFFIC and not any(r.alias_info is not None for r in func._schema.returns):
-            # ops that make no tensor (prim.device and other metadata queries fake tensors answer) move nothing
-            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            stats.mem_bytes += sum(_tensor_bytes(t) for t in ins + outs)
         for t in outs:
             self._track(t)
         if phase == "fwd":
