@@ -79,6 +79,6 @@ def _weigh(compiled: Plan, eager: Plan, steps: int, asked: bool) -> tuple[bool, 
     if repaid < steps:
         return True, (f"compile: chosen, {figures}; compiling the blocks (~{cost:.0f} s predicted, in the first "
                       f"step) is repaid in {repaid:.0f} of the run's {steps} steps (--compile false runs eager)")
-    why = (f"repaid only after {repaid:.0f} steps, more than the run's {steps}" if saved > 0
+    why = (f"repaid only after {repaid:.0f} steps, and the run has {steps}" if saved > 0
            else "compiled blocks are no faster here")
     return False, f"compile: not chosen, {figures}: {why} (--compile compiles anyway)"
