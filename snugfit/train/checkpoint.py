@@ -18,7 +18,6 @@ import re
 import shutil
 import threading
 import warnings
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,12 +34,10 @@ log = logging.getLogger("snugfit")
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
-@contextmanager
-def dcp_quiet():
-    """DCP warns at every single-process save and load that it is single-process; that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+# DCP warns at every single-process save and load that it is single-process; that is intended. Filtered for the
+# whole process, not around each call: an async save's background writer warns after the call has returned
+# (the README's default run printed it at each periodic checkpoint)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _barrier() -> None:
@@ -84,8 +81,7 @@ class Checkpoints:
             return final
         try:
             self._write_small(tmp, step, trainer_state)
-            with dcp_quiet():
-                dcp.save(engine_state, checkpoint_id=str(tmp), no_dist=self.env.world_size == 1)
+            dcp.save(engine_state, checkpoint_id=str(tmp), no_dist=self.env.world_size == 1)
         except (OSError, CheckpointException) as e:
             raise self._failed(final, tmp, e) from e
         _barrier()
@@ -112,8 +108,7 @@ class Checkpoints:
                  if multi else None)
         try:
             self._write_small(tmp, step, trainer_state)
-            with dcp_quiet():
-                future = dcp.async_save(engine_state, checkpoint_id=str(tmp), process_group=group, no_dist=not multi)
+            future = dcp.async_save(engine_state, checkpoint_id=str(tmp), process_group=group, no_dist=not multi)
         except (OSError, CheckpointException) as e:
             raise self._failed(final, tmp, e) from e
         self._in_flight = threading.Thread(target=self._commit_when_written, args=(future, group, final, tmp),
@@ -211,8 +206,7 @@ class Checkpoints:
                 raise SnugfitError(
                     f"checkpoint {path} is of another model (its [model] differs); resume with the same [model] settings"
                 )
-            with dcp_quiet():
-                dcp.load(engine_state, checkpoint_id=str(path), no_dist=self.env.world_size == 1)
+            dcp.load(engine_state, checkpoint_id=str(path), no_dist=self.env.world_size == 1)
         except (json.JSONDecodeError, RuntimeError, ValueError, KeyError, OSError, CheckpointException) as e:
             raise SnugfitError(
                 f"checkpoint {path} cannot be loaded ({root_cause(e)}); it is corrupt or from another model — "

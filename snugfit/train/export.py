@@ -16,7 +16,7 @@ from snugfit.model.export import save_model
 from snugfit.model.lora import merged_state_dict
 from snugfit.model.quantize import is_quantized
 from snugfit.train.build import build_model
-from snugfit.train.checkpoint import dcp_quiet, root_cause
+from snugfit.train.checkpoint import root_cause
 
 log = logging.getLogger("snugfit")
 
@@ -32,8 +32,7 @@ def load_checkpoint_model(path: Path) -> nn.Module:
     model = build_model(config_from_dict(json.loads(meta.read_text())["config"]))
     state = {"model": model.state_dict()}
     try:
-        with dcp_quiet():
-            dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path))
     except (RuntimeError, ValueError, KeyError, OSError, CheckpointException) as e:
         raise SnugfitError(f"checkpoint {path} cannot be read ({root_cause(e)}); it is corrupt") from e
     model.load_state_dict(state["model"])
