@@ -56,6 +56,7 @@ from snugfit.profile.profile import profile_model  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.compile import compile_seconds  # noqa: E402
 from snugfit.runtime.dist import DistEnv  # noqa: E402
+from snugfit.runtime.host_alloc import return_freed_host_memory  # noqa: E402
 from snugfit.runtime.optimizer import OptimConfig, make_adamw  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -195,6 +196,7 @@ def main() -> int:
     if args.cpu_time:
         torch.set_num_threads(1)  # the CPU time of one thread is this process's work alone
         use_clock(time.thread_time)
+    return_freed_host_memory()  # the host allocator as `snugfit train` runs it (train.loop), for every loop
     env = DistEnv(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if env.device.type == "cpu" and not args.smoke:
         # the predictions use this machine as it is now (a profile of its own, never the one `snugfit train` uses)

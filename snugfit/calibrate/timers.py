@@ -15,6 +15,11 @@ def clock() -> float:
     return _clock[0]()
 
 
+def current_clock() -> Callable[[], float]:
+    """What `clock` reads (a measurement in a process of its own times its probes with the same)."""
+    return _clock[0]
+
+
 def use_clock(fn: Callable[[], float]) -> None:
     """Time the probes with `fn`: time.thread_time at one thread counts this process's work alone, which a
     machine shared with other jobs stretches on the wall clock by as much as 25x (2 cores, load 10)."""

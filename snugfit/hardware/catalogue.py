@@ -62,6 +62,12 @@ class GPU:
     # measures a compiled block (0.1-0.2 s on this project's 2-core CPU, C++ kernels); elsewhere an estimate, not
     # yet measured on a GPU: inductor builds Triton kernels in parallel worker processes, under a second each
     compile_kernel_s: float = 0.5
+    # CPU ranks: bytes a second of the fresh memory a step's large tensors take (profile.record.OpCost.fresh_bytes:
+    # the host allocator maps each one afresh, runtime.host_alloc, and the kernel zeroes and maps its pages as an
+    # operator first writes them). profile_hardware measures it (3-4 GB/s on this project's 2-core CPU: about 15% of
+    # bench/speed.py's 1B-shaped step, its 32k vocabulary's logits). 0: not charged, as on a GPU, whose caching
+    # allocator keeps what it freed
+    page_in_bytes_per_s: float = 0.0
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
     p2p: bool = True
@@ -261,7 +267,7 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-MEASUREMENT_VERSION = 7
+MEASUREMENT_VERSION = 8
 
 
 @dataclass
@@ -276,7 +282,8 @@ class LocalHardware:
     # selective checkpointing's cost per operator; 4: the one-thread slowdown timed past the thread pool's start;
     # 5: the pipeline stage cost without saved-tensor accounting, FSDP2's costs timed interleaved; 6: attention's
     # rate on GPUs too, and the host's optimizer step as the runtime runs it, past the CPU's caches; 7: a CPU's
-    # matmul and memory efficiencies, what a decoder's training step reaches of its measured rates
+    # matmul and memory efficiencies, what a decoder's training step reaches of its measured rates; 8: a CPU's page-in
+    # rate for a step's fresh tensors
     version: int = MEASUREMENT_VERSION
     compiled: bool = False  # device.compiled_launch_s was measured here (taken where compiled blocks are planned)
 

@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from snugfit.runtime.host_alloc import MMAP_THRESHOLD_BYTES
+
 log = logging.getLogger(__name__)
 
 # operators inductor hands to a library kernel rather than fusing (matmuls, attention): the GEMM and attention
@@ -38,6 +40,7 @@ _EXTERN_PREFIXES = ("_scaled_dot_product", "_flash_attention", "_efficient_atten
 class GraphCost:
     mem_bytes: float = 0.0  # read + written by the fused memory-bound kernels
     launches: int = 0  # fused kernels + library kernels
+    fresh_bytes: float = 0.0  # what its kernels write to new tensors of MMAP_THRESHOLD_BYTES or more (OpCost.fresh_bytes)
     saved_bytes: int = 0  # forward graph only: activations kept for backward
 
 
@@ -46,6 +49,13 @@ def _bytes(node) -> int:
     if isinstance(val, torch.Tensor):
         return val.numel() * val.element_size()
     return 0
+
+
+def _fresh(node) -> int:
+    """Bytes of the node's outputs that a CPU rank's allocator maps afresh (runtime.host_alloc)."""
+    vals = tree_flatten(node.meta.get("val"))[0]
+    return sum(n for v in vals if isinstance(v, torch.Tensor)
+               and (n := v.numel() * v.element_size()) >= MMAP_THRESHOLD_BYTES)
 
 
 def _is_view(node) -> bool:
@@ -101,8 +111,10 @@ def graph_cost(gm: torch.fx.GraphModule, skip: set[str] = frozenset()) -> GraphC
                 if b is None or (b in group and find(b) is root):
                     continue
                 reads[b] = max(reads.get(b, 0), min(_bytes(a), _bytes(b)) or _bytes(a))  # a slice reads less
-        writes = sum(_bytes(n) for n in members if any(c not in group or find(c) is not root for c in consumers(n)))
-        cost.mem_bytes += sum(reads.values()) + writes
+        leaving = [n for n in members if any(c not in group or find(c) is not root for c in consumers(n))]
+        cost.mem_bytes += sum(reads.values()) + sum(map(_bytes, leaving))
+        cost.fresh_bytes += sum(map(_fresh, leaving))
+    cost.fresh_bytes += sum(_fresh(n) for n in nodes if _is_extern(n))
     output = next(n for n in reversed(nodes) if n.op == "output")
     outs = tree_flatten(output.args)[0][1:]  # after the block's output: what backward needs
     saved = {base[o] for o in outs if o in base and not (base[o].op == "placeholder" and base[o].name in skip)}

@@ -103,6 +103,7 @@ def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int, 
         saved_bytes=saved,
         fwd_peak_bytes=rec.fwd.peak_delta, bwd_peak_bytes=rec.bwd.peak_delta, fwd_flops=rec.fwd.flops,
         bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,
+        fwd_fresh_bytes=rec.fwd.fresh_bytes, bwd_fresh_bytes=rec.bwd.fresh_bytes,
         fwd_ops=rec.fwd.ops, bwd_ops=rec.bwd.ops, gemms=rec.fwd.gemms, head_dim=rec.head_dim,
     )
 
@@ -113,6 +114,7 @@ def _compiled(piece: PieceProfile, fwd: GraphCost, bwd: GraphCost) -> PieceProfi
     keep = max(fwd.saved_bytes, piece.input_bytes)
     saved = {k: keep if k == "keep" else min(keep, v) for k, v in piece.saved_bytes.items()}
     return replace(piece, saved_bytes=saved, fwd_mem_bytes=fwd.mem_bytes, bwd_mem_bytes=bwd.mem_bytes,
+                   fwd_fresh_bytes=fwd.fresh_bytes, bwd_fresh_bytes=bwd.fresh_bytes,
                    fwd_ops=fwd.launches, bwd_ops=bwd.launches, compiled=True)
 
 

@@ -8,6 +8,8 @@ saved-tensors hook sees what autograd keeps. Per piece and phase we record:
 
 - FLOPs of matmul-like ops (torch's flop formulas; SDPA on CPU added here),
 - bytes read + written by the other, memory-bound ops that make a tensor (a roofline's second term),
+- bytes of the tensors its ops allocate that a CPU rank's allocator maps fresh (runtime.host_alloc), paged in at
+  first touch,
 - bytes saved for backward, each storage counted once, parameters and buffers skipped,
 - the peak of live tensor bytes above the live bytes at the piece's start,
 - per selective recomputation policy: bytes of the op outputs it keeps (model.recompute.keeps_output).
@@ -27,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from snugfit.model.recompute import GEMM_OPS, SELECTIVE_POLICIES, keeps_output
+from snugfit.runtime.host_alloc import MMAP_THRESHOLD_BYTES
 _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 
@@ -41,6 +44,7 @@ _GEMM_OPERANDS = {"aten.mm": (0, 1), "aten.addmm": (1, 2)}
 class PhaseStats:
     flops: float = 0.0
     mem_bytes: float = 0.0  # traffic of non-matmul ops
+    fresh_bytes: float = 0.0  # of the tensors its ops allocate, those of MMAP_THRESHOLD_BYTES or more (OpCost)
     ops: int = 0  # operators dispatched: each costs a fixed launch/dispatch time, whatever the batch
     peak_delta: int = 0  # peak live bytes above the live bytes at the piece's start
     gemms: list[list[int]] = field(default_factory=list)  # 2-D matmuls (linear layers) as [M, N, K]
@@ -73,30 +77,36 @@ def _sdpa_flops(args, kwargs, scale: float) -> float:
 class OpCost:
     """What one operator costs in a roofline: matmul FLOPs ("gemm", with its [M, N, K] for linear layers),
     attention FLOPs ("attention"), or the bytes a memory-bound operator reads and writes ("memory"); "none": a
-    view or metadata query, which moves nothing."""
+    view or metadata query, which moves nothing. fresh_bytes: of the tensors it allocates (not views, not written in
+    place), those of MMAP_THRESHOLD_BYTES or more, which a CPU rank's allocator maps afresh for each one
+    (runtime.host_alloc) and the kernel pages in as the operator first writes them."""
 
     kind: str
     flops: float = 0.0
     mem_bytes: float = 0.0
     gemm: list[int] | None = None
+    fresh_bytes: float = 0.0
 
 
 def op_cost(func, args, kwargs, out) -> OpCost:
     """The roofline cost of one dispatched operator: one classification for the profile (StepRecorder) and for
     what profile-hardware measures in a real step (calibrate.hardware.step_efficiencies)."""
     name = str(func._overloadpacket)
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    makes = bool(outs) and name not in _NO_TRAFFIC and not any(r.alias_info is not None for r in func._schema.returns)
+    fresh = sum(n for n in map(_tensor_bytes, outs) if n >= MMAP_THRESHOLD_BYTES) if makes else 0
     if func._overloadpacket in flop_registry:
         gemm = None
         if name in _GEMM_OPERANDS:
             a, b = (args[i] for i in _GEMM_OPERANDS[name])
             gemm = [a.shape[0], b.shape[1], a.shape[1]]
-        return OpCost("gemm", flop_registry[func._overloadpacket](*args, **kwargs, out_val=out), gemm=gemm)
+        return OpCost("gemm", flop_registry[func._overloadpacket](*args, **kwargs, out_val=out), gemm=gemm,
+                      fresh_bytes=fresh)
     if name in _SDPA_CPU:
-        return OpCost("attention", _sdpa_flops(args, kwargs, _SDPA_CPU[name]))
-    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    if outs and name not in _NO_TRAFFIC and not any(r.alias_info is not None for r in func._schema.returns):
+        return OpCost("attention", _sdpa_flops(args, kwargs, _SDPA_CPU[name]), fresh_bytes=fresh)
+    if makes:
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        return OpCost("memory", mem_bytes=sum(_tensor_bytes(t) for t in ins + outs))
+        return OpCost("memory", mem_bytes=sum(_tensor_bytes(t) for t in ins + outs), fresh_bytes=fresh)
     return OpCost("none")
 
 
@@ -176,6 +186,7 @@ class StepRecorder(TorchDispatchMode):
         cost = op_cost(func, args, kwargs, out)
         stats.flops += cost.flops
         stats.mem_bytes += cost.mem_bytes
+        stats.fresh_bytes += cost.fresh_bytes
         if cost.gemm is not None:
             stats.gemms.append(cost.gemm)
         if cost.kind == "attention":

@@ -14,7 +14,7 @@ from pathlib import Path
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
 # 14: "selective_half"'s saved bytes and measured recompute time; 15-16: trainable matrices' sizes (quantized states),
 # the peaks' fixed part; 17: compiled blocks (profile.compiled); 18: eager NF4 traffic as torchao moves it
-PROFILE_VERSION = 18
+PROFILE_VERSION = 19
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -54,6 +54,10 @@ class PieceProfile:
     bwd_flops: float = 0.0
     fwd_mem_bytes: float = 0.0  # bytes moved by memory-bound (non-matmul) ops
     bwd_mem_bytes: float = 0.0
+    # of the tensors it allocates, the bytes a CPU rank's allocator maps afresh and pages in at first touch
+    # (profile.record.OpCost.fresh_bytes; plan.timing charges them at GPU.page_in_bytes_per_s)
+    fwd_fresh_bytes: float = 0.0
+    bwd_fresh_bytes: float = 0.0
     fwd_ops: int = 0  # operators dispatched (the same at any micro-batch size)
     bwd_ops: int = 0
     fwd_time_s: float | None = None  # measured on ModelProfile.device, if measured
@@ -173,7 +177,8 @@ class ModelProfile:
                 fwd_peak_bytes=peak(p.fwd_peak_bytes, p.fwd_peak_fixed_bytes, 0),
                 bwd_peak_bytes=peak(p.bwd_peak_bytes, p.bwd_peak_fixed_bytes, grads),
                 fwd_flops=p.fwd_flops * r, bwd_flops=p.bwd_flops * r, fwd_mem_bytes=p.fwd_mem_bytes * r,
-                bwd_mem_bytes=p.bwd_mem_bytes * r, gemms=[[round(m * r), n, k] for m, n, k in p.gemms],
+                bwd_mem_bytes=p.bwd_mem_bytes * r, fwd_fresh_bytes=p.fwd_fresh_bytes * r,
+                bwd_fresh_bytes=p.bwd_fresh_bytes * r, gemms=[[round(m * r), n, k] for m, n, k in p.gemms],
                 fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s), bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
                 recompute_time_s={k: time(v, p.recompute_fixed_s.get(k, 0.0)) for k, v in p.recompute_time_s.items()},
             )
@@ -210,7 +215,8 @@ class ModelProfile:
                 p, params=params, trainable=trainable, quantized=p.quantized // tp,
                 matrices=[n // tp for n in p.matrices], fwd_peak_fixed_bytes=-1, bwd_peak_fixed_bytes=-1,
                 fwd_flops=p.fwd_flops / tp, bwd_flops=p.bwd_flops / tp, fwd_mem_bytes=p.fwd_mem_bytes / tp,
-                bwd_mem_bytes=p.bwd_mem_bytes / tp, fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s),
+                bwd_mem_bytes=p.bwd_mem_bytes / tp, fwd_fresh_bytes=p.fwd_fresh_bytes / tp,
+                bwd_fresh_bytes=p.bwd_fresh_bytes / tp, fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s),
                 gemms=[[m, max(1, n // tp), k] for m, n, k in p.gemms],  # a column-wise split; row-wise: the same work
                 bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
                 recompute_time_s={k: time(v, p.recompute_fixed_s.get(k, 0.0)) for k, v in p.recompute_time_s.items()},
