@@ -9,9 +9,8 @@ import torch
 from snugfit.errors import SnugfitError
 from snugfit.hardware import (GPU, GPUS, Cluster, Host, LocalHardware, get_gpu, get_link, load_cluster_toml, load_local,
                               parse_cluster)
-from snugfit.hardware.catalogue import FSDP_COSTS
+from snugfit.hardware.catalogue import FSDP_COSTS, MMAP_THRESHOLD_BYTES
 from snugfit.hardware.cluster import make_node
-from snugfit.runtime.host_alloc import MMAP_THRESHOLD_BYTES
 
 REQUIRED = ["V100-32GB", "T4", "A10", "L4", "A100-40GB-PCIe", "A100-40GB-SXM", "A100-80GB-PCIe", "A100-80GB-SXM",
             "RTX3090", "RTX4090", "RTX5090", "H100-PCIe", "H100-SXM", "H200"]
@@ -151,7 +150,8 @@ def test_an_operator_s_fresh_bytes_are_the_large_tensors_it_allocates():
 # then serves them from its heap)
 _FAULTS = """
 import json, resource, torch
-from snugfit.runtime.host_alloc import MMAP_THRESHOLD_BYTES, return_freed_host_memory
+from snugfit.hardware.catalogue import MMAP_THRESHOLD_BYTES
+from snugfit.runtime.host_alloc import return_freed_host_memory
 assert return_freed_host_memory()
 live = [torch.ones(MMAP_THRESHOLD_BYTES // 4) for _ in range(8)]
 del live[::2]  # freed between live ones, as a step frees its activations

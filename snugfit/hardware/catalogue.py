@@ -267,6 +267,11 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
+# the host allocator's mmap threshold as snugfit's ranks run (runtime.host_alloc fixes glibc's there): each tensor of
+# this size or more is mapped afresh and its pages faulted in at first touch (profile.record.OpCost.fresh_bytes,
+# GPU.page_in_bytes_per_s)
+MMAP_THRESHOLD_BYTES = 2**20
+
 MEASUREMENT_VERSION = 8
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from snugfit.runtime.host_alloc import MMAP_THRESHOLD_BYTES
+from snugfit.hardware.catalogue import MMAP_THRESHOLD_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from snugfit.model.recompute import GEMM_OPS, SELECTIVE_POLICIES, keeps_output
-from snugfit.runtime.host_alloc import MMAP_THRESHOLD_BYTES
+from snugfit.hardware.catalogue import MMAP_THRESHOLD_BYTES
 _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 

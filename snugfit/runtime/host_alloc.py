@@ -23,8 +23,9 @@ import ctypes
 import os
 import sys
 
+from snugfit.hardware.catalogue import MMAP_THRESHOLD_BYTES  # smaller blocks stay on malloc's fast path
+
 M_MMAP_THRESHOLD = -3  # <malloc.h>
-MMAP_THRESHOLD_BYTES = 2**20  # smaller blocks (a small model's activations) stay on malloc's fast path
 
 
 def return_freed_host_memory() -> bool:
