@@ -344,7 +344,7 @@ def test_a_cpu_step_runs_its_linear_layers_and_memory_bound_operators_at_their_m
 
 def test_a_cpu_step_pages_in_the_large_tensors_it_allocates():
     """On a CPU rank each tensor of 1 MiB or more comes from a fresh mapping whose pages the kernel zeroes at first
-    touch (runtime.host_alloc): 15-30% of bench/speed.py's steps here. The profile records those bytes
+    touch (runtime.host_alloc): a quarter to two fifths of bench/speed.py's predicted steps here. The profile records those bytes
     per piece and phase; the time model charges them at the page-in rate profile_hardware measured."""
     from dataclasses import replace
 

@@ -64,9 +64,9 @@ class GPU:
     compile_kernel_s: float = 0.5
     # CPU ranks: bytes a second of the fresh memory a step's large tensors take (profile.record.OpCost.fresh_bytes:
     # the host allocator maps each one afresh, runtime.host_alloc, and the kernel zeroes and maps its pages as an
-    # operator first writes them). profile_hardware measures it (3-4 GB/s on this project's 2-core CPU: about 15% of
-    # bench/speed.py's 1B-shaped step, its 32k vocabulary's logits). 0: not charged, as on a GPU, whose caching
-    # allocator keeps what it freed
+    # operator first writes them). profile_hardware measures it (3-6 GB/s on this project's 2-core CPU, a quarter to
+    # two fifths of bench/speed.py's predicted steps). 0: not charged, as on a GPU, whose caching allocator keeps what
+    # it freed
     page_in_bytes_per_s: float = 0.0
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
