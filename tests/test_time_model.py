@@ -344,8 +344,8 @@ def test_a_cpu_step_runs_its_linear_layers_and_memory_bound_operators_at_their_m
 
 def test_a_cpu_step_pages_in_the_large_tensors_it_allocates():
     """On a CPU rank each tensor of 1 MiB or more comes from a fresh mapping whose pages the kernel zeroes at first
-    touch (runtime.host_alloc): a quarter to two fifths of bench/speed.py's predicted steps here. The profile records those bytes
-    per piece and phase; the time model charges them at the page-in rate profile_hardware measured."""
+    touch (runtime.host_alloc): a quarter to two fifths of bench/speed.py's predicted steps here. The profile records
+    those bytes per piece and phase; the time model charges them at the page-in rate profile_hardware measured."""
     from dataclasses import replace
 
     cfg = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=2, vocab_size=16384, max_seq_len=128)
@@ -355,7 +355,9 @@ def test_a_cpu_step_pages_in_the_large_tensors_it_allocates():
     assert head.fwd_fresh_bytes >= 2 * logits and head.bwd_fresh_bytes >= 2 * logits
     assert block.fwd_fresh_bytes == block.bwd_fresh_bytes == 0  # its 32 KiB hidden states stay in malloc's heap
     assert prof.scaled(4).head.fwd_fresh_bytes == 4 * head.fwd_fresh_bytes
-    cpu = replace(parse_cluster("cpu").nodes[0].gpu, tflops={"float32": 0.2}, op_overhead_s=0.0, page_in_bytes_per_s=0.0)
+    cpu = replace(parse_cluster("cpu").nodes[0].gpu, tflops={"float32": 0.2}, op_overhead_s=0.0,
+                  page_in_bytes_per_s=0.0)
     paged = replace(cpu, page_in_bytes_per_s=2e9)
-    added = [b - a for a, b in zip(piece_compute(head, cpu, "float32", None), piece_compute(head, paged, "float32", None))]
+    added = [b - a for a, b in zip(piece_compute(head, cpu, "float32", None),
+                                   piece_compute(head, paged, "float32", None))]
     assert added == pytest.approx([head.fwd_fresh_bytes / 2e9, head.bwd_fresh_bytes / 2e9])

@@ -40,7 +40,7 @@ _EXTERN_PREFIXES = ("_scaled_dot_product", "_flash_attention", "_efficient_atten
 class GraphCost:
     mem_bytes: float = 0.0  # read + written by the fused memory-bound kernels
     launches: int = 0  # fused kernels + library kernels
-    fresh_bytes: float = 0.0  # what its kernels write to new tensors of MMAP_THRESHOLD_BYTES or more (OpCost.fresh_bytes)
+    fresh_bytes: float = 0.0  # what its kernels write to new tensors of MMAP_THRESHOLD_BYTES or more (OpCost)
     saved_bytes: int = 0  # forward graph only: activations kept for backward
 
 
