@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from snugfit.hardware.catalogue import cache_dir
+
 # Runs calibrate themselves by default (train.replan): their corrections go to a file of this test session, never
 # to the user's (where they would correct the plans of the tests after them)
 _SESSION = tempfile.mkdtemp(prefix="snugfit-tests-")
@@ -24,6 +26,10 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # thread (a 12-step run of tests/test_train's tiny model took 5.5-9.9 s with two threads, 0.8-1.1 s with one)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# This machine as the tests measure it (at that one thread) goes to a file of the tests' own, kept between sessions
+# as the user's is: in the user's, the `snugfit train` after a test run planned for one thread (steps predicted
+# 1.8x what they took, on the README's default model)
+os.environ.setdefault("SNUGFIT_HARDWARE_PROFILE", str(cache_dir() / "tests" / "hardware.json"))
 
 
 @pytest.fixture(autouse=True)
