@@ -62,11 +62,9 @@ class GPU:
     # measures a compiled block (0.1-0.2 s on this project's 2-core CPU, C++ kernels); elsewhere an estimate, not
     # yet measured on a GPU: inductor builds Triton kernels in parallel worker processes, under a second each
     compile_kernel_s: float = 0.5
-    # CPU ranks: bytes a second of the fresh memory a step's large tensors take (profile.record.OpCost.fresh_bytes:
-    # the host allocator maps each one afresh, runtime.host_alloc, and the kernel zeroes and maps its pages as an
-    # operator first writes them). profile_hardware measures it (3-6 GB/s on this project's 2-core CPU, a quarter to
-    # two fifths of bench/speed.py's predicted steps). 0: not charged, as on a GPU, whose caching allocator keeps what
-    # it freed
+    # CPU ranks: how fast the kernel pages in a step's fresh large tensors (profile.record.OpCost.fresh_bytes), measured
+    # by profile_hardware (3-6 GB/s on this project's 2-core CPU); 0: not charged, as a GPU's caching allocator keeps
+    # what it freed
     page_in_bytes_per_s: float = 0.0
     # PCIe peer-to-peer between two such cards; without it NCCL stages GPU-to-GPU traffic through host memory
     # (runtime.dist sets NCCL_P2P_DISABLE=1), at about half the PCIe bandwidth ("pcie4-host" links)
@@ -267,9 +265,8 @@ def _known(cls, d: dict):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-# the host allocator's mmap threshold as snugfit's ranks run (runtime.host_alloc fixes glibc's there): each tensor of
-# this size or more is mapped afresh and its pages faulted in at first touch (profile.record.OpCost.fresh_bytes,
-# GPU.page_in_bytes_per_s)
+# the host allocator's mmap threshold as snugfit's ranks run (runtime.host_alloc): each tensor this large or more is
+# mapped afresh and its pages faulted in at first touch (profile.record.OpCost.fresh_bytes, GPU.page_in_bytes_per_s)
 MMAP_THRESHOLD_BYTES = 2**20
 
 MEASUREMENT_VERSION = 8

@@ -122,15 +122,13 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
                   host_extra: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch through one piece.
 
-    Unmeasured: the roofline, with a floor of one dispatch per operator; on a GPU the linear layers' GEMMs
-    by their shapes (plan.kernels: tiles, waves, a ceiling per dtype), other FLOPs (attention) at flash attention's
-    rate where it is known, else at the flat rate. On a GPU the host
-    dispatches ahead of the kernels, so the slower of the two counts; on the CPU the same
-    thread dispatches and computes, so they add up, and the large tensors it allocates are paged in
-    (GPU.page_in_bytes_per_s). A compiled block (p.compiled) launches kernels rather than
-    dispatching operators: its ops are its launches, each at GPU.compiled_launch_s. host_extra: more host seconds
-    (forward, backward): FSDP2's share, selective checkpointing's policy.
-    """
+    Unmeasured: the roofline, with a floor of one dispatch per operator; on a GPU the linear layers' GEMMs by their
+    shapes (plan.kernels: tiles, waves, a ceiling per dtype), other FLOPs (attention) at flash attention's rate where
+    it is known, else at the flat rate. On a GPU the host dispatches ahead of the kernels, so the slower of the two
+    counts; on the CPU the same thread dispatches and computes, so they add up, and the large tensors it allocates
+    are paged in (GPU.page_in_bytes_per_s). A compiled block (p.compiled) launches kernels rather than dispatching
+    operators: its ops are its launches, each at GPU.compiled_launch_s. host_extra: more host seconds (forward,
+    backward): FSDP2's share, selective checkpointing's policy."""
     if measured_on == gpu.name and p.fwd_time_s is not None and p.bwd_time_s is not None:
         return p.fwd_time_s, p.bwd_time_s
     rate, bw = gpu.flops_per_s(dtype), gpu.mem_bytes_per_s()
@@ -147,10 +145,9 @@ def piece_compute(p: PieceProfile, gpu: GPU, dtype: str, measured_on: str | None
         fwd = gf_flops / rate + max(0.0, p.fwd_flops - gf_flops) / af
         bwd = gb_flops / rate + max(0.0, p.bwd_flops - gb_flops) / ab
     per_op = gpu.compiled_launch_s if p.compiled else gpu.op_overhead_s  # a compiled block's ops are its launches
-    fresh = (p.fwd_fresh_bytes / gpu.page_in_bytes_per_s, p.bwd_fresh_bytes / gpu.page_in_bytes_per_s) \
-        if gpu.page_in_bytes_per_s else (0.0, 0.0)
-    return (combine(fwd + p.fwd_mem_bytes / bw + fresh[0], p.fwd_ops * per_op + host_extra[0]),
-            combine(bwd + p.bwd_mem_bytes / bw + fresh[1], p.bwd_ops * per_op + host_extra[1]))
+    paging = 1.0 / gpu.page_in_bytes_per_s if gpu.page_in_bytes_per_s else 0.0  # seconds a fresh byte
+    return (combine(fwd + p.fwd_mem_bytes / bw + p.fwd_fresh_bytes * paging, p.fwd_ops * per_op + host_extra[0]),
+            combine(bwd + p.bwd_mem_bytes / bw + p.bwd_fresh_bytes * paging, p.bwd_ops * per_op + host_extra[1]))
 
 
 def recompute_time(p: PieceProfile, policy: ActivationPolicy, fwd: float, gpu: GPU, dtype: str,
