@@ -164,15 +164,15 @@ def test_a_searched_plan_that_cannot_fit_names_the_fixed_part_to_drop(tmp_path):
 def test_a_profile_the_first_steps_contradict_is_set_aside_once(tmp_path, monkeypatch, capsys):
     """Steps far from the prediction set the cached hardware profile aside, so the next run measures the machine
     again; a profile measured again after that stays (the time model is then what is off)."""
-    from snugfit.train.loop import _check_profile
+    from snugfit.train.step_log import check_profile
 
     profile = tmp_path / "hardware.json"
     monkeypatch.setenv("SNUGFIT_HARDWARE_PROFILE", str(profile))
     profile.write_text("{}")
-    _check_profile(0.11, 0.1, None)  # within 1.5x: nothing happens
+    check_profile(0.11, 0.1, print)  # within 1.5x: nothing happens
     assert profile.exists() and not (tmp_path / "hardware.json.stale").exists()
-    _check_profile(0.3, 0.1, None)
+    check_profile(0.3, 0.1, print)
     assert not profile.exists() and (tmp_path / "hardware.json.stale").exists()
     profile.write_text('{"measured": "again"}')  # the next run measured the machine again
-    _check_profile(0.3, 0.1, None)
+    check_profile(0.3, 0.1, print)
     assert profile.read_text() == '{"measured": "again"}'

@@ -1,14 +1,15 @@
 """Calibration from the run: after `[train] replan_after` steps, trace a step on every rank and profile the next
 (FSDP2's own ranges: its gathers, reduce-scatters and their waits), attribute the measured time to the time
 model's terms, store the per-term corrections beside the hardware profile, and re-plan with them (`replan`:
-"report" records what the corrected model would choose; "switch" also goes on under it, through the loop's
-`_switch`; "off" does none of it).
+"report" records what the corrected model would choose; "switch" also goes on under it, through PlanSwitch; "off"
+does none of it). Both are the training loop's handlers (train/run.py).
 
 Also the test hook that makes a straggler on purpose (`SLOW_ENV`), read in one place: `slow_down`.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -16,15 +17,18 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
 
 from snugfit.errors import SnugfitError
+from snugfit.plan import Plan, PlanError
 from snugfit.plan.corrections import MeasuredStep
 from snugfit.report.trace import StepTrace
-from snugfit.runtime.compile import compile_seconds
+from snugfit.runtime.engine import Engine, StepResult
+from snugfit.train.run import Handler, Run, StepDone
 
 log = logging.getLogger("snugfit")
 # Test hook, documented as such: "RANK:SECONDS" makes that rank sleep SECONDS inside every training step, before its
@@ -186,16 +190,14 @@ def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_
     return record
 
 
-class StepProbe:
-    """The steps of this launch that are traced (`trace_step`, drawn; the calibration step, `replan_after` steps
-    in) or profiled (the step after the calibration step), what follows each, and with `replan = "switch"` the plan
-    the run goes on under (`switch_to`, for the loop to act on) and the gain it measured."""
+class StepProbe(Handler):
+    """How each step is taken (`train_step`): traced where drawn (`trace_step`) and at the calibration step
+    (`replan_after` steps into the launch), profiled the step after it; and what follows each: the traced step's
+    spans saved (and drawn), the corrections and the re-planned choice recorded, with `replan = "switch"` the plan
+    to go on under (`switch_to`, acted on by PlanSwitch) and, GAIN_STEPS after a switch, the gain it measured."""
 
-    def __init__(self, cfg, env, plan, start: int, out: Path, metrics, say):
-        t = cfg.train
-        self.cfg, self.env, self.plan, self.out, self.metrics, self.say = cfg, env, plan, out, metrics, say
-        calibrate = t.replan != "off" and start + t.replan_after + 1 <= t.steps
-        self.calib = start + t.replan_after if calibrate else None
+    def __init__(self):
+        self.calib: int | None = None  # the calibration step of this launch
         self.calib_traces: list[StepTrace] = []
         self.replanning: threading.Thread | None = None  # rank 0's search with the corrected model (report)
         self.record: dict | None = None
@@ -204,88 +206,107 @@ class StepProbe:
         self.switched_at: int | None = None
         self.record_gain = 0.0  # the switch's predicted gain
 
-    def train_step(self, engine, batch, done: int):
-        """engine.train_step(batch), traced or profiled where this step is one of those."""
-        profiled = self.calib is not None and done == self.calib + 1
-        if done in (self.cfg.train.trace_step, self.calib) or profiled:
-            begin_trace(engine)
-        t0 = time.perf_counter()
-        slow_down(self.env.rank)
+    def on_start(self, run: Run) -> None:
+        t = run.cfg.train
+        calibrate = t.replan != "off" and run.step + t.replan_after + 1 <= t.steps
+        self.calib = run.step + t.replan_after if calibrate else None
+
+    def train_step(self, run: Run, batch) -> StepResult:
+        """run.engine.train_step(batch), traced or profiled where the next step is one of those."""
+        done = run.step + 1
+        profiled = self._profiled(done)
+        if done in (run.cfg.train.trace_step, self.calib) or profiled:
+            begin_trace(run.engine)
+        slow_down(run.env.rank)
         if not profiled:
-            compiling = compile_seconds() if self.plan.compile else 0.0
-            res = engine.train_step(batch)
-            # a plan's first step compiles its blocks (Plan.compile): not part of the step a switch is measured by
-            compiling = compile_seconds() - compiling if self.plan.compile else 0.0
-            self.step_s[done] = time.perf_counter() - t0 - compiling
-            return res
-        res, fsdp_share = profiled_step(engine, batch, self.env.rank)
-        self._calibrate(done - 1, fsdp_share)
+            return run.engine.train_step(batch)
+        res, fsdp_share = profiled_step(run.engine, batch, run.env.rank)
+        self._calibrate(run, done - 1, fsdp_share)
         return res
 
-    def after(self, engine, done: int) -> None:
+    def after_step(self, run: Run, done: StepDone) -> None:
         """A traced step's spans, gathered from every rank: drawn and saved (rank 0); a finished re-plan recorded;
         the gain a switch measured, GAIN_STEPS after it."""
+        if not self._profiled(done.step):  # the profiler slows every operator: not a step a switch is measured by
+            self.step_s[done.step] = done.seconds
         if self.replanning is not None and not self.replanning.is_alive():
-            self.finish()
-        if self.switched_at is not None and done == self.switched_at + GAIN_STEPS:
-            self._measured_gain(done)
+            self._record_replan(run)
+        if self.switched_at is not None and done.step == self.switched_at + GAIN_STEPS:
+            self._measured_gain(run, done.step)
             self.switched_at = None
+        engine = run.engine
         if engine.trace is None:
             return
-        traces = gather(engine.trace, self.env.world_size)
+        traces = gather(engine.trace, run.env.world_size)
         engine.trace = None
-        if done == self.calib:
+        if done.step == self.calib:
             self.calib_traces = traces
-        if not self.env.is_main:
+        if not run.env.is_main:
             return
-        save_trace(self.out, done, traces, profiled=self.calib is not None and done == self.calib + 1)
-        if done == self.cfg.train.trace_step:
+        save_trace(run.out, done.step, traces, profiled=self._profiled(done.step))
+        if done.step == run.cfg.train.trace_step:
             from snugfit.report.timeline import draw_timeline
             from snugfit.train.autoplan import predicted_timeline
 
-            sim, detail = predicted_timeline(self.cfg, self.env, self.plan)
-            picture = draw_timeline(sim, self.plan, self.out / "timeline.png", StepTrace.merge(traces), detail)
-            self.say(f"timeline of step {done}: {picture}")
+            sim, detail = predicted_timeline(run.cfg, run.env, run.plan)
+            picture = draw_timeline(sim, run.plan, run.out / "timeline.png", StepTrace.merge(traces), detail)
+            run.say(f"timeline of step {done.step}: {picture}")
 
-    def _calibrate(self, step: int, fsdp_share: float) -> None:
+    def on_stop(self, run: Run, error: BaseException | None) -> None:
+        if error is None:
+            self._record_replan(run)
+
+    def _profiled(self, step: int) -> bool:
+        return self.calib is not None and step == self.calib + 1
+
+    def _calibrate(self, run: Run, step: int, fsdp_share: float) -> None:
         """After the profiled step: every rank's share of FSDP2 in its work beside the traced step's spans; rank 0
         derives the corrections and re-plans (beside training for a report; for a switch every rank waits for it)."""
         from snugfit.report.measured import measured_step
 
-        fsdp = gather(fsdp_share, self.env.world_size)
+        env = run.env
+        fsdp = gather(fsdp_share, env.world_size)
         measured = []
-        if self.env.is_main:
-            save_trace(self.out, step, self.calib_traces, fsdp)
+        if env.is_main:
+            save_trace(run.out, step, self.calib_traces, fsdp)
             merged = StepTrace.merge(self.calib_traces)
-            measured = [measured_step(merged, r, fsdp[r]) for r in range(self.env.world_size)]
+            measured = [measured_step(merged, r, fsdp[r]) for r in range(env.world_size)]
         step_s = sum(m.step for m in measured) / max(len(measured), 1)
-        if self.cfg.train.replan == "switch":
-            from snugfit.plan import Plan
+        if run.cfg.train.replan == "switch":
             from snugfit.train.autoplan import decided_on_main
 
-            record = decided_on_main(lambda: replan_record(self.cfg, self.env, self.plan, measured, step, step_s),
-                                     self.env)
-            self.metrics.write(record)
+            record = decided_on_main(lambda: replan_record(run.cfg, env, run.plan, measured, step, step_s), env)
+            run.metrics.write(record)
             if record["switched"]:
                 self.switch_to = Plan.from_dict(record["new_plan"])
                 self.record_gain = record["predicted_gain"]
             return
-        if self.env.is_main:
+        if env.is_main:
             # the search runs beside training (its collectives would otherwise wait on it, up to parallel.timeout_s)
-            self.replanning = threading.Thread(target=self._replan, args=(measured, step, step_s), daemon=True)
+            self.replanning = threading.Thread(target=self._replan, args=(run, run.plan, measured, step, step_s),
+                                               daemon=True)
             self.replanning.start()
 
-    def _replan(self, measured: list[MeasuredStep], step: int, step_s: float) -> None:
+    def _replan(self, run: Run, plan, measured: list[MeasuredStep], step: int, step_s: float) -> None:
         try:
-            self.record = replan_record(self.cfg, self.env, self.plan, measured, step, step_s)
+            self.record = replan_record(run.cfg, run.env, plan, measured, step, step_s)
         except Exception as e:  # a report must never stop the run
             log.warning("replan at step %d failed: %s", step, e)
 
-    def switched(self, plan, done: int) -> None:
-        """The loop now runs `plan` (from step done + 1)."""
-        self.plan, self.switch_to, self.switched_at = plan, None, done
+    def _record_replan(self, run: Run) -> None:
+        """Wait for a re-plan still running and record it (rank 0)."""
+        if self.replanning is not None:
+            self.replanning.join()
+            self.replanning = None
+        if self.record is not None:
+            run.metrics.write(self.record)
+            self.record = None
 
-    def _measured_gain(self, done: int) -> None:
+    def switched(self, done: int) -> None:
+        """The run now goes on under `switch_to` (from step done + 1)."""
+        self.switch_to, self.switched_at = None, done
+
+    def _measured_gain(self, run: Run, done: int) -> None:
         """Step time under the new plan against the old one's before the calibration (the launch's first step and
         the first two after the switch left out: warm-up), recorded beside the predicted gain."""
         before = [s for k, s in self.step_s.items() if min(self.step_s) < k < self.calib]
@@ -294,18 +315,37 @@ class StepProbe:
             return
         old, new = statistics.median(before), statistics.median(after)
         gain = 1.0 - new / old
-        self.metrics.write({"kind": "replan_outcome", "step": done, "switched_at": self.switched_at,
-                            "measured_before_s": old, "measured_after_s": new, "measured_gain": gain,
-                            "predicted_gain": self.record_gain})
-        if self.env.is_main:
-            self.say(f"after the switch at step {self.switched_at}: {new:.3g} s per step against {old:.3g} s "
-                     f"before ({gain:.0%} faster measured, {self.record_gain:.0%} predicted)")
+        run.metrics.write({"kind": "replan_outcome", "step": done, "switched_at": self.switched_at,
+                           "measured_before_s": old, "measured_after_s": new, "measured_gain": gain,
+                           "predicted_gain": self.record_gain})
+        if run.env.is_main:
+            run.say(f"after the switch at step {self.switched_at}: {new:.3g} s per step against {old:.3g} s "
+                    f"before ({gain:.0%} faster measured, {self.record_gain:.0%} predicted)")
 
-    def finish(self) -> None:
-        """Wait for a re-plan still running and record it (rank 0)."""
-        if self.replanning is not None:
-            self.replanning.join()
-            self.replanning = None
-        if self.record is not None:
-            self.metrics.write(self.record)
-            self.record = None
+
+class PlanSwitch(Handler):
+    """With `replan = "switch"`, once the probe has chosen another plan: checkpoint the step and go on under that
+    plan in this launch, as --resume under it would (the same data order, optimizer state and learning-rate
+    schedule). engine_for: the engine of a plan, its model built anew."""
+
+    def __init__(self, probe: StepProbe, engine_for: Callable[[Plan], Engine]):
+        self.probe, self.engine_for = probe, engine_for
+
+    def after_step(self, run: Run, done: StepDone) -> None:
+        plan = self.probe.switch_to
+        if plan is None or done.step >= run.cfg.train.steps:
+            return
+        saved = run.save_checkpoint()
+        run.engine = run.sampler = None  # the old plan's engine goes before the new one is built
+        gc.collect()
+        try:
+            engine = self.engine_for(plan)
+        except PlanError as e:
+            raise SnugfitError(f"switching to the re-planned {plan.dp} x {plan.tp} x {plan.pp} plan: {e}") from None
+        run.use(plan, engine)
+        run.restore(saved)
+        if run.env.is_main:
+            (run.out / "plan.json").write_text(plan.to_json())
+            log.info("switched at step %d (checkpoint %s) to plan dp=%d tp=%d pp=%d micro-batch %d x %d", run.step,
+                     saved.name, plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_microbatches)
+        self.probe.switched(done.step)

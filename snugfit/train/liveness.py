@@ -12,13 +12,16 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from snugfit.errors import SnugfitError
+from snugfit.train.run import Handler, Run, StepDone
 
 FAILED_KEY = "snugfit/failed"  # in the job's store (per launch attempt): the rank that failed first
 LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer dead")
 
 
-class Heartbeat:
-    """The last step each rank finished, in the job's store (nothing to do for one process)."""
+class Heartbeat(Handler):
+    """The last step each rank finished, in the job's store (nothing to do for one process); as the run's handler,
+    written after every step, and read when a collective or transfer gave up waiting, to name the rank that
+    stopped."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -40,6 +43,14 @@ class Heartbeat:
     def beat(self, step: int) -> None:
         if self.store is not None:
             self.store.set(f"snugfit/done/{self.rank}", str(step))
+
+    def after_step(self, run: Run, done: StepDone) -> None:
+        self.beat(done.step)
+
+    def on_stop(self, run: Run, error: BaseException | None) -> None:
+        if isinstance(error, RuntimeError):  # gloo's and NCCL's errors, which name a socket, not the rank
+            latest = run.checkpoints.latest()
+            self.explain(error, run.step, run.cfg.parallel.timeout_s, latest.name if latest else None)
 
     def last_steps(self) -> dict[int, int]:
         """Each rank's last finished step; -1 for one that never finished any (store.check does not block)."""
