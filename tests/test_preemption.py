@@ -120,3 +120,36 @@ def test_a_lost_rank_names_the_checkpoint_to_resume_or_says_there_is_none():
                                          "while this rank ran step 8)")
         assert said in str(err.value) and "none" not in str(err.value)
     beat.explain(ValueError("shapes differ"), 7, 8.0, None)  # not a lost peer: nothing to say
+
+
+def test_a_signal_stops_after_the_step_with_its_checkpoint_and_the_loss_curve(tmp_path, monkeypatch, caplog):
+    """One process, in this one: SIGTERM arrives while step 3's batch is drawn; the run finishes that step, saves
+    it, draws loss.png as a finished run would, writes no end record, and stops with 128 + SIGTERM."""
+    import logging
+
+    import pytest
+
+    from snugfit.data.dataset import BatchSampler
+    from snugfit.errors import Stopped
+    from snugfit.train.loop import train
+    from tests.test_train import tiny
+
+    real_next, calls = BatchSampler.next_batch, {"n": 0}
+
+    def signal_at_step_3(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_next(self)
+
+    monkeypatch.setattr(BatchSampler, "next_batch", signal_at_step_3)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    with caplog.at_level(logging.INFO, logger="snugfit"), pytest.raises(Stopped) as stopped:
+        train(tiny(tmp_path, steps=10, log_every=1, plot=True))
+    assert stopped.value.exit_status == 128 + signal.SIGTERM
+    assert str(stopped.value).startswith("stopped by SIGTERM at step 3; checkpoint step_00000003")
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000003"]
+    assert sorted(_losses(tmp_path)) == [1, 2, 3]
+    assert "end" not in {r["kind"] for r in read_metrics(tmp_path / "metrics.jsonl")}
+    assert (tmp_path / "loss.png").stat().st_size > 0 and f"loss curve: {tmp_path / 'loss.png'}" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) == handler_before  # the run's signal handlers are gone with it

@@ -44,10 +44,13 @@ def test_too_many_bad_steps_stop_with_last_good_state(tmp_path, monkeypatch):
     good = load_checkpoint_model(clean.out_dir / "checkpoints" / "step_00000002").state_dict()
     poison_steps(monkeypatch, set(range(3, 100)))
     with pytest.raises(SnugfitError, match="not finite for 3 steps in a row.*last good state is saved"):
-        train(tiny(tmp_path / "bad", steps=10, max_bad_steps=3, checkpoint_every=0))
+        train(tiny(tmp_path / "bad", steps=10, max_bad_steps=3, checkpoint_every=0, log_every=1, plot=True))
     saved = load_checkpoint_model(tmp_path / "bad" / "checkpoints" / "step_00000005").state_dict()
     for name, tensor in good.items():
         torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
+    records = [json.loads(line) for line in (tmp_path / "bad" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]  # none for the step that stopped it
+    assert (tmp_path / "bad" / "loss.png").stat().st_size > 0  # drawn however the run ends
 
 
 @pytest.mark.parametrize("arch, tie", [("llama", False), ("llama", True), ("gpt2", True), ("gpt2", False)])
