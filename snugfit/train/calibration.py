@@ -21,6 +21,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from snugfit.errors import SnugfitError
@@ -211,7 +212,7 @@ class StepProbe(Handler):
         calibrate = t.replan != "off" and run.step + t.replan_after + 1 <= t.steps
         self.calib = run.step + t.replan_after if calibrate else None
 
-    def train_step(self, run: Run, batch) -> StepResult:
+    def train_step(self, run: Run, batch: torch.Tensor) -> StepResult:
         """run.engine.train_step(batch), traced or profiled where the next step is one of those."""
         done = run.step + 1
         profiled = self._profiled(done)

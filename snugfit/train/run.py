@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from snugfit.config import RunConfig
+from snugfit.data import BatchSampler
+from snugfit.data.instruct import InstructSampler
 from snugfit.errors import SnugfitError
 from snugfit.plan import Plan
 from snugfit.runtime.dist import DistEnv
@@ -24,6 +26,8 @@ log = logging.getLogger("snugfit")
 
 @dataclass
 class TrainResult:
+    """What `train` returns: where the run wrote, the last step it finished and its losses."""
+
     out_dir: Path
     last_step: int
     losses: dict[int, float] = field(default_factory=dict)  # step -> training loss
@@ -57,7 +61,7 @@ class Run:
     result: TrainResult
     metrics: MetricsLog = field(init=False)  # opened once the run's folder is settled: a refused resume writes nothing
     bar: object = None  # rank 0's progress bar (tqdm), None without one
-    sampler: object = field(init=False)
+    sampler: BatchSampler | InstructSampler = field(init=False)
     val: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
