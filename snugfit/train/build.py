@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from snugfit.config import RunConfig
-from snugfit.data import BatchSampler, eval_batches, load_tokenizer, load_tokens, split
+from snugfit.data import BatchSampler, ByteTokenizer, eval_batches, load_tokenizer, load_tokens, split
 from snugfit.data.chat import load_chat
 from snugfit.data.instruct import InstructSampler, instruct_eval_batches, load_instruct
 from snugfit.data.tokenizer import Tokenizer
@@ -136,11 +136,14 @@ class RunData:
             return InstructSampler(self.train, plan.global_batch, seed, dp_rank, plan.dp)
         return BatchSampler(self.train, plan.seq_len, plan.global_batch, seed, dp_rank, plan.dp)
 
-    def eval_batches(self, plan: Plan, count: int) -> list[torch.Tensor]:
-        rows = plan.micro_batch_size * plan.num_microbatches
-        if self.instruct:
-            return instruct_eval_batches(self.val, rows, count)
-        return eval_batches(self.val, plan.seq_len, rows, count)
+    def eval_batches(self, plan: Plan, count: int, dp_rank: int) -> list[torch.Tensor]:
+        """This data-parallel rank's part of a fixed set of validation batches, each of the global batch's size:
+        the same held-out examples, so the same loss of the same weights, whatever the ranks or the plan (the
+        engine averages the parts over the data-parallel group)."""
+        whole = (instruct_eval_batches(self.val, plan.global_batch, count) if self.instruct
+                 else eval_batches(self.val, plan.seq_len, plan.global_batch, count))
+        per = plan.global_batch // plan.dp
+        return [b[dp_rank * per:(dp_rank + 1) * per] for b in whole]
 
 
 def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
@@ -154,17 +157,28 @@ def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
     if d.format not in ("instruct", "chat"):
         tokens = load_tokens(d.path, d.format, tokenizer, d.text_field, d.bin_dtype)
         splits = split(tokens, seq, d.val_fraction, vocab_size)
+        log.info("data: %d tokens from %s (%d held out for validation); tokenizer %s", len(tokens),
+                 d.path or "the embedded corpus", len(splits.val), tokenizer.describe())
         return RunData(splits.train, splits.val, instruct=False)
     if not d.path:
         raise SnugfitError(f"data.format {d.format!r} needs data.path: a .jsonl, .parquet or .arrow file with "
                            + ("prompt/response fields" if d.format == "instruct" else "messages"))
     if d.format == "chat":
-        examples = load_chat(d.path, chat_folder(cfg), seq, d.messages_field)
+        folder = chat_folder(cfg)
+        examples = load_chat(d.path, folder, seq, d.messages_field)
+        tokens_from = f"the tokenizer and chat template of {folder}"
     else:
-        # The byte tokenizer has no end-of-sequence token: responses end with byte 0, which text never holds.
-        eos = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+        # The byte tokenizer has no end-of-sequence token: responses end with byte 0, which text never holds. A
+        # vocabulary's own is its folder's (data.tokenizer.HFTokenizer), never guessed
+        eos = 0 if isinstance(tokenizer, ByteTokenizer) else None
         examples = load_instruct(d.path, tokenizer, seq, d.prompt_field, d.response_field, eos_id=eos)
+        tokens_from = f"tokenizer {tokenizer.describe()}"
     n_val = int(len(examples) * d.val_fraction)
     if len(examples) - n_val < 1:
         raise SnugfitError(f"{d.path} has too few examples to hold out {d.val_fraction:.0%} for validation")
-    return RunData(examples[: len(examples) - n_val], examples[len(examples) - n_val :], instruct=True)
+    batch = cfg.train.batch_size
+    log.info("data: %s from %s, %d held out for validation; %s; about %.0f learned tokens a step (of %d "
+             "positions)", examples.describe(seq), d.path, n_val, tokens_from, examples.targets_per_example * batch,
+             batch * seq)
+    rows = examples.rows
+    return RunData(rows[: len(rows) - n_val], rows[len(rows) - n_val :], instruct=True)

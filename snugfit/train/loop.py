@@ -184,7 +184,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
 
     metrics = MetricsLog(out / "metrics.jsonl", env.is_main, cfg.train.tensorboard)
     result = TrainResult(out_dir=out, last_step=start)
-    val = data.eval_batches(plan, t.eval_batches)
+    val = data.eval_batches(plan, t.eval_batches, dp_rank)
 
     def evaluate(step: int) -> None:
         if val:
@@ -266,7 +266,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
                 saved = checkpoints.save(done, engine.state_dict(), _trainer_state(sampler, cfg, plan, engine))
                 plan, engine, sampler = probe.switch_to, None, None  # the old plan's engine goes before the new one
                 engine, sampler = _switch(cfg, env, plan, saved, checkpoints, optim, weights, data)
-                val = data.eval_batches(plan, t.eval_batches)
+                val = data.eval_batches(plan, t.eval_batches, plan.layout.coords(env.rank)[1])
                 probe.switched(plan, done)
             heartbeat.beat(done)
             stop = stops.agreed()
