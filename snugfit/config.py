@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from snugfit.errors import SnugfitError
 from snugfit.model import ModelConfig
+from snugfit.model.hub import local_model
 from snugfit.plan.options import Constraints
 from snugfit.plan.plan import GRAD_REDUCE, MASTER_WEIGHTS, OPTIMIZER_STATES, OptimizerPlan
 from snugfit.plan.policies import ALIASES, POLICY_NAMES
@@ -263,6 +264,7 @@ def build_config(file: str | None = None, overrides: dict[str, object] | None = 
         else:
             setattr(getattr(cfg, sec), name, coerce(key, value, tp))
     cfg.model = ModelConfig(**model_fields)  # derived fields (ffn_dim, n_kv_heads) follow the given ones
+    cfg.model.name = local_model(cfg.model.name)  # a hub id: its folder in the local Hugging Face cache
     validate(cfg)
     return cfg
 

@@ -141,6 +141,17 @@ def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | 
         raise SnugfitError(str(e)) from None
 
 
+def block_count(model: ModelConfig | dict) -> int:
+    """The model's blocks: ModelConfig.n_layers, or a Hugging Face config's own field for them (GPT-2's n_layer)."""
+    if isinstance(model, ModelConfig):
+        return model.n_layers
+    found = next((model[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if model.get(k)), None)
+    if found is None:
+        raise SnugfitError("the model's config.json names no layer count (num_hidden_layers or n_layer); pass a "
+                           "Hugging Face model's own config.json")
+    return int(found)
+
+
 def max_length(model: ModelConfig | dict) -> int | None:
     """The model's longest sequence: ModelConfig.max_seq_len, or a Hugging Face config's own field for it."""
     if isinstance(model, ModelConfig):
@@ -202,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host_ram:
         cluster = with_host_ram(cluster, parse_bytes(args.host_ram))
     dtype, why = dtype_for_cluster(t.dtype, cluster)
-    n_blocks = model.n_layers if isinstance(model, ModelConfig) else int(model["num_hidden_layers"])
+    n_blocks = block_count(model)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if par.plan not in ("auto", "dp"):
         plan = _read_plan(par.plan)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from snugfit.errors import SnugfitError
 from snugfit.model.decoder import ModelConfig
+from snugfit.model.hub import looks_like_hub_id, not_cached
 
 
 def _gpt2(dim: int, layers: int, heads: int) -> ModelConfig:
@@ -92,5 +93,8 @@ def resolve_model(name_or_path: str) -> ModelConfig | dict:
         entry = MODELS[key]
         return ModelConfig.from_dict(entry.to_dict()) if isinstance(entry, ModelConfig) else dict(entry)
     close = difflib.get_close_matches(key, [*MODELS, *ALIASES], n=3, cutoff=0.5)
+    if looks_like_hub_id(name_or_path):
+        raise SnugfitError(f"{not_cached(name_or_path)}; or name a catalogue model "
+                           f"({', '.join(close) if close else ', '.join(MODELS)})")
     hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(MODELS)}"
     raise SnugfitError(f"unknown model {name_or_path!r}; {hint} (or pass a config.json path)")

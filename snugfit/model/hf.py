@@ -9,6 +9,7 @@ by tensor from the safetensors files. Nothing is ever downloaded.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from snugfit.errors import SnugfitError
 from snugfit.model.hf_model import HFCausalLM
+from snugfit.model.hub import looks_like_hub_id, not_cached
 from snugfit.model.lora import init_adapters, merged_state_dict, plain_name, plain_named_tensors
 from snugfit.model.quantize import is_quantized
 from snugfit.model.shards import local_region, write_whole
@@ -31,6 +33,27 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+# What a model folder holds beside its weights that a user of the exported model needs: the tokenizer in every
+# format transformers reads, its chat template and the generation config
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def fingerprint(path: str | Path) -> str:
+    """A hash of what makes a base model that model: its config.json and its weight files' names, sizes and
+    safetensors headers (tensor names, shapes, dtypes, offsets; read without the tensors). A checkpoint records
+    it, so an export onto a base whose files changed is refused rather than written as another architecture."""
+    p = Path(path)
+    h = hashlib.sha256((p / "config.json" if p.is_dir() else p).read_bytes())
+    for f in sorted(p.glob("*.safetensors")) if p.is_dir() else []:
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            header = fh.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+        h.update(f"{f.name}:{f.stat().st_size}:".encode() + header)
+    return h.hexdigest()[:16]
 
 
 def _weight_index(folder: Path) -> dict[str, Path]:
@@ -75,6 +98,8 @@ def _resolve(path: str | Path) -> tuple[Path, Path | None]:
         return p / "config.json", p
     if p.is_file() and p.suffix == ".json":
         return p, None
+    if looks_like_hub_id(str(path)):
+        raise not_cached(str(path))
     raise SnugfitError(f"{path} is not a local folder or config.json; snugfit downloads nothing: "
                        "download the model yourself (config.json + *.safetensors) and pass its folder")
 

@@ -18,7 +18,7 @@ from snugfit.data.tokenizer import Tokenizer
 from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
 from snugfit.model.decoder import initial_value, tensor_generator
-from snugfit.model.hf import FolderWeights, load_hf
+from snugfit.model.hf import FolderWeights, fingerprint, load_hf
 from snugfit.model.lora import (apply_lora, freeze, init_adapters, parse_targets, plain_name, plain_named_tensors,
                                 trainable_summary)
 from snugfit.model.shards import local_shard
@@ -35,6 +35,16 @@ def model_identity(cfg: RunConfig) -> dict:
     base = {"hf": cfg.model.name} if cfg.model.name else cfg.model.to_dict()
     return {**base, "lora_rank": f.lora_rank, "lora_targets": f.lora_targets, "freeze": f.freeze,
             "quantize_base": f.quantize_base}
+
+
+def base_record(cfg: RunConfig) -> dict | None:
+    """Which Hugging Face base a run trains, for export (train.export): its absolute path, so the export works from
+    any directory, and its fingerprint, so a base that changed since is refused. Not part of model_identity: a
+    resume keeps comparing what the run was configured with."""
+    if not cfg.model.name:
+        return None
+    path = Path(cfg.model.name).resolve()
+    return {"path": str(path), "fingerprint": fingerprint(path)}
 
 
 def model_weights(cfg: RunConfig) -> Weights | None:

@@ -26,7 +26,7 @@ from snugfit.runtime.launch import die_with_launcher
 from snugfit.runtime.optimizer import OptimConfig
 from snugfit.train.autoplan import run_dtype, search_plan
 from snugfit.train.calibration import StepProbe
-from snugfit.train.build import build_data, build_model, model_identity, model_weights
+from snugfit.train.build import base_record, build_data, build_model, model_identity, model_weights
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import (
     MetricsLog, compare_line, measured_memory, plot_losses, predicted_fields, resident_bytes, resident_record,
@@ -356,7 +356,7 @@ def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: 
 
 def _trainer_state(sampler, cfg: RunConfig, plan: Plan, engine: Engine) -> dict:
     state = {"sampler": sampler.state_dict(), "model": model_identity(cfg), "plan": plan.to_dict(),
-             "config": cfg.to_dict()}
+             "config": cfg.to_dict(), "base": base_record(cfg)}
     if engine.scaler is not None:
         state["loss_scale"] = engine.scaler.state_dict()
     return state
