@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     t, par = cfg.train, cfg.parallel
     refuse_fixed_parts_beside(par)
     named = cfg.model.name
-    model = resolve_model(named) if named else cfg.model
+    model = resolve_model(named, cfg.model.attention) if named else cfg.model
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
                     cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets)
     cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import PeerFailed, SnugfitError
 from snugfit.hardware.cluster import Cluster, Node, get_link, make_node, parse_cluster
+from snugfit.model.catalogue import resolve_model
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.dist import DistEnv
 
@@ -132,7 +133,7 @@ def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device, compil
     """The run's model profiled for the planner, its blocks eager or as torch.compile runs them."""
     from snugfit.profile.profile import profile_model
 
-    model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
+    model = cfg.model if not cfg.model.name else resolve_model(cfg.model.name, cfg.model.attention)
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
                          lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
                          frozen=cfg.finetune.freeze or None,
@@ -229,11 +230,3 @@ def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Pl
 
 def cluster_name(cluster) -> str:
     return f"{cluster.world_size} x {cluster.gpu_of(0).name}"
-
-
-def _hf_config(path: str) -> dict:
-    import json
-    from pathlib import Path
-
-    p = Path(path)
-    return json.loads((p / "config.json" if p.is_dir() else p).read_text())

@@ -96,7 +96,11 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     weights = model_weights(cfg)
     meta = weights is not None
     if cfg.model.name:
-        model = load_hf(cfg.model.name, device="meta" if meta else "cpu", seed=cfg.train.seed)
+        model = load_hf(cfg.model.name, device="meta" if meta else "cpu", seed=cfg.train.seed,
+                        attention=cfg.model.attention)
+        if model.hf_config._attn_implementation != cfg.model.attention:
+            log.info("attention: %s (%s has no %s path in transformers)", model.hf_config._attn_implementation,
+                     model.hf_class, cfg.model.attention)
     else:
         with torch.device("meta"):
             model = Decoder(cfg.model)
@@ -109,18 +113,28 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     if f.quantize_base == "nf4":
         log.info("quantized %.2fM frozen weights to NF4", quantize_base(model) / 1e6)
     counts = trainable_summary(model)["total"]
-    log.info("model %.2fM parameters, %.2fM trainable", (counts["trainable"] + counts["frozen"]) / 1e6, counts["trainable"] / 1e6)
+    log.info("model %s parameters, %s trainable", count_text(counts["trainable"] + counts["frozen"]),
+             count_text(counts["trainable"]))
     if meta and not on_meta:
         model.to_empty(device="cpu")
         weights.fill(model, torch.device("cpu"))
     return model
 
 
+def count_text(n: int) -> str:
+    """A parameter count in units that show it: '1.94M', '3,584' (not '0.00M')."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
+
+
 def run_tokenizer(cfg: RunConfig) -> Tokenizer:
     """The configured tokenizer; a Hugging Face model folder's own tokenizer.json when left at 'byte'."""
     spec = cfg.data.tokenizer
-    if spec == "byte" and cfg.model.name and (Path(cfg.model.name) / "tokenizer.json").is_file():
-        spec = str(Path(cfg.model.name) / "tokenizer.json")
+    if spec == "byte" and cfg.model.name and Path(cfg.model.name).is_dir():
+        if (Path(cfg.model.name) / "tokenizer.json").is_file():
+            spec = str(Path(cfg.model.name) / "tokenizer.json")
+        else:
+            log.warning("%s has no tokenizer.json: training with the byte tokenizer (256 tokens), which is not the "
+                        "model's; point data.tokenizer at the model's tokenizer.json", cfg.model.name)
     return load_tokenizer(spec)
 
 
