@@ -12,11 +12,13 @@ import difflib
 import importlib.util
 import types
 import typing
+from pathlib import Path
 from dataclasses import asdict, dataclass, field, fields
 
 from snugfit.errors import SnugfitError
 from snugfit.model import ModelConfig
 from snugfit.model.hub import local_model
+from snugfit.plan.dtype import canonical_dtype
 from snugfit.plan.options import Constraints
 from snugfit.plan.plan import GRAD_REDUCE, MASTER_WEIGHTS, OPTIMIZER_STATES, OptimizerPlan
 from snugfit.plan.policies import ALIASES, POLICY_NAMES
@@ -259,6 +261,7 @@ def build_config(file: str | None = None, overrides: dict[str, object] | None = 
     for key, value in values.items():
         sec, tp = keys[key]
         name = key.split(".", 1)[1]
+        value = canonical_dtype(value) if key == "train.dtype" else value
         if sec == "model":
             model_fields[name] = coerce(key, value, tp)
         else:
@@ -296,6 +299,10 @@ def validate(cfg: RunConfig) -> None:
         raise SnugfitError(
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}); lower one or raise the other"
         )
+    blocked = next((d for d in (Path(t.out_dir), *Path(t.out_dir).parents) if d.exists() and not d.is_dir()), None)
+    if blocked is not None:
+        raise SnugfitError(f"train.out_dir {t.out_dir!r}: {blocked} is a file, not a folder; name a folder "
+                           "(--out-dir runs/NAME)")
     if t.micro_batch_size and t.batch_size % t.micro_batch_size:
         raise SnugfitError(
             f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({t.micro_batch_size})"

@@ -49,3 +49,27 @@ def test_bad_files(tmp_path):
     typ.write_text("[train]\nsteps = 1.5\n")
     with pytest.raises(SnugfitError, match="train.steps must be an integer, got 1.5"):
         build_config(str(typ))
+
+
+@pytest.mark.parametrize("written, meant", [("bf16", "bfloat16"), ("fp16", "float16"), ("FP32", "float32"),
+                                            ("bfloat16", "bfloat16")])
+def test_dtype_aliases_are_read_as_their_names(written, meant):
+    import argparse
+
+    from snugfit.commands import plan as plan_cmd
+
+    assert build_config(None, {"dtype": written}).train.dtype == meant
+    sub = argparse.ArgumentParser().add_subparsers()
+    plan_cmd.add_parser(sub)
+    assert sub.choices["plan"].parse_args(["--reduce-dtype", written]).reduce_dtype == meant
+    with pytest.raises(SnugfitError, match="train.dtype must be one of"):
+        build_config(None, {"dtype": "bf17"})
+
+
+def test_an_out_dir_that_names_a_file_is_one_line_and_the_file_is_kept(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    for out in (f, f / "run"):
+        with pytest.raises(SnugfitError, match="is a file, not a folder; name a folder"):
+            build_config(None, {"out_dir": str(out)})
+    assert f.read_text() == "mine"

@@ -26,7 +26,7 @@ from snugfit.model.catalogue import resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.compile_choice import search_compiled_or_eager
 from snugfit.plan.estimate import estimate
-from snugfit.plan.dtype import dtype_for_cluster
+from snugfit.plan.dtype import canonical_dtype, dtype_for_cluster
 from snugfit.plan.explain import (
     advise, describe_model, explain_bpipe, format_result, memory_lines, phases_line, switches, verdict_line,
 )
@@ -188,7 +188,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     own = p.add_argument_group("planning")
     own.add_argument("--cluster", help="e.g. 8xH100-80GB, 2x8xA100-80GB, 2xRTX4090+2xRTX3090, 2xcpu, file.toml "
                                        "(default: --nproc x cpu)")
-    own.add_argument("--reduce-dtype", default="float32", choices=DTYPES)
+    own.add_argument("--reduce-dtype", default="float32", type=canonical_dtype, choices=DTYPES,
+                     help="dtype of the gradient reduction (bf16, fp16, fp32 or the long names)")
     own.add_argument("--memory-budget", help="per-GPU limit, e.g. 20GiB (default: the GPU's memory)")
     own.add_argument("--host-ram", help="host memory per node, e.g. 512GiB (default: the cluster's; catalogue "
                                         "nodes 256GiB)")
