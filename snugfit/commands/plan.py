@@ -22,7 +22,7 @@ from snugfit.config import optimizer_plan
 from snugfit.errors import SnugfitError
 from snugfit.calibrate.corrections import with_stored_corrections
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
-from snugfit.model.catalogue import resolve_model
+from snugfit.model.catalogue import block_count, resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.compile_choice import search_compiled_or_eager
 from snugfit.plan.estimate import estimate
@@ -139,17 +139,6 @@ def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | 
         return estimate(plan, prof, cluster, memory_budget)
     except PlanError as e:
         raise SnugfitError(str(e)) from None
-
-
-def block_count(model: ModelConfig | dict) -> int:
-    """The model's blocks: ModelConfig.n_layers, or a Hugging Face config's own field for them (GPT-2's n_layer)."""
-    if isinstance(model, ModelConfig):
-        return model.n_layers
-    found = next((model[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if model.get(k)), None)
-    if found is None:
-        raise SnugfitError("the model's config.json names no layer count (num_hidden_layers or n_layer); pass a "
-                           "Hugging Face model's own config.json")
-    return int(found)
 
 
 def max_length(model: ModelConfig | dict) -> int | None:

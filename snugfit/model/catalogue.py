@@ -145,3 +145,14 @@ def resolve_model(name_or_path: str, attention: str = "sdpa") -> ModelConfig | d
                            f"({', '.join(close) if close else ', '.join(MODELS)})")
     hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(MODELS)}"
     raise SnugfitError(f"unknown model {name_or_path!r}; {hint} (or pass a config.json path)")
+
+
+def block_count(model: ModelConfig | dict) -> int:
+    """The model's blocks: ModelConfig.n_layers, or a Hugging Face config's own field for them (GPT-2's n_layer)."""
+    if isinstance(model, ModelConfig):
+        return model.n_layers
+    found = next((model[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if model.get(k)), None)
+    if found is None:
+        raise SnugfitError("the model's config.json names no layer count (num_hidden_layers or n_layer); pass a "
+                           "Hugging Face model's own config.json")
+    return int(found)
