@@ -416,3 +416,23 @@ def test_a_measurement_taken_under_load_is_taken_again_once_the_machine_is_quiet
         LocalHardware(gpu, host, other_load=measured_under, measured_at=time.time()).save(path)
         monkeypatch.setattr(catalogue, "other_load_now", lambda: now)
         assert (load_local(path) is not None) == kept, (measured_under, now)
+
+
+def test_a_name_that_stands_for_several_cards_says_which_it_took(tmp_path, capsys):
+    """'8xA100' plans the 80 GB SXM card: `snugfit plan` says so in its first lines, and what else the name could
+    mean; a name of one card says nothing."""
+    import json
+
+    from snugfit.cli import main
+    from snugfit.hardware.cluster import card_note
+    from snugfit.model.decoder import ModelConfig
+
+    assert parse_cluster("2xA100+1xRTX4090").notes == (card_note("A100"),)
+    assert "H100-SXM" in card_note("H100-80GB") and "H100-PCIe" in card_note("H100-80GB")
+    assert card_note("A100-80GB-SXM") is card_note("RTX4090") is card_note("H200") is None
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(ModelConfig(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=32).to_dict()))
+    assert main(["plan", "--model", str(model), "--cluster", "8xA100", "--seq", "32", "--global-batch", "8",
+                 "--profile-cache", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[:3]
+    assert any("A100 is taken as the A100-80GB-SXM" in line and "A100-40GB-PCIe" in line for line in first), first

@@ -199,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
                     cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets)
     cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
+    for note in cluster.notes:  # first, before the search: which card a short name took
+        print(note, file=sys.stderr if args.json else sys.stdout)
     target.kernels = "cpu" if all(n.gpu.name == "cpu" for n in cluster.nodes) else "gpu"
     if args.host_ram:
         cluster = with_host_ram(cluster, parse_bytes(args.host_ram))
