@@ -12,10 +12,13 @@ import difflib
 import importlib.util
 import types
 import typing
+from pathlib import Path
 from dataclasses import asdict, dataclass, field, fields
 
 from snugfit.errors import SnugfitError
 from snugfit.model import ModelConfig
+from snugfit.model.hub import local_model
+from snugfit.plan.dtype import canonical_dtype
 from snugfit.plan.options import Constraints
 from snugfit.plan.plan import GRAD_REDUCE, MASTER_WEIGHTS, OPTIMIZER_STATES, OptimizerPlan
 from snugfit.plan.policies import ALIASES, POLICY_NAMES
@@ -145,11 +148,18 @@ CHOICES = {
 }
 OPTIM_EXTRA = 'pip install -e ".[optim]"'  # torchao, for bf16 weights and bf16, 8- and 4-bit states
 POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.eval_batches",
-            "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes"}
+            "train.keep_checkpoints", "train.max_bad_steps", "parallel.nproc", "parallel.nnodes",
+            "model.norm_eps", "model.rope_theta", "parallel.timeout_s",
+            # fixed parts of a plan (None: searched)
+            "parallel.dp", "parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.num_microbatches",
+            "parallel.evict_bound"}
 NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
                 "train.grad_clip", "train.weight_decay", "train.trace_step", "train.replan_after", "train.replan_gain",
                 "parallel.node_rank", "parallel.max_restarts",
                 "finetune.lora_rank", "finetune.lora_alpha", "finetune.lora_dropout"}
+# Keys with an upper bound too: (lowest, highest, whether the highest is allowed)
+BOUNDED = {"train.min_lr_ratio": (0.0, 1.0, True), "finetune.lora_dropout": (0.0, 1.0, False),
+           "parallel.zero": (0, 3, True)}
 
 
 def section_classes() -> dict[str, type]:
@@ -258,11 +268,13 @@ def build_config(file: str | None = None, overrides: dict[str, object] | None = 
     for key, value in values.items():
         sec, tp = keys[key]
         name = key.split(".", 1)[1]
+        value = canonical_dtype(value) if key == "train.dtype" else value
         if sec == "model":
             model_fields[name] = coerce(key, value, tp)
         else:
             setattr(getattr(cfg, sec), name, coerce(key, value, tp))
     cfg.model = ModelConfig(**model_fields)  # derived fields (ffn_dim, n_kv_heads) follow the given ones
+    cfg.model.name = local_model(cfg.model.name)  # a hub id: its folder in the local Hugging Face cache
     validate(cfg)
     return cfg
 
@@ -277,10 +289,16 @@ def validate(cfg: RunConfig) -> None:
         value = getattr(getattr(cfg, sec), key.split(".", 1)[1])
         if key in CHOICES and value is not None and value not in CHOICES[key]:
             raise SnugfitError(f"{key} must be one of {', '.join(CHOICES[key])}, got {value!r}")
+        if value is None:
+            continue
         if key in POSITIVE and value <= 0:
             raise SnugfitError(f"{key} must be positive, got {value}")
         if key in NON_NEGATIVE and value < 0:
             raise SnugfitError(f"{key} must be zero or positive, got {value}")
+        if key in BOUNDED:
+            low, high, closed = BOUNDED[key]
+            if not low <= value <= high or (value == high and not closed):
+                raise SnugfitError(f"{key} must be in [{low}, {high}{']' if closed else ')'}, got {value}")
     try:
         cfg.model.validate()
     except ValueError as e:
@@ -294,11 +312,35 @@ def validate(cfg: RunConfig) -> None:
         raise SnugfitError(
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}); lower one or raise the other"
         )
+    blocked = next((d for d in (Path(t.out_dir), *Path(t.out_dir).parents) if d.exists() and not d.is_dir()), None)
+    if blocked is not None:
+        raise SnugfitError(f"train.out_dir {t.out_dir!r}: {blocked} is a file, not a folder; name a folder "
+                           "(--out-dir runs/NAME)")
+    check_relations(cfg)
     if t.micro_batch_size and t.batch_size % t.micro_batch_size:
         raise SnugfitError(
             f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({t.micro_batch_size})"
         )
     check_optimizer(cfg)
+
+
+def check_relations(cfg: RunConfig) -> None:
+    """Options that each make sense alone but contradict each other: one line naming both and the fix."""
+    f, par, t = cfg.finetune, cfg.parallel, cfg.train
+    if not f.lora_rank:
+        given = [k for k, v in (("lora_targets", f.lora_targets), ("lora_alpha", f.lora_alpha),
+                                ("lora_dropout", f.lora_dropout)) if v]
+        if given:
+            raise SnugfitError(f"finetune.{given[0]} is set but finetune.lora_rank is 0 (no adapters); set "
+                               "--lora-rank or drop it")
+    if f.quantize_base == "nf4" and not (f.lora_rank or f.freeze):
+        raise SnugfitError("finetune.quantize_base = 'nf4' stores frozen weights in 4 bits, but nothing is frozen; "
+                           "add --lora-rank (QLoRA) or --freeze, or drop --quantize-base")
+    if par.node_rank >= par.nnodes:
+        raise SnugfitError(f"parallel.node_rank {par.node_rank} must be below parallel.nnodes ({par.nnodes})")
+    if t.trace_step > t.steps:
+        raise SnugfitError(f"train.trace_step {t.trace_step} is past train.steps ({t.steps}); it would never be "
+                           "traced")
 
 
 def optimizer_plan(t: TrainConfig) -> OptimizerPlan:

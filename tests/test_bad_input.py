@@ -150,3 +150,19 @@ def test_low_bit_states_without_torchao_name_the_extra(run_dir, capsys, monkeypa
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "needs torchao" in err[0] and 'pip install -e ".[optim]"' in err[0], err
         assert snapshot(run_dir) == before
+
+
+def test_a_plan_file_of_another_model_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """Under a launch the launcher reads the plan first: a plan for 3 blocks (another model), whose batch is wrong
+    too, is named for its blocks, the bigger problem, and nothing is started."""
+    import snugfit.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    plan = {"world_size": 2, "dp": 2, "pp": 1, "seq_len": 8, "micro_batch_size": 1, "stage_blocks": [3],
+            "blocks": [{}, {}, {}]}
+    (tmp_path / "other.json").write_text(json.dumps(plan))
+    code = main(["train", *TINY_ARGS, "--nproc", "2", "--plan", str(tmp_path / "other.json"),
+                 "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "has 3 block decisions but the model has 2 blocks" in err[0], err
+    assert not (tmp_path / "run").exists()

@@ -63,10 +63,10 @@ def test_parquet_and_arrow_give_what_jsonl_gives(folder, tmp_path):
     table.to_parquet(str(tmp_path / "chat.parquet"))
     table.save_to_disk(str(tmp_path / "saved"))
     arrow = next((tmp_path / "saved").glob("*.arrow"))
-    want = load_chat(jsonl, folder, seq_len=24)
+    want = load_chat(jsonl, folder, seq_len=24).rows
     assert want.shape == (2, 2, 25)
     for path in (tmp_path / "chat.parquet", arrow):
-        np.testing.assert_array_equal(load_chat(path, folder, seq_len=24), want)
+        np.testing.assert_array_equal(load_chat(path, folder, seq_len=24).rows, want)
 
 
 @pytest.mark.parametrize("line, match", [

@@ -52,3 +52,25 @@ def test_estimate_applies_each_factor_to_its_term_and_the_bubble_follows():
     assert fixed.time_by_phase["optimizer"] == pytest.approx(raw.time_by_phase["optimizer"], rel=1e-9)
     assert fixed.time_by_phase["bubble"] > 2 * raw.time_by_phase["bubble"]  # the pipeline waits on slower stages
     assert estimate(plan, prof, on_cluster(cluster, None)).step_time_s == pytest.approx(raw.step_time_s)
+
+
+def test_corrections_measured_under_other_jobs_load_are_dropped_once_the_machine_is_quiet(tmp_path, monkeypatch):
+    """Stored corrections say how old they are; those a run measured while other work loaded the machine are left
+    out once it is quiet (they corrected for that work), kept while it lasts."""
+    import time
+
+    import snugfit.calibrate.corrections as stored
+    from snugfit.plan.corrections import shape_key
+
+    monkeypatch.setenv("SNUGFIT_CORRECTIONS", str(tmp_path / "corrections.json"))
+    prof = profile_model(ModelConfig(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16),
+                         micro_batch_size=1, seq_len=16, cache_dir=str(tmp_path))
+    cluster = parse_cluster("2xcpu")
+    for load, now, applied in ((0.7, 0.05, False), (0.7, 0.8, True), (0.02, 0.05, True)):
+        stored.save_corrections(TimeCorrections({"compute": 9.0}, machine=machine_key(cluster),
+                                                shape=shape_key(prof), step=20, measured_at=time.time() - 3 * 3600,
+                                                other_load=load))
+        monkeypatch.setattr(stored, "other_load_now", lambda: now)
+        corrected, line = stored.with_stored_corrections(cluster, prof)
+        assert (corrected.nodes[0].corrections == {"compute": 9.0}) == applied, (load, now)
+        assert ("3 h ago" in line) if applied else ("which has stopped" in line and "70%" in line)

@@ -106,6 +106,7 @@ def test_profile_hardware_measures_this_machine(tmp_path):
     assert len(local.device.attention_tflops) == 2 and min(local.device.attention_tflops) > 1e-4
     assert 1e-7 < local.device.op_overhead_s < 1e-3 and 0 <= local.device.sac_overhead_s < 1e-3
     assert load_local(out) == local == LocalHardware.from_dict(local.to_dict())
+    assert local.measured_at > time.time() - 600 and 0 <= local.other_load <= 1
     local.host.fsdp = {"2": {"gather": [1e-3, 0.0], "contention": [1.0]}}  # what an older snugfit measured
     local.save(out)
     assert load_local(out) is None  # so it is measured again, not read with costs missing
@@ -381,3 +382,57 @@ def test_one_process_runs_on_the_local_accelerator(monkeypatch):
     monkeypatch.setattr(dist_mod, "pick_device", lambda local_rank: torch.device("meta"))
     env = dist_mod.init_distributed()
     assert env.device == torch.device("meta") and env.world_size == 1
+
+
+def test_other_processes_work_is_seen_as_load():
+    """hardware.load.OtherLoad: a process spinning beside this one shows as others' share of the cores (one of
+    this machine's cores: above the share that makes a measurement provisional)."""
+    import subprocess
+    import sys
+
+    from snugfit.hardware.load import BUSY_SHARE, OtherLoad
+
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        with OtherLoad() as load:
+            time.sleep(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert load.share > min(BUSY_SHARE, 0.8 / (os.cpu_count() or 1))
+
+
+def test_a_measurement_taken_under_load_is_taken_again_once_the_machine_is_quiet(tmp_path, monkeypatch):
+    """A profile measured while other jobs kept the cores busy describes them: load_local drops it when the
+    machine is quiet now (the next run measures again), and keeps it while the load lasts; a profile measured on a
+    quiet machine is kept either way."""
+    import snugfit.hardware.catalogue as catalogue
+
+    gpu = GPU("cpu", 8 * 2**30, {"float32": 0.1}, 10.0, 0, None, "gloo-loopback")
+    host = Host(ram_bytes=8 * 2**30, cores=2, thread_slowdown=1.0)
+    for measured_under, now, kept in ((0.6, 0.05, False), (0.6, 0.7, True), (0.05, 0.05, True), (0.05, 0.9, True)):
+        path = tmp_path / f"hw_{measured_under}_{now}.json"
+        LocalHardware(gpu, host, other_load=measured_under, measured_at=time.time()).save(path)
+        monkeypatch.setattr(catalogue, "other_load_now", lambda: now)
+        assert (load_local(path) is not None) == kept, (measured_under, now)
+
+
+def test_a_name_that_stands_for_several_cards_says_which_it_took(tmp_path, capsys):
+    """'8xA100' plans the 80 GB SXM card: `snugfit plan` says so in its first lines, and what else the name could
+    mean; a name of one card says nothing."""
+    import json
+
+    from snugfit.cli import main
+    from snugfit.hardware.cluster import card_note
+    from snugfit.model.decoder import ModelConfig
+
+    assert parse_cluster("2xA100+1xRTX4090").notes == (card_note("A100"),)
+    assert "H100-SXM" in card_note("H100-80GB") and "H100-PCIe" in card_note("H100-80GB")
+    assert card_note("A100-80GB-SXM") is card_note("RTX4090") is card_note("H200") is None
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(ModelConfig(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=32).to_dict()))
+    assert main(["plan", "--model", str(model), "--cluster", "8xA100", "--seq", "32", "--global-batch", "8",
+                 "--profile-cache", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[:3]
+    assert any("A100 is taken as the A100-80GB-SXM" in line and "A100-40GB-PCIe" in line for line in first), first

@@ -25,8 +25,18 @@ LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
              vocab_size=128, max_position_embeddings=64)
 CONFIGS = {
     "llama": LLAMA,
-    "mistral": {**LLAMA, "sliding_window": 32},
+    "mistral": {**LLAMA, "sliding_window": 8},  # shorter than the tokens: the window's mask is exercised
     "qwen2": {**LLAMA, "tie_word_embeddings": True},
+    "qwen3": {**LLAMA, "head_dim": 8},
+    "phi3": {**LLAMA, "pad_token_id": 0},  # fused qkv_proj and gate_up_proj
+    "olmo2": LLAMA,
+    "gemma": {**LLAMA, "head_dim": 8},  # embeddings scaled by sqrt(hidden) inside their module
+    # alternating sliding and full layers (a window shorter than the tokens), soft-capped attention (eager: no
+    # SDPA path) and soft-capped logits, applied after lm_head
+    "gemma2": {**LLAMA, "head_dim": 8, "sliding_window": 8, "final_logit_softcapping": 3.0,
+               "attn_logit_softcapping": 5.0},
+    "gemma3_text": {**LLAMA, "head_dim": 8, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                    "final_logit_softcapping": 3.0},  # a rotary table per layer type
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
     "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
@@ -36,7 +46,7 @@ CONFIGS = {
 
 def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
     cfg = AutoConfig.for_model(arch, **CONFIGS[arch])
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = hfmod.attention_for(cfg)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg)
 
@@ -54,7 +64,7 @@ def test_loss_equals_hf_forward(arch):
     assert model(x, targets).item() == hf(input_ids=x, labels=x).loss.item()
     assert torch.equal(model(x), hf(input_ids=x).logits)
     assert model.cfg.n_layers == 2 and list(model.blocks) == ["0", "1"]
-    assert model.cfg.tie_embeddings == (arch in ("qwen2", "gpt2", "opt"))
+    assert model.cfg.tie_embeddings == (arch in ("qwen2", "gpt2", "opt", "gemma", "gemma2", "gemma3_text"))
 
 
 def test_pipeline_pieces_compose():
@@ -140,7 +150,7 @@ def test_config_only_and_hub_name(tmp_path):
         HFCausalLM(AutoModelForCausalLM.from_config(granite))
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2"])
 def test_save_reloads_in_transformers(tmp_path, arch):
     model = HFCausalLM(hf_model(arch))
     apply_lora(model, rank=4)
@@ -151,7 +161,8 @@ def test_save_reloads_in_transformers(tmp_path, arch):
     x = tokens()
     expect = model(x)
     save_hf(model, tmp_path)
-    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="sdpa")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation=hfmod.attention_for(
+        model.hf_config))
     assert torch.allclose(reloaded(input_ids=x).logits, expect, rtol=1e-5, atol=1e-5)
     assert torch.equal(load_hf(tmp_path)(x), reloaded(input_ids=x).logits)
 

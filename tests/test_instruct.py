@@ -34,7 +34,7 @@ def test_encode_masks_prompt_and_padding():
 
 def test_load_fields_and_errors(tmp_path):
     path = write(tmp_path, [{"q": "hi", "a": "yo"}, {"q": "x" * 50, "a": "lost"}])
-    ex = load_instruct(path, ByteTokenizer(), seq_len=16, prompt_field="q", response_field="a", eos_id=EOS)
+    ex = load_instruct(path, ByteTokenizer(), seq_len=16, prompt_field="q", response_field="a", eos_id=EOS).rows
     assert ex.shape == (1, 2, 17)  # the second prompt fills the window: dropped
     assert ex[0, 1, :2].tolist() == [IGNORE, IGNORE] and ex[0, 1, 2:5].tolist() == [ord("y"), ord("o"), EOS]
     with pytest.raises(SnugfitError, match="end-of-sequence"):
@@ -45,7 +45,7 @@ def test_load_fields_and_errors(tmp_path):
 
 def test_loss_equals_manual_masked_ce(tmp_path):
     rows = [{"prompt": f"question {i}?", "response": "answer " * (i % 3 + 1)} for i in range(6)]
-    ex = load_instruct(write(tmp_path, rows), ByteTokenizer(), seq_len=40, eos_id=EOS)
+    ex = load_instruct(write(tmp_path, rows), ByteTokenizer(), seq_len=40, eos_id=EOS).rows
     b = torch.from_numpy(ex[:4])
     torch.manual_seed(0)
     model = Decoder(ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=256, max_seq_len=48))

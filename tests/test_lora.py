@@ -86,8 +86,8 @@ def test_freeze_rejects_bad_specs(spec, message):
 
 
 def test_lora_bad_targets_and_rank():
-    with pytest.raises(SnugfitError, match="match no layer.*attn.q"):
-        apply_lora(decoder(), rank=4, targets=("q_proj",))
+    with pytest.raises(SnugfitError, match=r"\['q_prj'\] match no layer.*attn.q"):  # a typo, named
+        apply_lora(decoder(), rank=4, targets=("q_prj",))
     with pytest.raises(SnugfitError, match="positive"):
         apply_lora(decoder(), rank=0)
 
@@ -144,3 +144,29 @@ def test_frozen_weights_are_stored_once_in_the_compute_dtype(zero):
     assert held["device.parameters"] == frozen * 2 + trainable * 4
     if zero == 0:  # the compute copies: the adapters' only
         assert held["device.buffers"] <= trainable * 2 + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+@pytest.mark.parametrize("arch, peft, own", [
+    ("snugfit", "q_proj,v_proj,gate_proj,down_proj", ["attn.q", "attn.v", "mlp.gate", "mlp.down"]),
+    ("phi3", "q_proj,k_proj,v_proj,o_proj,up_proj", ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"]),
+    ("gpt2", "q_proj,o_proj,up_proj,down_proj", ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]),
+])
+def test_peft_target_names_adapt_the_same_projections_under_every_model_s_names(arch, peft, own):
+    if arch == "snugfit":
+        model = Decoder(ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16))
+        prefix = ""
+    else:
+        pytest.importorskip("transformers")
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from snugfit.model.hf import HFCausalLM
+
+        kw = (dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16) if arch == "gpt2" else
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=16, pad_token_id=0))
+        model, prefix = HFCausalLM(AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw))), "layer."
+    wrapped = apply_lora(model, rank=2, targets=peft.split(","))
+    assert sorted(w for w in wrapped if w.startswith("blocks.0.")) == sorted(f"blocks.0.{prefix}{n}" for n in own)
+    if arch == "phi3":  # the default targets adapt the fused projection too (q_proj & co. name no layer there)
+        fresh = HFCausalLM(AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw)))
+        assert "blocks.0.layer.self_attn.qkv_proj" in apply_lora(fresh, rank=2)

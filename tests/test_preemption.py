@@ -39,7 +39,7 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path):
     stopped_at = max(_losses(tmp_path / "stopped"))
     assert 3 <= stopped_at < 400
     assert f"stopped by SIGTERM at step {stopped_at}; checkpoint step_{stopped_at:08d}; resume with --resume" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "death signal" not in err  # torch's agent says nothing of it
     assert [p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()] == [f"step_{stopped_at:08d}"]
 
     end = stopped_at + 3

@@ -237,3 +237,14 @@ def test_operators_counted_are_the_ones_an_eager_block_dispatches():
     counted = profile_model(cfg, micro_batch_size=1, seq_len=8, dtype="float32", use_cache=False).blocks[0]
     assert counted.fwd_ops == fwd.n
     assert bwd.n <= counted.bwd_ops <= 1.25 * bwd.n
+
+
+@pytest.mark.parametrize("name, published", [
+    ("llama-3.2-1b", 1.24e9), ("llama-3.2-3b", 3.21e9), ("qwen3-0.6b", 0.60e9), ("qwen3-8b", 8.19e9),
+    ("gemma-2-2b", 2.61e9), ("gemma-2-9b", 9.24e9), ("gemma-3-1b", 1.00e9), ("phi-3-mini", 3.82e9), ("phi-4", 14.7e9),
+])
+def test_the_2026_catalogue_entries_have_their_published_sizes(name, published):
+    """The model cards' sizes (two or three digits): each entry's shape, built by transformers on meta."""
+    cfg = resolve_model(name)
+    count = cfg.num_params() if isinstance(cfg, ModelConfig) else _count(hf_from_config(cfg))
+    assert count == pytest.approx(published, rel=0.01)

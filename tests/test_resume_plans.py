@@ -23,6 +23,7 @@ from snugfit.plan import BlockPlan, Plan
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.optimizer import OptimConfig
+from snugfit.train.build import RunData
 from tests.distributed import run_ranks
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, max_seq_len=16)
@@ -67,25 +68,37 @@ def train(engine, env: DistEnv, plan: Plan, steps: list[torch.Tensor]) -> list[f
     return out
 
 
-def save_plan_a(env: DistEnv, ckpt: str) -> list[float]:
-    """Plan A on 2 ranks: b0, b1, checkpoint, then b2, b3 (its own continuation, for reference)."""
+def validation_loss(engine, env: DistEnv, plan: Plan) -> float:
+    """The checkpoint's validation loss as the trainer takes it (train.build.RunData.eval_batches: each
+    data-parallel rank its part of the same held-out batches)."""
+    val = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH * 3 * (SEQ + 1),), generator=torch.Generator().manual_seed(9))
+    batches = RunData(val.numpy(), val.numpy(), instruct=False).eval_batches(plan, 2, plan.layout.coords(env.rank)[1])
+    return sum(engine.eval_loss(b) for b in batches) / len(batches)
+
+
+def save_plan_a(env: DistEnv, ckpt: str) -> dict:
+    """Plan A on 2 ranks: b0, b1, checkpoint (and its validation loss), then b2, b3 (its own continuation, for
+    reference)."""
     data = batches()
     engine = engine_for(env, SAVED)
     losses = train(engine, env, SAVED, data[:SAVED_AFTER])
     dcp.save(engine.state_dict(), checkpoint_id=ckpt)
     dist.barrier()  # the checkpoint is complete before anyone loads it
-    return losses + train(engine, env, SAVED, data[SAVED_AFTER:])
+    val = validation_loss(engine, env, SAVED)
+    return {"losses": losses + train(engine, env, SAVED, data[SAVED_AFTER:]), "val": val}
 
 
-def under_new_plan(env: DistEnv, plan: Plan, ckpt: str) -> dict[str, list[float]]:
-    """Uninterrupted b0..b3 under `plan`, and a fresh engine resumed from the checkpoint on b2, b3."""
+def under_new_plan(env: DistEnv, plan: Plan, ckpt: str) -> dict:
+    """Uninterrupted b0..b3 under `plan`, and a fresh engine resumed from the checkpoint (its validation loss)
+    on b2, b3."""
     data = batches()
     uninterrupted = train(engine_for(env, plan), env, plan, data)
     engine = engine_for(env, plan)
     state = engine.state_dict()
     dcp.load(state, checkpoint_id=ckpt)
     engine.load_state_dict(state)
-    return {"uninterrupted": uninterrupted, "resumed": train(engine, env, plan, data[SAVED_AFTER:])}
+    val = validation_loss(engine, env, plan)
+    return {"uninterrupted": uninterrupted, "val": val, "resumed": train(engine, env, plan, data[SAVED_AFTER:])}
 
 
 def two_rank_work(env: DistEnv, ckpt: str) -> dict:
@@ -102,7 +115,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     ckpt = str(tmp_path_factory.mktemp("resume") / "plan_a")
     out: dict[str, list] = {}
     two = run_ranks(two_rank_work, 2, ckpt)
-    out["saved"] = [r["saved"] for r in two]
+    out["saved"] = [r["saved"]["losses"] for r in two]
+    out["saved-val"] = [r["saved"]["val"] for r in two]
     out["2ranks-pp2-1f1b"] = [r["2ranks-pp2-1f1b"] for r in two]
     out["4ranks-dp4-zero3"] = [r["4ranks-dp4-zero3"] for r in run_ranks(four_rank_work, 4, ckpt)]
     out["1rank-dp1-zero0"] = run_ranks(under_new_plan, 1, NEW["1rank-dp1-zero0"], ckpt)
@@ -138,3 +152,12 @@ def test_new_plan_reproduces_plan_a(runs, name):
     for rank in runs[name]:
         assert rank["uninterrupted"] == pytest.approx(runs["saved"][0], rel=1e-5), name
         assert rank["resumed"] == pytest.approx(runs["saved"][0][SAVED_AFTER:], rel=1e-5), name
+
+
+def test_a_checkpoint_s_validation_loss_is_the_same_under_every_plan(runs):
+    """The same weights on the same held-out examples: dp 2 (where it was saved), one rank, a 2-stage pipeline and
+    dp 4 give one validation loss (it differed between --nproc 1 and 2 while the set was sized per rank)."""
+    saved = runs["saved-val"][0]
+    assert runs["saved-val"][1] == saved
+    for name in NEW:
+        assert [r["val"] for r in runs[name]] == pytest.approx([saved] * len(runs[name]), rel=1e-5), name

@@ -176,3 +176,15 @@ def test_a_profile_the_first_steps_contradict_is_set_aside_once(tmp_path, monkey
     profile.write_text('{"measured": "again"}')  # the next run measured the machine again
     check_profile(0.3, 0.1, print)
     assert profile.read_text() == '{"measured": "again"}'
+
+
+def test_engine_internals_are_not_printed(tmp_path, caplog):
+    """The calibration builds engines of its own: their internals (activation policies, FSDP2 units per engine)
+    stay at debug level, the printed plan is the user's line."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        train(tiny(tmp_path, steps=2, zero=3))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert any(m.startswith("plan dp=") for m in said)
+    assert not [m for m in said if m.startswith(("activations:", "fsdp:"))]

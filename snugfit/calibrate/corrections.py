@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from snugfit.hardware.catalogue import hardware_cache_path
 from snugfit.hardware.cluster import Cluster
+from snugfit.hardware.load import is_busy, other_load_now
 from snugfit.plan.corrections import TimeCorrections, cards_of, machine_key, on_cluster, shape_key
 from snugfit.profile.types import ModelProfile
 
@@ -52,12 +54,25 @@ def save_corrections(corrections: TimeCorrections) -> Path:
 
 
 def with_stored_corrections(cluster: Cluster, profile: ModelProfile) -> tuple[Cluster, str | None]:
-    """The cluster carrying the corrections stored for it and this model shape, and the one line that says so
-    (None where there are none)."""
+    """The cluster carrying the corrections stored for it and this model shape, and the one line that says so,
+    with where they came from and how old they are (None where there are none). Corrections a run measured while
+    other jobs loaded the machine are left out once it is quiet: they corrected for those jobs."""
     found = load_corrections(machine_key(cluster), shape_key(profile))
     if found is None or not found.factors:
         return cluster, None
-    line = (f"time model corrected by what a run measured on {found.machine} at step {found.step}: "
+    if is_busy(found.other_load) and not is_busy(other_load_now()):
+        return cluster, (f"time model not corrected: the run that measured corrections on {found.machine} shared "
+                         f"the machine with other work ({found.other_load:.0%} of its cores), which has stopped")
+    age = f", {_age(time.time() - found.measured_at)} ago" if found.measured_at else ""
+    line = (f"time model corrected by what a run measured on {found.machine} at step {found.step}{age}: "
             f"{found.describe()}{'' if found.machine == machine_key(cluster) else ' (its per-device terms)'} "
             f"({corrections_path()})")
     return on_cluster(cluster, found), line
+
+
+def _age(seconds: float) -> str:
+    """'40 s', '12 min', '5 h', '3 days'."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"

@@ -8,6 +8,7 @@ datasheet hardware alike. Kept short (about 10-20 s on 2 cores).
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import resource
@@ -25,8 +26,11 @@ from snugfit.calibrate.timers import best_time, clock, current_clock
 from snugfit.hardware.catalogue import (
     GPU, GiB, Host, Link, LocalHardware, cuda_arch, hardware_cache_path, host_ram,
 )
+from snugfit.hardware.load import OtherLoad, is_busy
 from snugfit.profile.record import op_cost
 from snugfit.runtime.host_alloc import return_freed_host_memory
+
+log = logging.getLogger(__name__)
 
 
 def _matmul_tflops(dtype: torch.dtype, n: int, device: str, sync, repeats: int = 3) -> float:
@@ -351,6 +355,20 @@ def measure_compiled(local: LocalHardware, out: str | Path | None = None) -> Loc
 def profile_hardware(out: str | Path | None = None, collectives: bool = True, compiled: bool = False) -> LocalHardware:
     """Measure this machine and cache the result (default ~/.cache/snugfit/hardware.json); `compiled`: also what a
     compiled block's launches cost (`measure_compiled`)."""
+    with OtherLoad() as load:  # around what this process and its waited-for children measure
+        host, device, links = _measure_device()
+    if collectives:
+        links["gloo-loopback"] = measure_local_ranks(host)
+    local = LocalHardware(device, host, links, measured_at=time.time(), other_load=load.share)
+    if is_busy(load.share):
+        log.warning("other work kept %.0f%% of this machine's cores busy while it was measured: the figures are "
+                    "kept only while it stays that busy, and taken again once it is quiet", 100 * load.share)
+    local.save(out or hardware_cache_path())
+    return measure_compiled(local, out) if compiled else local
+
+
+def _measure_device() -> tuple[Host, GPU, dict[str, Link]]:
+    """The host's and the device's figures (the accelerator's, or this CPU's with its step efficiencies)."""
     # offloaded units of a GPU's model run in bf16: their masters are cast for the copy back; a CPU trains in fp32
     staged = torch.bfloat16 if torch.accelerator.is_available() else None
     host = Host(ram_bytes=host_ram(), adam_params_per_s=host_step_params_per_s(staged=staged),
@@ -371,8 +389,4 @@ def profile_hardware(out: str | Path | None = None, collectives: bool = True, co
         device = GPU("cpu", host.ram_bytes, tflops, hbm, 0, None, "gloo-loopback",
                      matmul_efficiency=matmul, mem_efficiency=mem, page_in_bytes_per_s=page_in, context_bytes=0,
                      op_overhead_s=per_op, sac_overhead_s=selective, attention_tflops=attention_tflops())
-    if collectives:
-        links["gloo-loopback"] = measure_local_ranks(host)
-    local = LocalHardware(device, host, links)
-    local.save(out or hardware_cache_path())
-    return measure_compiled(local, out) if compiled else local
+    return host, device, links

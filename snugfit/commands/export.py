@@ -9,11 +9,17 @@ from snugfit.errors import SnugfitError
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("export", help="write a checkpoint's model as safetensors + config",
-                       description="Write the model of a checkpoint (any plan, any world size) as model.safetensors, "
-                       "snugfit.json and, for llama or tied gpt2 shapes, a config.json that transformers loads.")
+    p = sub.add_parser("export", help="write a checkpoint's model as a folder that transformers loads",
+                       description="Write the model of a checkpoint (any plan, any world size) into a new folder: "
+                       "a Hugging Face model's config.json + model.safetensors (LoRA adapters merged) with the base "
+                       "folder's tokenizer, chat template and generation config beside them; for the built-in model, "
+                       "model.safetensors + snugfit.json, and for llama or tied gpt2 shapes a config.json that "
+                       "transformers loads.")
     p.add_argument("checkpoint", help="a run folder (its newest checkpoint is used) or a step_* checkpoint folder")
-    p.add_argument("--out", help="output folder (default: <run>/model)")
+    p.add_argument("--out", help="output folder, new or empty (default: <run>/model)")
+    p.add_argument("--model", help="the base model's folder (or hub id in the local cache) where it moved since "
+                   "training; it must hold the same files")
+    p.add_argument("--overwrite", action="store_true", help="replace what the output folder holds")
     return p
 
 
@@ -32,6 +38,6 @@ def run(args: argparse.Namespace) -> int:
         run_dir = path.parent.parent
     else:
         raise SnugfitError(f"{path} is not a folder; pass a run folder or a step_* checkpoint folder")
-    out = export_checkpoint(path, Path(args.out) if args.out else run_dir / "model")
+    out = export_checkpoint(path, Path(args.out) if args.out else run_dir / "model", args.model, args.overwrite)
     print(f"exported {path} -> {out}")
     return 0

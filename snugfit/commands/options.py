@@ -13,7 +13,7 @@ from snugfit.config import RunConfig, all_keys, build_config, load_toml
 
 # Spellings `snugfit plan` had before it read the run config, kept as aliases of the keys.
 ALIASES = {
-    "model.name": ["--model"],  # a catalogue name, a Hugging Face folder or a config.json
+    "model.name": ["--model"],  # a catalogue name, a Hugging Face folder or hub id (local cache), a config.json
     "train.seq_len": ["--seq"],
     "train.batch_size": ["--global-batch"],
     "train.micro_batch_size": ["--micro-batch"],

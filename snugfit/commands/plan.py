@@ -22,11 +22,11 @@ from snugfit.config import optimizer_plan
 from snugfit.errors import SnugfitError
 from snugfit.calibrate.corrections import with_stored_corrections
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
-from snugfit.model.catalogue import resolve_model
+from snugfit.model.catalogue import block_count, resolve_model
 from snugfit.model.decoder import ModelConfig
 from snugfit.plan.compile_choice import search_compiled_or_eager
 from snugfit.plan.estimate import estimate
-from snugfit.plan.dtype import dtype_for_cluster
+from snugfit.plan.dtype import canonical_dtype, dtype_for_cluster
 from snugfit.plan.explain import (
     advise, describe_model, explain_bpipe, format_result, memory_lines, phases_line, switches, verdict_line,
 )
@@ -177,7 +177,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     own = p.add_argument_group("planning")
     own.add_argument("--cluster", help="e.g. 8xH100-80GB, 2x8xA100-80GB, 2xRTX4090+2xRTX3090, 2xcpu, file.toml "
                                        "(default: --nproc x cpu)")
-    own.add_argument("--reduce-dtype", default="float32", choices=DTYPES)
+    own.add_argument("--reduce-dtype", default="float32", type=canonical_dtype, choices=DTYPES,
+                     help="dtype of the gradient reduction (bf16, fp16, fp32 or the long names)")
     own.add_argument("--memory-budget", help="per-GPU limit, e.g. 20GiB (default: the GPU's memory)")
     own.add_argument("--host-ram", help="host memory per node, e.g. 512GiB (default: the cluster's; catalogue "
                                         "nodes 256GiB)")
@@ -194,15 +195,17 @@ def run(args: argparse.Namespace) -> int:
     t, par = cfg.train, cfg.parallel
     refuse_fixed_parts_beside(par)
     named = cfg.model.name
-    model = resolve_model(named) if named else cfg.model
+    model = resolve_model(named, cfg.model.attention) if named else cfg.model
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
                     cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets)
     cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
+    for note in cluster.notes:  # first, before the search: which card a short name took
+        print(note, file=sys.stderr if args.json else sys.stdout)
     target.kernels = "cpu" if all(n.gpu.name == "cpu" for n in cluster.nodes) else "gpu"
     if args.host_ram:
         cluster = with_host_ram(cluster, parse_bytes(args.host_ram))
     dtype, why = dtype_for_cluster(t.dtype, cluster)
-    n_blocks = model.n_layers if isinstance(model, ModelConfig) else int(model["num_hidden_layers"])
+    n_blocks = block_count(model)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if par.plan not in ("auto", "dp"):
         plan = _read_plan(par.plan)

@@ -48,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
         # take them for its own); inside torchrun's environment they train instead of launching.
         argv = _without_launch_options(sys.argv[1:])
         plan = None
+        if par.plan not in ("auto", "dp"):
+            from snugfit.train.autoplan import check_plan_file
+
+            check_plan_file(cfg, par.nproc * par.nnodes)
         if par.plan == "auto":  # searched here, once, before any rank starts; other nodes receive node 0's
             from snugfit.runtime.launch import PlanHandoff
             from snugfit.train.autoplan import plan_for_launch

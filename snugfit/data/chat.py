@@ -1,5 +1,5 @@
-"""Chat data: {"messages": [{"role": ..., "content": ...}, ...]} records rendered with the model's own chat template,
-with the loss on the assistant turns only.
+"""Chat data: {"messages": [{"role": ..., "content": ...}, ...]} records (or ShareGPT's {"conversations": [{"from",
+"value"}, ...]}) rendered with the model's own chat template, with the loss on the assistant turns only.
 
 The template is the model folder's (tokenizer_config.json `chat_template`), applied through transformers'
 tokenizer, offline. Which tokens belong to an assistant turn is found by rendering the conversation up to
@@ -15,9 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
-
-from snugfit.data.instruct import IGNORE, pack_example, stack_examples
+from snugfit.data.instruct import IGNORE, Examples, stack_examples
 from snugfit.data.records import read_records
 from snugfit.errors import SnugfitError
 from snugfit.quiet import quiet_imports
@@ -66,25 +64,46 @@ def encode_chat(tok, messages: list[dict], where: str) -> tuple[list[int], list[
     return ids, labels
 
 
+# ShareGPT's conversations: {"conversations": [{"from": "human" | "gpt" | ..., "value": ...}]}, read as messages
+SHAREGPT_FIELD = "conversations"
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "function_response": "tool", "observation": "tool"}
+
+
+def _sharegpt(turns: list, where: str) -> list[dict]:
+    out = []
+    for t in turns:
+        role = SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) else None
+        if role is None or not isinstance(t.get("value"), str):
+            raise SnugfitError(f"{where}: ShareGPT turn {t!r} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string "
+                               "'value'; fix the record")
+        out.append({"role": role, "content": t["value"]})
+    return out
+
+
 def _messages(record: object, field: str, where: str) -> list[dict]:
+    """A record's messages: `field`'s {role, content} list, or ShareGPT's {from, value} conversations."""
     messages = record.get(field) if isinstance(record, dict) else None
+    if messages is None and isinstance(record, dict) and isinstance(record.get(SHAREGPT_FIELD), list):
+        messages = _sharegpt(record[SHAREGPT_FIELD], where)
     if not isinstance(messages, list) or not messages:
         raise SnugfitError(f"{where}: no {field!r} list of messages; each record needs "
-                           f"{{\"{field}\": [{{\"role\": ..., \"content\": ...}}, ...]}} (or set data.messages_field)")
+                           f"{{\"{field}\": [{{\"role\": ..., \"content\": ...}}, ...]}} (or set "
+                           f"data.messages_field), or ShareGPT's {{\"{SHAREGPT_FIELD}\": [{{\"from\": ..., "
+                           "\"value\": ...}}, ...]}}")
     for m in messages:
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise SnugfitError(f"{where}: message {m!r} needs a role in {ROLES} and a string content; fix the record")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def load_chat(path: str | Path, folder: Path, seq_len: int, field: str = "messages") -> np.ndarray:
-    """All conversations of a .jsonl, .parquet or .arrow file as one (N, 2, seq_len + 1) array (instruct's layout);
-    conversations with no assistant token within seq_len are dropped, and counted in the log."""
+def load_chat(path: str | Path, folder: Path, seq_len: int, field: str = "messages") -> Examples:
+    """All conversations of a .jsonl, .parquet or .arrow file in instruct's layout; conversations with no
+    assistant token within seq_len are dropped, and counted in the log."""
     p = Path(path)
     if not p.is_file():
         raise SnugfitError(f"chat data {path} does not exist; pass a .jsonl, .parquet or .arrow file")
     tok = chat_tokenizer(folder)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    packed = (pack_example(*encode_chat(tok, _messages(record, field, where), where), seq_len, pad)
-              for where, record in read_records(p))
-    return stack_examples(packed, path, seq_len, "conversations")
+    pairs = (encode_chat(tok, _messages(record, field, where), where) for where, record in read_records(p))
+    return stack_examples(pairs, path, seq_len, pad, "conversations")

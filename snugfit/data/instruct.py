@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,12 @@ log = logging.getLogger(__name__)
 
 def encode_example(prompt: list[int], response: list[int], seq_len: int, eos_id: int, pad_id: int) -> np.ndarray | None:
     """(2, seq_len + 1): ids and labels, truncated on the right; None when no response token fits."""
-    return pack_example(prompt + response + [eos_id], [IGNORE] * len(prompt) + response + [eos_id], seq_len, pad_id)
+    return pack_example(*response_pair(prompt, response, eos_id), seq_len, pad_id)
+
+
+def response_pair(prompt: list[int], response: list[int], eos_id: int) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one prompt/response example: the loss on the response and its EOS only."""
+    return prompt + response + [eos_id], [IGNORE] * len(prompt) + response + [eos_id]
 
 
 def pack_example(ids: list[int], labels: list[int], seq_len: int, pad_id: int) -> np.ndarray | None:
@@ -39,9 +45,73 @@ def pack_example(ids: list[int], labels: list[int], seq_len: int, pad_id: int) -
     return np.array([ids + [pad_id] * pad, labels + [IGNORE] * pad], dtype=np.int64)
 
 
+@dataclass
+class Examples:
+    """A file's examples as one (N, 2, seq_len + 1) array, and what reading them did (for the run's data line)."""
+
+    rows: np.ndarray
+    read: int  # records in the file
+    dropped: int  # nothing to learn within seq_len
+    truncated: int  # kept, but cut on the right: what was cut is not learned
+    noun: str = "examples"
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def targets_per_example(self) -> float:
+        """Learned tokens of a kept example, on average."""
+        return float((self.rows[:, 1, 1:] != IGNORE).sum()) / max(len(self.rows), 1)
+
+    def describe(self, seq_len: int) -> str:
+        """'200 examples read, 125 dropped (nothing to learn within 34 tokens), 75 truncated at 34 tokens'."""
+        parts = [f"{self.read} {self.noun} read"]
+        if self.dropped:
+            parts.append(f"{self.dropped} dropped (nothing to learn within {seq_len} tokens)")
+        if self.truncated:
+            parts.append(f"{self.truncated} truncated at {seq_len} tokens")
+        return ", ".join(parts)
+
+
+def stack_examples(pairs: Iterable[tuple[list[int], list[int]]], path: str | Path, seq_len: int, pad_id: int,
+                   noun: str) -> Examples:
+    """The (ids, labels) pairs packed to seq_len + 1 (`pack_example`), those with nothing to learn dropped and
+    those cut on the right counted; a file left with none is a one-line error."""
+    kept, read, truncated = [], 0, 0
+    for ids, labels in pairs:
+        read += 1
+        row = pack_example(ids, labels, seq_len, pad_id)
+        if row is not None:
+            kept.append(row)
+            truncated += len(ids) > seq_len + 1
+    if not kept:
+        raise SnugfitError(f"{path} holds no {noun} with anything to learn within {seq_len} tokens; "
+                           "raise train.seq_len")
+    out = Examples(np.stack(kept), read, read - len(kept), truncated, noun)
+    if out.dropped or out.truncated:
+        log.warning("%s: %s; raise train.seq_len to keep them whole", path, out.describe(seq_len))
+    return out
+
+
+# Alpaca's records (instruction, optional input, output): the prompt is the instruction, then the input after a
+# blank line where there is one, then a blank line before the response
+ALPACA = ("instruction", "input", "output")
+
+
+def _prompt_response(rec: object, prompt_field: str, response_field: str) -> tuple[str, str]:
+    """A record's (prompt, response): the configured fields, or Alpaca's instruction/input/output."""
+    if isinstance(rec, dict) and prompt_field not in rec and "instruction" in rec and "output" in rec:
+        extra = rec.get("input") or ""
+        if not isinstance(extra, str):
+            raise TypeError("'input' is not a string")
+        return rec["instruction"] + (f"\n\n{extra}" if extra else "") + "\n\n", rec["output"]
+    return rec[prompt_field], rec[response_field]
+
+
 def load_instruct(path: str | Path, tokenizer: Tokenizer, seq_len: int, prompt_field: str = "prompt",
-                  response_field: str = "response", eos_id: int | None = None, pad_id: int | None = None) -> np.ndarray:
-    """All examples of a .jsonl, .parquet or .arrow file as one (N, 2, seq_len + 1) array.
+                  response_field: str = "response", eos_id: int | None = None, pad_id: int | None = None) -> Examples:
+    """All examples of a .jsonl, .parquet or .arrow file: records with the prompt and response fields, or Alpaca's
+    instruction/input/output.
 
     eos_id defaults to the tokenizer's; pad_id to eos_id (padding is never
     learned, so its value only has to be a valid id). Examples whose prompt
@@ -49,35 +119,23 @@ def load_instruct(path: str | Path, tokenizer: Tokenizer, seq_len: int, prompt_f
     """
     eos = eos_id if eos_id is not None else tokenizer.eos_id
     if eos is None:
-        raise SnugfitError("instruction data needs an end-of-sequence token: this tokenizer has none; set data.eos_id")
+        raise SnugfitError(f"instruction data needs an end-of-sequence token, and the tokenizer "
+                           f"{tokenizer.describe()} has none; use a tokenizer whose folder names its eos_token "
+                           "(tokenizer_config.json)")
     pad = pad_id if pad_id is not None else eos
     p = Path(path)
     if not p.is_file():
         raise SnugfitError(f"instruction data {path} does not exist; pass a .jsonl, .parquet or .arrow file")
 
-    def encode(where: str, rec) -> np.ndarray | None:
+    def encode(where: str, rec) -> tuple[list[int], list[int]]:
         try:
-            prompt, response = rec[prompt_field], rec[response_field]
-            return encode_example(tokenizer.encode(prompt), tokenizer.encode(response), seq_len, eos, pad)
+            prompt, response = _prompt_response(rec, prompt_field, response_field)
+            return response_pair(tokenizer.encode(prompt), tokenizer.encode(response), eos)
         except (KeyError, TypeError) as e:
-            raise SnugfitError(f"{where}: not a record with {prompt_field!r} and {response_field!r} strings ({e}); "
-                               "fix it or set the field names") from e
+            raise SnugfitError(f"{where}: not a record with {prompt_field!r} and {response_field!r} strings, nor "
+                               f"Alpaca's {'/'.join(ALPACA)} ({e}); fix it or set the field names") from e
 
-    return stack_examples((encode(where, rec) for where, rec in read_records(p)), path, seq_len, "examples")
-
-
-def stack_examples(packed: Iterable[np.ndarray | None], path: str | Path, seq_len: int, noun: str) -> np.ndarray:
-    """(N, 2, seq_len + 1) from `pack_example` results; those with nothing to learn (None) are dropped and counted
-    in the log, and a file left with none is a one-line error."""
-    examples = list(packed)
-    kept = [ex for ex in examples if ex is not None]
-    if len(kept) < len(examples):
-        log.warning("%s: %d %s dropped, nothing to learn within %d tokens", path, len(examples) - len(kept), noun,
-                    seq_len)
-    if not kept:
-        raise SnugfitError(f"{path} holds no {noun} with anything to learn within {seq_len} tokens; "
-                           "raise train.seq_len")
-    return np.stack(kept)
+    return stack_examples((encode(where, rec) for where, rec in read_records(p)), path, seq_len, pad, "examples")
 
 
 class InstructSampler:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
+from snugfit.hardware.load import is_busy, other_load_now
 
 GiB = 1024**3
 GB = 1e9
@@ -288,6 +289,8 @@ class LocalHardware:
     # rate for a step's fresh tensors
     version: int = MEASUREMENT_VERSION
     compiled: bool = False  # device.compiled_launch_s was measured here (taken where compiled blocks are planned)
+    measured_at: float = 0.0  # unix time
+    other_load: float | None = None  # the share of the cores other work used meanwhile (hardware.load)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -297,7 +300,8 @@ class LocalHardware:
         links = {k: Link(**v) for k, v in d.get("links", {}).items()}
         # a compiled block measured before its compile time was (GPU.compile_kernel_s) is measured again
         compiled = d.get("compiled", False) and "compile_kernel_s" in d["device"]
-        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links, d.get("version", 1), compiled)
+        return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links, d.get("version", 1), compiled,
+                   d.get("measured_at", 0.0), d.get("other_load"))
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -305,8 +309,9 @@ class LocalHardware:
 
 
 def load_local(path: str | Path | None = None) -> LocalHardware | None:
-    """The cached measurement of this machine, or None when it was never measured or an older snugfit
-    measured less than the time model uses (then it is measured again)."""
+    """The cached measurement of this machine, or None when it was never measured, an older snugfit measured less
+    than the time model uses, or it was taken under other jobs' load the machine no longer has (then it is
+    measured again)."""
     p = Path(path) if path else hardware_cache_path()
     if not p.exists():
         return None
@@ -315,6 +320,9 @@ def load_local(path: str | Path | None = None) -> LocalHardware | None:
     complete = complete and all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values())
     if local.device.name == "cpu" and local.host.thread_slowdown is None:
         complete = False  # measured before one-thread ranks were
+    # measured while other jobs ran: kept only while the machine is still that busy, else measured again
+    if is_busy(local.other_load) and not is_busy(other_load_now()):
+        complete = False
     return local if complete else None
 
 

@@ -32,6 +32,7 @@ class Cluster:
     nodes: list[Node]
     inter: Link  # between nodes
     spec: str = ""
+    notes: tuple[str, ...] = ()  # what the spec's names chose where they name several cards (`card_note`)
 
     @property
     def world_size(self) -> int:
@@ -130,7 +131,29 @@ def parse_cluster(spec: str, inter: str | None = None) -> Cluster:
             raise SnugfitError(f"cluster term {term!r} has a zero count")
         nodes += [make_node(name, per_node) for _ in range(n_nodes)]
     inter_name = inter or min((n.gpu.inter for n in nodes), key=lambda k: get_link(k).gbps)
-    return Cluster(nodes, get_link(inter_name), spec)
+    names = dict.fromkeys(m.groups()[2] for m in map(_TERM.match, spec.replace(" ", "").split("+")))
+    return Cluster(nodes, get_link(inter_name), spec, tuple(filter(None, map(card_note, names))))
+
+
+def card_note(name: str) -> str | None:
+    """Where a short name stands for one of several catalogue cards ('A100': 40 or 80 GB, PCIe or SXM), the one
+    line that says which it took and what else it could mean; None where the name is one card's."""
+    if name.lower() == "cpu":
+        return None
+    taken = get_gpu(name).name
+    family, *parts = name.upper().split("-")
+
+    def fits(gpu: str, part: str) -> bool:  # '80GB': that much memory, named or not ('H100-80GB': PCIe or SXM)
+        if part.endswith("GB") and part[:-2].isdigit():
+            return abs(GPUS[gpu].memory_bytes / 2**30 / int(part[:-2]) - 1) < 0.1
+        return part in gpu.upper()
+
+    alike = [g for g in GPUS if g.upper().startswith(family) and all(fits(g, p) for p in parts)]
+    if name.upper() == taken.upper() or len(alike) < 2:
+        return None
+    others = ", ".join(g for g in alike if g != taken)
+    return f"{name} is taken as the {taken} ({GPUS[taken].memory_bytes / 2**30:.0f} GiB); the catalogue also has " \
+           f"{others}: name one to plan it"
 
 
 def load_cluster_toml(path: str | Path) -> Cluster:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from snugfit.errors import SnugfitError
 from snugfit.model.decoder import ModelConfig
+from snugfit.model.hub import looks_like_hub_id, not_cached
 
 
 def _gpt2(dim: int, layers: int, heads: int) -> ModelConfig:
@@ -21,9 +22,9 @@ def _gpt2(dim: int, layers: int, heads: int) -> ModelConfig:
                        tie_embeddings=True)
 
 
-def _llama(vocab, dim, layers, heads, kv, ffn, seq, theta=10000.0, eps=1e-5) -> ModelConfig:
+def _llama(vocab, dim, layers, heads, kv, ffn, seq, theta=10000.0, eps=1e-5, tied=False) -> ModelConfig:
     return ModelConfig(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
-                       ffn_dim=ffn, max_seq_len=seq, rope_theta=theta, norm_eps=eps)
+                       ffn_dim=ffn, max_seq_len=seq, rope_theta=theta, norm_eps=eps, tie_embeddings=tied)
 
 
 def _opt(dim: int, layers: int, heads: int, proj: int | None = None) -> dict:
@@ -37,6 +38,32 @@ def _qwen(dim, layers, heads, kv, ffn, vocab, tied) -> dict:
             "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": ffn,
             "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": tied}
+
+
+def _qwen3(dim, layers, heads, ffn, tied) -> dict:
+    return {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": dim, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": ffn,
+            "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": tied}
+
+
+def _gemma2(dim, layers, heads, kv, ffn, head_dim, scalar) -> dict:
+    return {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": dim, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim, "intermediate_size": ffn,
+            "query_pre_attn_scalar": scalar, "max_position_embeddings": 8192, "sliding_window": 4096,
+            "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
+
+
+def _gemma3(dim, layers, heads, kv, ffn, head_dim, vocab, seq, window) -> dict:
+    return {"model_type": "gemma3_text", "vocab_size": vocab, "hidden_size": dim, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim, "intermediate_size": ffn,
+            "query_pre_attn_scalar": head_dim, "max_position_embeddings": seq, "sliding_window": window}
+
+
+def _phi3(dim, layers, heads, kv, ffn, vocab, seq) -> dict:
+    return {"model_type": "phi3", "vocab_size": vocab, "hidden_size": dim, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": ffn,
+            "max_position_embeddings": seq, "original_max_position_embeddings": seq, "pad_token_id": 0}
 
 
 MODELS: dict[str, ModelConfig | dict] = {
@@ -67,16 +94,35 @@ MODELS: dict[str, ModelConfig | dict] = {
     "qwen2.5-14b": _qwen(5120, 48, 40, 8, 13824, 152064, False),
     "qwen2.5-32b": _qwen(5120, 64, 40, 8, 27648, 152064, False),
     "qwen2.5-72b": _qwen(8192, 80, 64, 8, 29568, 152064, False),
+    "llama-3.2-1b": _llama(128256, 2048, 16, 32, 8, 8192, 131072, 500000.0, tied=True),
+    "llama-3.2-3b": _llama(128256, 3072, 28, 24, 8, 8192, 131072, 500000.0, tied=True),
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 3072, True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 9728, True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 12288, False),
+    "qwen3-14b": _qwen3(5120, 40, 40, 17408, False),
+    "qwen3-32b": _qwen3(5120, 64, 64, 25600, False),
+    "gemma-2-2b": _gemma2(2304, 26, 8, 4, 9216, 256, 256),
+    "gemma-2-9b": _gemma2(3584, 42, 16, 8, 14336, 256, 256),
+    "gemma-2-27b": _gemma2(4608, 46, 32, 16, 36864, 128, 144),
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 6912, 256, 262144, 32768, 512),
+    "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240, 256, 262208, 131072, 1024),
+    "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360, 256, 262208, 131072, 1024),
+    "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, 128, 262208, 131072, 1024),
+    "phi-3-mini": _phi3(3072, 32, 32, 32, 8192, 32064, 4096),
+    "phi-4": _phi3(5120, 40, 40, 10, 17920, 100352, 16384),
 }
 
 ALIASES = {"gpt2-124m": "gpt2", "gpt2-355m": "gpt2-medium", "gpt2-774m": "gpt2-large", "gpt2-1.5b": "gpt2-xl",
-           "llama-3.1-8b-instruct": "llama-3.1-8b", "mistral-7b-v0.1": "mistral-7b"}
+           "llama-3.1-8b-instruct": "llama-3.1-8b", "mistral-7b-v0.1": "mistral-7b",
+           "phi-3-mini-4k-instruct": "phi-3-mini", "gemma-2-9b-it": "gemma-2-9b", "gemma-3-1b-it": "gemma-3-1b"}
 
 
-def resolve_model(name_or_path: str) -> ModelConfig | dict:
+def resolve_model(name_or_path: str, attention: str = "sdpa") -> ModelConfig | dict:
     """A catalogue name, a config.json (or a directory holding one): built-in ModelConfig or HF config dict.
 
-    A JSON file with an "arch" key is a built-in ModelConfig; otherwise it must be an HF config.
+    A JSON file with an "arch" key is a built-in ModelConfig; otherwise it must be an HF config, which carries
+    `attention` (model.attention) as transformers' "attn_implementation" where it is not the default sdpa.
     """
     path = Path(name_or_path)
     if path.is_dir():
@@ -85,12 +131,28 @@ def resolve_model(name_or_path: str) -> ModelConfig | dict:
         if not path.exists():
             raise SnugfitError(f"model config {path} does not exist")
         data = json.loads(path.read_text())
-        return ModelConfig.from_dict(data) if "arch" in data else data
+        if "arch" in data:
+            return ModelConfig.from_dict(data)
+        return {**data, "attn_implementation": attention} if attention != "sdpa" else data
     key = name_or_path.lower().split("/")[-1]
     key = ALIASES.get(key, key)
     if key in MODELS:
         entry = MODELS[key]
         return ModelConfig.from_dict(entry.to_dict()) if isinstance(entry, ModelConfig) else dict(entry)
     close = difflib.get_close_matches(key, [*MODELS, *ALIASES], n=3, cutoff=0.5)
+    if looks_like_hub_id(name_or_path):
+        raise SnugfitError(f"{not_cached(name_or_path)}; or name a catalogue model "
+                           f"({', '.join(close) if close else ', '.join(MODELS)})")
     hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(MODELS)}"
     raise SnugfitError(f"unknown model {name_or_path!r}; {hint} (or pass a config.json path)")
+
+
+def block_count(model: ModelConfig | dict) -> int:
+    """The model's blocks: ModelConfig.n_layers, or a Hugging Face config's own field for them (GPT-2's n_layer)."""
+    if isinstance(model, ModelConfig):
+        return model.n_layers
+    found = next((model[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if model.get(k)), None)
+    if found is None:
+        raise SnugfitError("the model's config.json names no layer count (num_hidden_layers or n_layer); pass a "
+                           "Hugging Face model's own config.json")
+    return int(found)

@@ -43,7 +43,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     attention: str = "sdpa"  # "eager" materialises the s*s scores (profiling, tests)
-    name: str = ""  # a Hugging Face model folder or config.json to train instead of the built-in decoder
+    name: str = ""  # a Hugging Face model folder, hub id (from the local cache) or config.json to train instead
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

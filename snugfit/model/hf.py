@@ -9,6 +9,7 @@ by tensor from the safetensors files. Nothing is ever downloaded.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from snugfit.errors import SnugfitError
 from snugfit.model.hf_model import HFCausalLM
+from snugfit.model.hub import looks_like_hub_id, not_cached
 from snugfit.model.lora import init_adapters, merged_state_dict, plain_name, plain_named_tensors
 from snugfit.model.quantize import is_quantized
 from snugfit.model.shards import local_region, write_whole
@@ -31,6 +33,27 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+# What a model folder holds beside its weights that a user of the exported model needs: the tokenizer in every
+# format transformers reads, its chat template and the generation config
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def fingerprint(path: str | Path) -> str:
+    """A hash of what makes a base model that model: its config.json and its weight files' names, sizes and
+    safetensors headers (tensor names, shapes, dtypes, offsets; read without the tensors). A checkpoint records
+    it, so an export onto a base whose files changed is refused rather than written as another architecture."""
+    p = Path(path)
+    h = hashlib.sha256((p / "config.json" if p.is_dir() else p).read_bytes())
+    for f in sorted(p.glob("*.safetensors")) if p.is_dir() else []:
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            header = fh.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+        h.update(f"{f.name}:{f.stat().st_size}:".encode() + header)
+    return h.hexdigest()[:16]
 
 
 def _weight_index(folder: Path) -> dict[str, Path]:
@@ -55,15 +78,27 @@ def _transformers():
     return transformers
 
 
-def _hf_config(config_file: Path):
+def _hf_config(config_file: Path, attention: str = "sdpa"):
     AutoConfig = _transformers().AutoConfig  # noqa: N806
 
     try:
         cfg = AutoConfig.from_pretrained(str(config_file))
     except (OSError, ValueError, KeyError) as e:
         raise SnugfitError(f"cannot read Hugging Face config {config_file}: {e}") from e
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention_for(cfg, attention)
     return cfg
+
+
+def attention_for(hf_cfg, requested: str = "sdpa") -> str:
+    """The attention implementation a model runs: the one requested (model.attention: sdpa, or eager, which
+    materialises the scores), where its transformers class implements it; eager where it does not (Gemma 2's
+    attention soft-capping has no SDPA path, and transformers refuses sdpa for it)."""
+    AutoModelForCausalLM = _transformers().AutoModelForCausalLM  # noqa: N806
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
+    except KeyError:
+        return requested
+    return "eager" if requested == "sdpa" and not getattr(cls, "_supports_sdpa", True) else requested
 
 
 def _resolve(path: str | Path) -> tuple[Path, Path | None]:
@@ -75,12 +110,15 @@ def _resolve(path: str | Path) -> tuple[Path, Path | None]:
         return p / "config.json", p
     if p.is_file() and p.suffix == ".json":
         return p, None
+    if looks_like_hub_id(str(path)):
+        raise not_cached(str(path))
     raise SnugfitError(f"{path} is not a local folder or config.json; snugfit downloads nothing: "
                        "download the model yourself (config.json + *.safetensors) and pass its folder")
 
 
 def hf_from_config(config: dict, device: str | torch.device = "meta") -> HFCausalLM:
-    """An HFCausalLM from a config.json dict (what the planner and profiler are given); on meta: no memory."""
+    """An HFCausalLM from a config.json dict (what the planner and profiler are given); on meta: no memory. Its
+    "attn_implementation" key (transformers' own spelling) asks for eager attention."""
     transformers = _transformers()
     AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM  # noqa: N806
 
@@ -88,14 +126,16 @@ def hf_from_config(config: dict, device: str | torch.device = "meta") -> HFCausa
     model_type = cfg.pop("model_type", None)
     if model_type is None:
         raise SnugfitError("HF config has no model_type; pass a config.json from a Hugging Face model")
+    requested = cfg.pop("attn_implementation", None) or "sdpa"
     hf_cfg = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if not k.startswith("_")})
-    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg._attn_implementation = attention_for(hf_cfg, requested)
     with torch.device(device):
         return HFCausalLM(AutoModelForCausalLM.from_config(hf_cfg))
 
 
 def load_hf(path: str | Path, blocks: set[int] | None = None, device: str | torch.device = "cpu", *,
-            embed: bool = True, head: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0) -> HFCausalLM:
+            embed: bool = True, head: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0,
+            attention: str = "sdpa") -> HFCausalLM:
     """An HFCausalLM from a local HF folder (weights read tensor by tensor) or a config.json (random init).
 
     blocks / embed / head: load only those pieces (a pipeline stage's or a
@@ -106,7 +146,7 @@ def load_hf(path: str | Path, blocks: set[int] | None = None, device: str | torc
     """
     AutoModelForCausalLM = _transformers().AutoModelForCausalLM  # noqa: N806
     config_file, folder = _resolve(path)
-    cfg = _hf_config(config_file)
+    cfg = _hf_config(config_file, attention)
     if folder is None and str(device) != "meta":
         torch.manual_seed(seed)
         with torch.device(device):
@@ -146,12 +186,13 @@ class FolderWeights:
     def fill(self, model: HFCausalLM, device: torch.device, index: dict[str, Path] | None = None) -> list[str]:
         init_adapters(model, self.seed)
         if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
-            out = model.head[-1] if isinstance(model.head, nn.Sequential) else model.head
+            out = model.get_submodule(model.head_weight.rpartition(".")[0])
             if out.weight is not model.embed.tokens.weight:  # to_empty gives each module its own tensor
                 out.weight = model.embed.tokens.weight
         if model.rope is not None:
             with torch.device(device):
                 model.rope = type(model.rope)(config=model.hf_config)
+        model.reset_derived_buffers()
         return load_weights(model, self.folder, index if index is not None else self.index)
 
     def master(self, model: HFCausalLM, name: str, like: torch.Tensor) -> torch.Tensor | None:

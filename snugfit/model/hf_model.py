@@ -10,13 +10,18 @@ reimplementation of any layer) under the built-in Decoder's structure:
     model.rope    the HF rotary embedding module, or None; the runtime passes it to every block
 
 and calls each layer as the HF model does for a training batch without
-padding: no attention mask, so SDPA runs with is_causal=True. Parameter names
+padding: the attention mask of the layer's type from transformers' own mask
+functions, which is none at all where SDPA's causal kernel is exact (full
+attention), a window where the layer slides, and the additive mask eager
+attention needs. What a CausalLM class does outside its modules is redone
+here: Gemma 2's final logit soft-capping (`LogitSoftcap`). Parameter names
 map back to the HF names by module identity (`hf_names`), which is what loading
 and saving use (model.hf); nothing depends on a per-architecture name table.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -38,7 +43,7 @@ class HFInfo:
     vocab_size: int
     dim: int  # hidden size between blocks
     n_layers: int
-    max_seq_len: int  # longest sequence the no-mask forward reproduces exactly
+    max_seq_len: int  # the model's longest sequence
     tie_embeddings: bool
 
 
@@ -58,11 +63,11 @@ class HFStructure:
     rotary: nn.Module | None = None
 
 
-# Checked to match transformers' own forward exactly (tests/test_hf.py for the first five).
-VERIFIED = ("llama", "mistral", "qwen2", "gpt2", "opt", "qwen3", "mixtral", "olmo2")
-# Scale embeddings or logits outside their layers, which the pieces below do not reproduce.
-DIFFERENT = ("gemma", "granite", "cohere")
-SUPPORTED = "supported: Llama, Mistral, Qwen2/3, Mixtral, OLMo2, GPT-2, OPT"
+# Checked to match transformers' own forward exactly (tests/test_hf.py, one tiny random model each).
+VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text")
+# Scale embeddings or logits outside their modules in ways the pieces below do not reproduce.
+DIFFERENT = ("granite", "cohere")
+SUPPORTED = "supported: Llama, Mistral, Qwen2/3, Phi-3, OLMo2, Gemma 1-3 (text), GPT-2, OPT"
 
 
 def hf_structure(model: nn.Module) -> HFStructure:
@@ -114,23 +119,56 @@ class HFEmbed(nn.Module):
         return self.drop(h) if self.drop is not None else h
 
 
+def layer_types(cfg, n_layers: int) -> list[str]:
+    """Each layer's attention type as transformers names them: "sliding_attention" or "full_attention" (the
+    config's own list where it has one, as Gemma 2/3 alternate; else every layer alike)."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return list(types)[:n_layers]
+    slides = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    return ["sliding_attention" if slides else "full_attention"] * n_layers
+
+
 class HFBlock(nn.Module):
     """One HF decoder layer behind the runtime's block call `block(hidden, rope)`.
 
     A wrapper rather than hooks because the runtime replaces `block.forward` for
     recomputation and activation offload, and those wrappers pass positional
-    arguments only.
+    arguments only. The layer gets the mask of its type from transformers' mask functions (`mask`): None where
+    SDPA's causal kernel is exact, so the fast path stays; `rope` is called with the layer's type where the rotary
+    module keeps one table per type (Gemma 3's local and global bases).
     """
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, hf_config, layer_type: str, typed_rope: bool):
         super().__init__()
         self.layer = layer
+        self.layer_type, self.typed_rope = layer_type, typed_rope
+        self._config = hf_config  # read by the mask functions: attention implementation, window
+
+    def mask(self, h: torch.Tensor, pos: torch.Tensor):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        make = create_sliding_window_causal_mask if self.layer_type == "sliding_attention" else create_causal_mask
+        return make(config=self._config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
 
     def forward(self, h: torch.Tensor, rope: nn.Module | None = None) -> torch.Tensor:
         pos = torch.arange(h.shape[1], device=h.device)[None]
-        extra = {"position_embeddings": rope(h, pos)} if rope is not None else {}
-        out = self.layer(h, attention_mask=None, position_ids=pos, use_cache=False, **extra)
+        extra = {}
+        if rope is not None:
+            extra["position_embeddings"] = rope(h, pos, self.layer_type) if self.typed_rope else rope(h, pos)
+        out = self.layer(h, attention_mask=self.mask(h, pos), position_ids=pos, use_cache=False, **extra)
         return out[0] if isinstance(out, tuple) else out
+
+
+class LogitSoftcap(nn.Module):
+    """cap * tanh(logits / cap): Gemma 2's final logit soft-capping, which its CausalLM applies after lm_head."""
+
+    def __init__(self, cap: float):
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / self.cap) * self.cap
 
 
 def _module_names(root: nn.Module) -> dict[int, str]:
@@ -151,13 +189,17 @@ class HFCausalLM(nn.Module):
         cfg = hf_model.config
         self.hf_config = cfg
         self.embed: HFEmbed | None = HFEmbed(s)
-        self.blocks = nn.ModuleDict({str(i): HFBlock(layer) for i, layer in enumerate(s.layers)})
+        typed_rope = s.rotary is not None and "layer_type" in inspect.signature(s.rotary.forward).parameters
+        self.blocks = nn.ModuleDict({str(i): HFBlock(layer, cfg, kind, typed_rope)
+                                     for i, (layer, kind) in enumerate(zip(s.layers, layer_types(cfg, len(s.layers))))})
         self.norm: nn.Module | None = s.norm if s.norm is not None else nn.Identity()
-        self.head: nn.Module | None = s.head if s.project_out is None else nn.Sequential(s.project_out, s.head)
+        head = [s.project_out] * (s.project_out is not None) + [s.head]
+        softcap = getattr(cfg, "final_logit_softcapping", None)
+        head += [LogitSoftcap(softcap)] if softcap else []
+        self.head: nn.Module | None = head[0] if len(head) == 1 else nn.Sequential(*head)
         self.rope = s.rotary
-        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.cfg = HFInfo(arch=cfg.model_type, vocab_size=cfg.vocab_size, dim=cfg.hidden_size,
-                          n_layers=len(s.layers), max_seq_len=min(cfg.max_position_embeddings, window or 1 << 62),
+                          n_layers=len(s.layers), max_seq_len=cfg.max_position_embeddings,
                           tie_embeddings=s.head.weight is s.tokens.weight)
         hf_mods = _module_names(hf_model)
         self.hf_names: dict[str, str] = {}  # our parameter / persistent buffer name -> HF name
@@ -170,11 +212,21 @@ class HFCausalLM(nn.Module):
                     self.hf_names[ours + leaf] = prefix + leaf
         self.hf_class = type(hf_model).__name__
         self.base_prefix = hf_model.base_model_prefix
-        self.head_weight = "head.1.weight" if s.project_out is not None else "head.weight"
+        self.head_weight = next(n for n, p in self.named_parameters(remove_duplicate=False)
+                                if p is s.head.weight and n.startswith("head."))
         self.tokens_hf_name = self.hf_names["embed.tokens.weight"]
 
     # the built-in decoder's walk over the same pieces (embed, blocks, norm, head; pruned ones skipped)
     forward = Decoder.forward
+
+    @torch.no_grad()
+    def reset_derived_buffers(self) -> None:
+        """Refill the non-persistent buffers a checkpoint does not hold, after a meta-device model is allocated
+        (`to_empty` leaves them as garbage): Gemma's embedding scale (transformers' own init sets it from
+        `scalar_embed_scale` the same way). The rotary tables are rebuilt whole by the weights' filler."""
+        for m in self.modules():
+            if hasattr(m, "scalar_embed_scale") and isinstance(getattr(m, "embed_scale", None), torch.Tensor):
+                m.embed_scale.fill_(m.scalar_embed_scale)
 
     def prune(self, blocks: set[int] | None = None, embed: bool = True, head: bool = True) -> None:
         """Keep only the given blocks (names stay stable) and pieces, as a pipeline stage does."""

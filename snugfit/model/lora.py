@@ -31,9 +31,23 @@ LORA_TARGETS = {
     "snugfit": ("attn.q", "attn.k", "attn.v", "attn.o"),
     "gpt2": ("attn.c_attn", "attn.c_proj"),
     "opt": ("q_proj", "k_proj", "v_proj", "out_proj"),
+    "phi3": ("qkv_proj", "o_proj"),  # q, k and v in one fused projection
     "default": ("q_proj", "k_proj", "v_proj", "o_proj"),
 }
 ALL_LINEAR = "all-linear"  # a target: every linear layer of a block (peft's name for it)
+# PEFT's target names (Llama's), and the layers that compute the same projection under other names: the built-in
+# decoder's, fused ones (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn), OPT's and GPT-2's. A name a model
+# has no layer of is read as the first of these it has, so `--lora-targets q_proj,v_proj` means the same
+# everywhere; a model's own names always win.
+PEFT_NAMES = {
+    "q_proj": ("attn.q", "qkv_proj", "c_attn"),
+    "k_proj": ("attn.k", "qkv_proj", "c_attn"),
+    "v_proj": ("attn.v", "qkv_proj", "c_attn"),
+    "o_proj": ("attn.o", "out_proj", "attn.c_proj"),
+    "gate_proj": ("mlp.gate", "gate_up_proj"),
+    "up_proj": ("mlp.up", "gate_up_proj", "fc1", "mlp.c_fc"),
+    "down_proj": ("mlp.down", "fc2", "mlp.c_proj"),
+}
 
 
 def parse_targets(text: str) -> tuple[str, ...] | None:
@@ -108,7 +122,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
     """
     if rank <= 0:
         raise SnugfitError(f"LoRA rank must be a positive integer, got {rank}")
-    targets = tuple(targets) if targets is not None else _default_targets(model)
+    targets = _own_names(model, tuple(targets) if targets is not None else _default_targets(model))
     alpha = float(alpha if alpha is not None else rank)
     model.requires_grad_(False)
     wrapped, candidates, matched = [], set(), set()
@@ -117,7 +131,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
             linear = _is_linear(mod)
             if linear:
                 candidates.add(re.sub(r"^layer\.", "", name))
-            hits = {t for t in targets if name and (name == t or name.endswith("." + t) or linear and t == ALL_LINEAR)}
+            hits = {t for t in targets if name and (_matches(name, t) or linear and t == ALL_LINEAR)}
             if hits and not isinstance(mod, LoRALinear):
                 parent_name, _, leaf = name.rpartition(".")
                 setattr(block.get_submodule(parent_name), leaf, LoRALinear(mod, rank, alpha, dropout))
@@ -128,6 +142,25 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
         raise SnugfitError(f"LoRA targets {unmatched} match no layer; linear layers of a block: {sorted(candidates)}")
     init_adapters(model, seed)
     return wrapped
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def _own_names(model: nn.Module, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """`targets` in the model's own layer names: a PEFT name the model has no layer of becomes the first of its
+    equivalents (PEFT_NAMES) the model has; fused equivalents appear once."""
+    block = next(iter(model.blocks.values()), None)
+    if block is None:
+        return targets
+    names = [n for n, m in block.named_modules() if _is_linear(m)]
+    out: list[str] = []
+    for t in targets:
+        if t != ALL_LINEAR and not any(_matches(n, t) for n in names):
+            t = next((alt for alt in PEFT_NAMES.get(t, ()) if any(_matches(n, alt) for n in names)), t)
+        out += [t] if t not in out else []
+    return tuple(out)
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:

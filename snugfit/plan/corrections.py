@@ -50,14 +50,15 @@ class TimeCorrections:
     step: int = 0  # the run's step they were measured at
     measured: dict[str, float] = field(default_factory=dict)  # seconds per term (and "host", "bubble")
     predicted: dict[str, float] = field(default_factory=dict)
+    measured_at: float = 0.0  # unix time
+    other_load: float | None = None  # the share of the cores other work used as they were measured
 
     def to_dict(self) -> dict:
-        return {"factors": self.factors, "machine": self.machine, "shape": self.shape, "step": self.step,
-                "measured": self.measured, "predicted": self.predicted}
+        return {k: getattr(self, k) for k in _STORED}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TimeCorrections":
-        return cls(**{k: d[k] for k in ("factors", "machine", "shape", "step", "measured", "predicted") if k in d})
+        return cls(**{k: d[k] for k in _STORED if k in d})
 
     def per_device(self) -> "TimeCorrections":
         """Only the factors that hold on another number of the same cards (PER_DEVICE)."""
@@ -66,6 +67,9 @@ class TimeCorrections:
     def describe(self) -> str:
         """'compute x1.32, dp_comm_exposed x0.21'."""
         return ", ".join(f"{t} x{f:.2f}" for t, f in sorted(self.factors.items())) or "none"
+
+
+_STORED = ("factors", "machine", "shape", "step", "measured", "predicted", "measured_at", "other_load")
 
 
 def machine_key(cluster: Cluster) -> str:

@@ -6,6 +6,13 @@ from snugfit.errors import SnugfitError
 from snugfit.hardware.cluster import Cluster
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# What users write for them (the README and most tools say bf16): read as the names above wherever a dtype is taken
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def canonical_dtype(name: str) -> str:
+    """'bf16' -> 'bfloat16'; any other name as given (the caller's choices check it)."""
+    return DTYPE_ALIASES.get(name.lower(), name) if isinstance(name, str) else name
 
 
 def choose_dtype(requested: str, devices: str, has_bf16: bool, on_cpu: bool) -> tuple[str, str]:

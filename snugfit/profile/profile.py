@@ -208,9 +208,9 @@ def profile_model(
            "lora_targets": parse_targets(lora_targets) if lora_rank else None,
            "frozen": frozen, "quantize": quantize_base, "kernels": kernels, "compile": compile}
     path = _cache_path(cache_dir, key)
-    if use_cache and path.exists():
-        return ModelProfile.load(path)
     label = name or config.get("_name_or_path") or config.get("model_type") or config.get("arch", "model")
+    if use_cache and path.exists():
+        return replace(ModelProfile.load(path), model=label)  # models of one config share it; the name is ours
     if is_hf:
         from snugfit.model.hf import hf_from_config
 

@@ -72,7 +72,7 @@ def apply_activations(blocks: dict[str, nn.Module], plan: Plan) -> None:
     for name, block in blocks.items():
         apply_activation_policy(block, plan.blocks[int(name)].activations, compile_block if plan.compile else None)
     policies = [plan.blocks[int(name)].activations for name in blocks]
-    log.info("activations: %s%s", {p: policies.count(p) for p in sorted(set(policies))},
+    log.debug("activations: %s%s", {p: policies.count(p) for p in sorted(set(policies))},
              ", blocks compiled" if plan.compile else "")
 
 

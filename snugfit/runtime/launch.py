@@ -190,10 +190,14 @@ def torchrun_args(
     return [*args, "-m", "snugfit", *argv]
 
 
-# torchrun's own lines that repeat what snugfit says (a rank's `error:` line, launch()'s summary) or a default it
-# accepts (one OpenMP thread per rank), at the level from which they still show
+# torchrun's own lines that repeat what snugfit says (a rank's `error:` line, launch()'s summary, a stop on a
+# signal) or a default it accepts (one OpenMP thread per rank), at the level from which they still show. torch's
+# elastic modules set each logger's own level (torch.distributed.elastic.utils.logging: LOGLEVEL, else WARNING),
+# so the parent's does not reach them: each one that speaks is named
 QUIET_LOGGERS = {"torch.distributed.run": logging.ERROR, "torch.distributed.elastic": logging.ERROR,
-                 "torch.distributed.elastic.multiprocessing.api": logging.CRITICAL}
+                 "torch.distributed.elastic.multiprocessing.api": logging.CRITICAL,
+                 # "Received 15 death signal, shutting down workers": a signal the ranks save and stop on
+                 "torch.distributed.elastic.agent.server.api": logging.ERROR}
 
 
 def launch(

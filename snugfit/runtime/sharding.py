@@ -161,7 +161,7 @@ def apply_fsdp(
     stages = Counter(f"zero{plan.blocks[i].zero}" + ("+offload_params" if plan.blocks[i].offload_params else "")
                      for i in indices)
     frozen = sum(not needs_unit(b, plan.blocks[i]) for i, b in zip(indices, blocks.values()))
-    log.info(
+    log.debug(  # every engine the calibration builds says it too: the printed plan is the user's line
         "fsdp: dp=%d, %d blocks %s%s, root zero%d%s, params %s, reduce %s every %s",
         dims.dp, len(indices), dict(stages), f" ({frozen} frozen ones without FSDP2)" if frozen else "",
         plan.root.zero,

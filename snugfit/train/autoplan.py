@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import PeerFailed, SnugfitError
 from snugfit.hardware.cluster import Cluster, Node, get_link, make_node, parse_cluster
+from snugfit.model.catalogue import block_count, resolve_model
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.dist import DistEnv
 
@@ -95,6 +97,32 @@ def plan_for_launch(cfg: RunConfig, nproc: int, nnodes: int = 1) -> str:
     return _search(cfg, cluster_here(device, world, nproc), device, fixed).to_json()
 
 
+def read_plan_file(path: str | Path, what: str) -> Plan:
+    """A plan JSON from a file, or one line saying why it is none."""
+    try:
+        return Plan.from_json(Path(path).read_text())
+    except OSError as e:
+        raise SnugfitError(f"cannot read plan {path}: {e.strerror}; pass an existing plan JSON") from None
+    except (ValueError, TypeError) as e:
+        raise SnugfitError(f"{what} is not a valid plan: {e}") from None
+
+
+def check_plan_file(cfg: RunConfig, world_size: int) -> None:
+    """A plan file given to a launch, checked before any rank starts against what the launcher knows without
+    building the model: that it is a plan, of this model's blocks (the first thing a plan of another model gets
+    wrong), for these ranks. The ranks check the rest (batch, sequence, optimizer: train.loop)."""
+    path = Path(cfg.parallel.plan)
+    plan = read_plan_file(path, f"plan {path}")
+    n_blocks = block_count(resolve_model(cfg.model.name) if cfg.model.name else cfg.model)
+    if len(plan.blocks) != n_blocks:
+        raise SnugfitError(f"plan {path} has {len(plan.blocks)} block decisions but the model has {n_blocks} "
+                           "blocks: it is another model's; re-plan (snugfit plan --json) for this one")
+    try:
+        plan.validate(n_blocks=n_blocks, world_size=world_size)
+    except PlanError as e:
+        raise SnugfitError(f"plan {path}: {e}") from None
+
+
 def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
     """The fastest plan that fits, found on rank 0 and sent to every rank (the profile cache is written once), for
     ranks started without snugfit's launcher (`torchrun ... -m snugfit train`). A search that fails is rank 0's one
@@ -132,7 +160,7 @@ def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device, compil
     """The run's model profiled for the planner, its blocks eager or as torch.compile runs them."""
     from snugfit.profile.profile import profile_model
 
-    model = cfg.model if not cfg.model.name else _hf_config(cfg.model.name)
+    model = cfg.model if not cfg.model.name else resolve_model(cfg.model.name, cfg.model.attention)
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,
                          lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
                          frozen=cfg.finetune.freeze or None,
@@ -229,11 +257,3 @@ def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Pl
 
 def cluster_name(cluster) -> str:
     return f"{cluster.world_size} x {cluster.gpu_of(0).name}"
-
-
-def _hf_config(path: str) -> dict:
-    import json
-    from pathlib import Path
-
-    p = Path(path)
-    return json.loads((p / "config.json" if p.is_dir() else p).read_text())

@@ -11,14 +11,14 @@ import torch
 import torch.nn as nn
 
 from snugfit.config import RunConfig
-from snugfit.data import BatchSampler, eval_batches, load_tokenizer, load_tokens, split
+from snugfit.data import BatchSampler, ByteTokenizer, eval_batches, load_tokenizer, load_tokens, split
 from snugfit.data.chat import load_chat
 from snugfit.data.instruct import InstructSampler, instruct_eval_batches, load_instruct
 from snugfit.data.tokenizer import Tokenizer
 from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
 from snugfit.model.decoder import initial_value, tensor_generator
-from snugfit.model.hf import FolderWeights, load_hf
+from snugfit.model.hf import FolderWeights, fingerprint, load_hf
 from snugfit.model.lora import (apply_lora, freeze, init_adapters, parse_targets, plain_name, plain_named_tensors,
                                 trainable_summary)
 from snugfit.model.shards import local_shard
@@ -35,6 +35,16 @@ def model_identity(cfg: RunConfig) -> dict:
     base = {"hf": cfg.model.name} if cfg.model.name else cfg.model.to_dict()
     return {**base, "lora_rank": f.lora_rank, "lora_targets": f.lora_targets, "freeze": f.freeze,
             "quantize_base": f.quantize_base}
+
+
+def base_record(cfg: RunConfig) -> dict | None:
+    """Which Hugging Face base a run trains, for export (train.export): its absolute path, so the export works from
+    any directory, and its fingerprint, so a base that changed since is refused. Not part of model_identity: a
+    resume keeps comparing what the run was configured with."""
+    if not cfg.model.name:
+        return None
+    path = Path(cfg.model.name).resolve()
+    return {"path": str(path), "fingerprint": fingerprint(path)}
 
 
 def model_weights(cfg: RunConfig) -> Weights | None:
@@ -86,7 +96,11 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     weights = model_weights(cfg)
     meta = weights is not None
     if cfg.model.name:
-        model = load_hf(cfg.model.name, device="meta" if meta else "cpu", seed=cfg.train.seed)
+        model = load_hf(cfg.model.name, device="meta" if meta else "cpu", seed=cfg.train.seed,
+                        attention=cfg.model.attention)
+        if model.hf_config._attn_implementation != cfg.model.attention:
+            log.info("attention: %s (%s has no %s path in transformers)", model.hf_config._attn_implementation,
+                     model.hf_class, cfg.model.attention)
     else:
         with torch.device("meta"):
             model = Decoder(cfg.model)
@@ -99,18 +113,28 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     if f.quantize_base == "nf4":
         log.info("quantized %.2fM frozen weights to NF4", quantize_base(model) / 1e6)
     counts = trainable_summary(model)["total"]
-    log.info("model %.2fM parameters, %.2fM trainable", (counts["trainable"] + counts["frozen"]) / 1e6, counts["trainable"] / 1e6)
+    log.info("model %s parameters, %s trainable", count_text(counts["trainable"] + counts["frozen"]),
+             count_text(counts["trainable"]))
     if meta and not on_meta:
         model.to_empty(device="cpu")
         weights.fill(model, torch.device("cpu"))
     return model
 
 
+def count_text(n: int) -> str:
+    """A parameter count in units that show it: '1.94M', '3,584' (not '0.00M')."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
+
+
 def run_tokenizer(cfg: RunConfig) -> Tokenizer:
     """The configured tokenizer; a Hugging Face model folder's own tokenizer.json when left at 'byte'."""
     spec = cfg.data.tokenizer
-    if spec == "byte" and cfg.model.name and (Path(cfg.model.name) / "tokenizer.json").is_file():
-        spec = str(Path(cfg.model.name) / "tokenizer.json")
+    if spec == "byte" and cfg.model.name and Path(cfg.model.name).is_dir():
+        if (Path(cfg.model.name) / "tokenizer.json").is_file():
+            spec = str(Path(cfg.model.name) / "tokenizer.json")
+        else:
+            log.warning("%s has no tokenizer.json: training with the byte tokenizer (256 tokens), which is not the "
+                        "model's; point data.tokenizer at the model's tokenizer.json", cfg.model.name)
     return load_tokenizer(spec)
 
 
@@ -136,11 +160,14 @@ class RunData:
             return InstructSampler(self.train, plan.global_batch, seed, dp_rank, plan.dp)
         return BatchSampler(self.train, plan.seq_len, plan.global_batch, seed, dp_rank, plan.dp)
 
-    def eval_batches(self, plan: Plan, count: int) -> list[torch.Tensor]:
-        rows = plan.micro_batch_size * plan.num_microbatches
-        if self.instruct:
-            return instruct_eval_batches(self.val, rows, count)
-        return eval_batches(self.val, plan.seq_len, rows, count)
+    def eval_batches(self, plan: Plan, count: int, dp_rank: int) -> list[torch.Tensor]:
+        """This data-parallel rank's part of a fixed set of validation batches, each of the global batch's size:
+        the same held-out examples, so the same loss of the same weights, whatever the ranks or the plan (the
+        engine averages the parts over the data-parallel group)."""
+        whole = (instruct_eval_batches(self.val, plan.global_batch, count) if self.instruct
+                 else eval_batches(self.val, plan.seq_len, plan.global_batch, count))
+        per = plan.global_batch // plan.dp
+        return [b[dp_rank * per:(dp_rank + 1) * per] for b in whole]
 
 
 def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
@@ -154,17 +181,28 @@ def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
     if d.format not in ("instruct", "chat"):
         tokens = load_tokens(d.path, d.format, tokenizer, d.text_field, d.bin_dtype)
         splits = split(tokens, seq, d.val_fraction, vocab_size)
+        log.info("data: %d tokens from %s (%d held out for validation); tokenizer %s", len(tokens),
+                 d.path or "the embedded corpus", len(splits.val), tokenizer.describe())
         return RunData(splits.train, splits.val, instruct=False)
     if not d.path:
         raise SnugfitError(f"data.format {d.format!r} needs data.path: a .jsonl, .parquet or .arrow file with "
                            + ("prompt/response fields" if d.format == "instruct" else "messages"))
     if d.format == "chat":
-        examples = load_chat(d.path, chat_folder(cfg), seq, d.messages_field)
+        folder = chat_folder(cfg)
+        examples = load_chat(d.path, folder, seq, d.messages_field)
+        tokens_from = f"the tokenizer and chat template of {folder}"
     else:
-        # The byte tokenizer has no end-of-sequence token: responses end with byte 0, which text never holds.
-        eos = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+        # The byte tokenizer has no end-of-sequence token: responses end with byte 0, which text never holds. A
+        # vocabulary's own is its folder's (data.tokenizer.HFTokenizer), never guessed
+        eos = 0 if isinstance(tokenizer, ByteTokenizer) else None
         examples = load_instruct(d.path, tokenizer, seq, d.prompt_field, d.response_field, eos_id=eos)
+        tokens_from = f"tokenizer {tokenizer.describe()}"
     n_val = int(len(examples) * d.val_fraction)
     if len(examples) - n_val < 1:
         raise SnugfitError(f"{d.path} has too few examples to hold out {d.val_fraction:.0%} for validation")
-    return RunData(examples[: len(examples) - n_val], examples[len(examples) - n_val :], instruct=True)
+    batch = cfg.train.batch_size
+    log.info("data: %s from %s, %d held out for validation; %s; about %.0f learned tokens a step (of %d "
+             "positions)", examples.describe(seq), d.path, n_val, tokens_from, examples.targets_per_example * batch,
+             batch * seq)
+    rows = examples.rows
+    return RunData(rows[: len(rows) - n_val], rows[len(rows) - n_val :], instruct=True)

@@ -147,6 +147,7 @@ def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_
     from dataclasses import replace
 
     from snugfit.calibrate.corrections import save_corrections
+    from snugfit.hardware.load import other_load_now
     from snugfit.plan.corrections import derive, machine_key, on_cluster, shape_key
     from snugfit.plan.estimate import estimate
     from snugfit.plan.explain import summary
@@ -157,8 +158,10 @@ def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_
     # the re-plan keeps the run's compile choice: its blocks compiled (or not) at start-up
     profile, cluster = _profile(cfg, 1, env.device, plan.compile), local_cluster(env)
     raw = estimate(replace(plan, predicted=None), profile, cluster)  # the uncorrected model's view of this plan
+    # other work's share of the cores, sampled now, with the run's other ranks waiting for this one: what the
+    # traced step shared the machine with, as near as one rank sees it
     corrections = derive(measured, raw.time_by_phase, plan.pp > 1, machine=machine_key(cluster),
-                         shape=shape_key(profile), step=step)
+                         shape=shape_key(profile), step=step, measured_at=time.time(), other_load=other_load_now())
     stored = save_corrections(corrections)
     fixed = cluster if not corrections.factors else on_cluster(cluster, corrections)
     old = estimate(replace(plan, predicted=None), profile, fixed)

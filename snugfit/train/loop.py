@@ -24,7 +24,7 @@ from snugfit.runtime.engine import Engine, StepResult
 from snugfit.runtime.host_alloc import return_freed_host_memory
 from snugfit.runtime.launch import die_with_launcher
 from snugfit.runtime.optimizer import OptimConfig
-from snugfit.train.autoplan import run_dtype, search_plan
+from snugfit.train.autoplan import read_plan_file, run_dtype, search_plan
 from snugfit.train.build import build_data, build_model, model_weights
 from snugfit.train.calibration import PlanSwitch, StepProbe
 from snugfit.train.checkpoint import Checkpoints
@@ -81,12 +81,7 @@ def resolve_plan(cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
 def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: DistEnv) -> Plan:
     """A plan JSON read and checked against this run: its batch, sequence, model and ranks."""
     t = cfg.train
-    try:
-        plan = Plan.from_json(Path(path).read_text())
-    except OSError as e:
-        raise SnugfitError(f"cannot read plan {path}: {e.strerror}; pass an existing plan JSON") from None
-    except (ValueError, TypeError) as e:
-        raise SnugfitError(f"{what} is not a valid plan: {e}") from None
+    plan = read_plan_file(path, what)
     if (plan.global_batch, plan.seq_len) != (t.batch_size, t.seq_len):
         raise SnugfitError(
             f"{what} is for batch {plan.global_batch} x seq {plan.seq_len}, the run asks "

@@ -17,7 +17,7 @@ from snugfit.errors import SnugfitError
 from snugfit.plan import Plan
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.engine import Engine, StepResult
-from snugfit.train.build import RunData, model_identity
+from snugfit.train.build import RunData, base_record, model_identity
 from snugfit.train.checkpoint import Checkpoints
 from snugfit.train.metrics import MetricsLog
 
@@ -81,8 +81,9 @@ class Run:
         for that plan."""
         t = self.cfg.train
         self.plan, self.engine = plan, engine
-        self.sampler = self.data.sampler(plan, t.seed, plan.layout.coords(self.env.rank)[1])
-        self.val = self.data.eval_batches(plan, t.eval_batches)
+        dp_rank = plan.layout.coords(self.env.rank)[1]
+        self.sampler = self.data.sampler(plan, t.seed, dp_rank)
+        self.val = self.data.eval_batches(plan, t.eval_batches, dp_rank)
 
     def say(self, text: str) -> None:
         """A line for the user, above the progress bar where there is one."""
@@ -120,7 +121,7 @@ class Run:
 
     def _trainer_state(self) -> dict:
         state = {"sampler": self.sampler.state_dict(), "model": model_identity(self.cfg), "plan": self.plan.to_dict(),
-                 "config": self.cfg.to_dict()}
+                 "config": self.cfg.to_dict(), "base": base_record(self.cfg)}
         if self.engine.scaler is not None:
             state["loss_scale"] = self.engine.scaler.state_dict()
         return state
