@@ -85,6 +85,13 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_runners_know_no_engine():
+    """A step runner reads its step's StepContext (runtime.step_runner), never the engine that drives it."""
+    graph = import_graph()
+    runners = ("snugfit.runtime.step_runner", "snugfit.runtime.pipeline", "snugfit.runtime.bpipe")
+    assert not [m for m in runners if "snugfit.runtime.engine" in graph[m]]
+
+
 @functools.cache
 def torch_methods() -> frozenset[str]:
     """The methods of the torch objects snugfit drives: a function assigned under one of these names on an instance
