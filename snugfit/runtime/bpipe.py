@@ -29,6 +29,7 @@ from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.p2p import StageComms
 from snugfit.runtime.pipeline import PipelineRunner, StageModule
+from snugfit.runtime.sharding import requires_gradient_sync
 from snugfit.runtime.stage_activations import StageActivations
 
 # p2p tags: forward/backward traffic uses 0; evictions are tagged by microbatch so they never mix with it.
@@ -144,9 +145,11 @@ class BPipe(PipelineRunner):
 
     def backward(self, mb: int, micro) -> None:
         x, y = self.inputs.pop(mb), self.outputs.pop(mb)
-        if isinstance(self.chunk, FSDPModule):  # as PipelineStage does: reduce over dp and reshard once, in the
-            last = mb == len(micro) - 1           # step's last backward (a ZeRO-1/2 unit is gathered once a step)
-            self.chunk.set_requires_gradient_sync(last)
+        # as PipelineStage does: reduce over dp (unless the plan reduces every microbatch) and reshard once, in the
+        # step's last backward (a ZeRO-1/2 unit is gathered once a step)
+        if isinstance(self.chunk, FSDPModule):
+            last = mb == len(micro) - 1
+            self.chunk.set_requires_gradient_sync(requires_gradient_sync(self.plan, last))
             self.chunk.set_reshard_after_backward(last)
         if self.last:
             self.comms.post_sends()

@@ -23,7 +23,7 @@ from snugfit.runtime.sharding import DTYPES
 from snugfit.runtime.step_runner import Accumulate
 
 RUNNERS = {  # the schedules registry's runner name -> the step runner (model, stages, plan, dims, env)
-    "accumulate": lambda model, stages, plan, dims, env: Accumulate(model),
+    "accumulate": lambda model, stages, plan, dims, env: Accumulate(model, plan),
     "torch": TorchSchedule,
     "bpipe": BPipe,
 }

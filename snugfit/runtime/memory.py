@@ -140,6 +140,9 @@ class MemoryTracker:
     def add_source(self, source: Source) -> None:
         self.sources.append(source)
 
+    def add_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        self.optimizers.extend(optimizers)
+
     # -- what is held now --
     def _place(self, p: torch.Tensor) -> str:
         return "host" if id(p) in self._host_params else "device"

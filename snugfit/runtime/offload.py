@@ -15,8 +15,8 @@ One optimizer step of an offloaded unit (a block, or the root pieces):
              last-block-first, so these copies overlap the rest of backward.
   clipping   exact global-norm clipping needs the norm of *all* gradients
              before any update, so no host step starts during backward. The
-             engine computes the global norm (host gradients included) right
-             after backward and hands `step()` the clip factor.
+             engine computes the global norm (host gradients included, `grads`)
+             right after backward and hands `step()` the clip factor.
   step       a worker thread runs each unit's CPU AdamW step, scaled by
              the clip factor, then copies the master back into the device
              parameters (through a pinned copy in their dtype, so the copy
@@ -25,8 +25,8 @@ One optimizer step of an offloaded unit (a block, or the root pieces):
              steps of late blocks overlap the device optimizer step and the
              forward of early blocks. Where the device is the CPU itself there
              is nothing to overlap, and the steps run in place. Stepping in backward
-             (runtime.step_in_backward), each unit's step is queued (`submit`) as soon as
-             its gradient is on host, clipped by its own share.
+             (runtime.step_in_backward), each unit's step is queued (`step(unit=...)`) as
+             soon as its gradient is on host, clipped by its own share.
 With sharding, everything above is the local shard: host state is 1/dp of the unit.
 """
 
@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from snugfit.model.shards import local_shard
-from snugfit.runtime.memory import local, tensor_bytes
-from snugfit.runtime.optimizer import set_lr
+from snugfit.runtime.memory import MemoryTracker, local, tensor_bytes
+from snugfit.runtime.optimizer import load_state, saved_state, set_lr
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ def weak_hook(method):
 
 
 class HostOffload:
-    """Master weights, gradients and AdamW states of the given units on host.
+    """Master weights, gradients and AdamW states of the given units on host (a runtime.optimizer.Updater).
 
     Two phases, because FSDP2 fixes a parameter's dtype when it shards it:
     construct *before* sharding (keeps fp32 copies, casts the units' parameters
@@ -159,36 +161,32 @@ class HostOffload:
         else:
             dst.copy_(g, non_blocking=dst.is_pinned())
             u.filled[i] = True
-        if dst.is_pinned():  # the copy may still read g: keep it alive until host_grads() synchronizes
+        if dst.is_pinned():  # the copy may still read g: keep it alive until grads() synchronizes
             self._in_flight.append(g)
         p.grad = None
 
-    def host_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(device parameter, host gradient shard) of every parameter that received a gradient this step."""
+    def unit_params(self) -> dict[Hashable, list[nn.Parameter]]:
+        """Each unit's device parameters, by its index (forward order)."""
+        return {i: u.params for i, u in enumerate(self.units)}
+
+    def grads(self, unit: int | None = None) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(device parameter, host gradient shard) of every parameter (of unit `unit`) that received a gradient
+        this step."""
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()  # pending non-blocking gradient copies
         self._in_flight.clear()
-        return [(p, m.grad) for u in self.units for p, m, f in zip(u.params, u.masters, u.filled) if f]
+        units = self.units if unit is None else [self.units[unit]]
+        return [(p, m.grad) for u in units for p, m, f in zip(u.params, u.masters, u.filled) if f]
 
     # -- step --
-    def step(self, clip_coef: float, skip: bool, lr: float) -> None:
-        """Queue every unit's host step (forward order) at learning rate `lr`; `skip` drops this step's
-        gradients."""
-        for u in self.units:
-            self.submit(u, clip_coef, skip, lr)
-
-    def submit(self, u: _Unit, clip_coef: float, skip: bool, lr: float) -> None:
-        """Queue one unit's host step (on the worker thread where the device is not this CPU)."""
-        if self.overlap:
-            u.pending = self._worker.submit(self._step_unit, u, clip_coef, skip, lr)
-        else:
-            self._step_unit(u, clip_coef, skip, lr)
-
-    def unit_grads(self, u: _Unit) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(device parameter, host gradient) of the unit's parameters that received one this step, copied."""
-        if torch.accelerator.is_available():
-            torch.accelerator.synchronize()  # its non-blocking gradient copies
-        return [(p, m.grad) for p, m, f in zip(u.params, u.masters, u.filled) if f]
+    def step(self, coef: float, skip: bool, lr: float, unit: int | None = None) -> None:
+        """Queue each unit's host step (forward order; on the worker thread where the device is not this CPU) at
+        learning rate `lr`, its gradients times `coef`; `skip` drops this step's gradients."""
+        for u in self.units if unit is None else [self.units[unit]]:
+            if self.overlap:
+                u.pending = self._worker.submit(self._step_unit, u, coef, skip, lr)
+            else:
+                self._step_unit(u, coef, skip, lr)
 
     @torch.no_grad()
     def _step_unit(self, u: _Unit, clip_coef: float, skip: bool, lr: float) -> None:
@@ -217,6 +215,12 @@ class HostOffload:
         for u in self.units:
             self._wait(u)
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [u.optimizer for u in self.units]
+
+    def track(self, tracker: MemoryTracker) -> None:
+        tracker.add_source(self.memory)  # masters and their states: no parameter of the model's
+
     # -- accounting and checkpoints --
     def memory(self) -> dict[str, int]:
         """MemoryTracker source: masters + states are host optimizer bytes, gradient buffers host gradients, the
@@ -229,5 +233,27 @@ class HostOffload:
                 "host.buffers": tensor_bytes(t for u in self.units for t in u.staged if t is not None)}
 
     def named_masters(self) -> list[tuple[str, nn.Parameter, torch.Tensor, torch.optim.Optimizer]]:
-        """(name, device parameter, master, its optimizer) for checkpoints."""
+        """(name, device parameter, master, its optimizer) of every offloaded parameter."""
         return [(n, p, m, u.optimizer) for u in self.units for n, p, m in zip(u.names, u.params, u.masters)]
+
+    def state_dict(self, model_sd: dict) -> dict[str, dict]:
+        """The masters (not the compute copies) into `model_sd`, laid out as their parameters; their states."""
+        states = {}
+        for name, p, master, opt in self.named_masters():
+            model_sd[name] = _as_dtensor_like(master.detach(), p)
+            states[name] = saved_state(opt.state[master], p)
+        return states
+
+    @torch.no_grad()
+    def load_state_dict(self, model_sd: dict, saved: dict[str, dict]) -> None:
+        """The masters from the model's entries (their device copies follow), and their states."""
+        for name, p, master, opt in self.named_masters():
+            master.copy_(local(model_sd[name]))
+            local(p).copy_(master)
+            if name in saved:
+                load_state(opt.state[master], saved[name])
+
+
+def _as_dtensor_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride()) if isinstance(p, DTensor) else t

@@ -1,4 +1,5 @@
-"""The optimizer a plan's OptimizerPlan names, and its states in checkpoints.
+"""The optimizer a plan's OptimizerPlan names, its states in checkpoints, and the `Updater` interface every way of
+updating a unit implements (`DeviceUnits` here).
 
 fp32 weights with fp32 states: torch's fused AdamW. Anything else is torchao 0.18's AdamW (pure Python on CPU; its
 update is compiled on the first step): AdamW8bit / AdamW4bit for blockwise quantized states, `_AdamW` with plain
@@ -16,7 +17,10 @@ can be quantized at one size and plain at another) or another optimizer setup.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -25,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from snugfit.config import OPTIM_EXTRA
 from snugfit.errors import SnugfitError
 from snugfit.plan import OptimizerPlan
-from snugfit.runtime.memory import local
+from snugfit.runtime.memory import MemoryTracker, local
 
 
 @dataclass
@@ -235,3 +239,98 @@ def optimizer_units(model: nn.Module, plan, cfg: OptimConfig, skip=lambda p: Fal
             for name, streamed, named in units if named]
 
 
+class Updater(Protocol):
+    """One way some of this rank's trainable parameters are updated, unit by unit (a block, the root pieces), one
+    technique each: `DeviceUnits` (states beside the parameters), host offload (runtime.offload.HostOffload) and
+    streamed states (runtime.stream_states.StreamedStates). The engine clips every updater's gradients together and
+    steps them all after backward; stepping in backward (runtime.step_in_backward) steps each unit as its gradient
+    is final. `unit` None: every unit."""
+
+    def unit_params(self) -> dict[Hashable, list[nn.Parameter]]:
+        """Each unit's parameters, by the key `grads` and `step` take."""
+
+    def grads(self, unit: Hashable | None = None) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient) of the parameters that received one this step, the gradient where the update
+        reads it (the global norm's input)."""
+
+    def step(self, coef: float, skip: bool, lr: float, unit: Hashable | None = None) -> None:
+        """Update with the gradients times `coef` at learning rate `lr`; `skip`: drop this step's gradients."""
+
+    def wait(self) -> None:
+        """Block until every queued update has reached the parameters."""
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer it steps."""
+
+    def track(self, tracker: MemoryTracker) -> None:
+        """Let the memory tracker count what it holds."""
+
+    def state_dict(self, model_sd: dict) -> dict[str, dict]:
+        """Its parameters' optimizer states by parameter name (`saved_state`); puts into `model_sd` the weights
+        it keeps outside the model (host masters)."""
+
+    def load_state_dict(self, model_sd: dict, saved: dict[str, dict]) -> None:
+        """Take the states (and weights kept outside the model) of its parameters from a checkpoint."""
+
+
+class DeviceUnits:
+    """Units whose optimizer states live beside their parameters (on the device; on host with them where FSDP2
+    offloads the parameters): each unit's optimizer steps in place. `sample`: the engine's memory sampling, after
+    each unit's update."""
+
+    states_move = False  # the states' storages leave after each use (StreamedStates): checkpoints copy them
+
+    def __init__(self, units: list[OptimUnit], sample: Callable[[], None]):
+        self.order, self.sample = units, sample
+        self._named = {u.name: u for u in units}
+
+    def unit_params(self) -> dict[Hashable, list[nn.Parameter]]:
+        return {u.name: u.params for u in self.order}
+
+    def _chosen(self, unit: Hashable | None) -> list[OptimUnit]:
+        return self.order if unit is None else [self._named[unit]]
+
+    def grads(self, unit: Hashable | None = None) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [pg for u in self._chosen(unit) for pg in u.grads()]
+
+    def step(self, coef: float, skip: bool, lr: float, unit: Hashable | None = None) -> None:
+        if skip:
+            return
+        units = self._chosen(unit)
+        grads = [local(g) for u in units for _, g in u.grads()]
+        if coef != 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        for u in units:
+            set_lr(u.optimizer, lr)
+            with self.loaded(u):
+                u.optimizer.step()
+                self.sample()  # a unit's update (streamed states on the device)
+
+    def loaded(self, unit: OptimUnit) -> AbstractContextManager:
+        """The unit's states on the device while inside (here they always are)."""
+        return nullcontext()
+
+    def wait(self) -> None:
+        """Nothing is queued: every update ran in `step`."""
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [u.optimizer for u in self.order]
+
+    def track(self, tracker: MemoryTracker) -> None:
+        tracker.add_optimizers(self.optimizers())  # counted where their parameters are
+
+    def state_dict(self, model_sd: dict) -> dict[str, dict]:
+        out = {}
+        for u in self.order:
+            with self.loaded(u):
+                for name, p in zip(u.names, u.params):
+                    out[name] = saved_state(u.optimizer.state[p], p, copy=self.states_move)
+        return out
+
+    def load_state_dict(self, model_sd: dict, saved: dict[str, dict]) -> None:
+        for u in self.order:
+            named = [(name, p) for name, p in zip(u.names, u.params) if name in saved]
+            if named:
+                with self.loaded(u):
+                    for name, p in named:
+                        load_state(u.optimizer.state[p], saved[name])

@@ -16,23 +16,23 @@ The runners (`step_runner.StepRunner`, one per runner the schedules registry nam
 - `runtime.bpipe.BPipe`: the program with BPipe's evictions, run by hand (torch's runtime has no evict/load).
 
 Both reduce gradients over dp on the last microbatch's backward only, or on every one (plan.grad_reduce
-"microbatch"). Every stage forward runs under `StageActivations.microbatch`, so each rank measures its peak
-activation bytes and resident microbatches per step (`stage_stats`), whichever schedule runs it. On traced
-steps (`Engine.trace` set) every action is recorded as a span numbered as the time model's simulation numbers
-it (`report.timeline` draws the two side by side).
+"microbatch": sharding.requires_gradient_sync). Every stage forward runs under `StageActivations.microbatch`, so
+each rank measures its peak activation bytes and resident microbatches per step (`stage_stats`), whichever
+schedule runs it. On traced steps (`StepContext.trace` set) every action is recorded as a span numbered as the
+time model's simulation numbers it (`report.timeline` draws the two side by side).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import (
     RESHARD, UNSHARD, _Action, _ComputationType, _PipelineScheduleRuntime,
 )
@@ -44,8 +44,9 @@ from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.memory import local
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.p2p import PipelineError, StageComms
-from snugfit.runtime.sharding import DTYPES
+from snugfit.runtime.sharding import DTYPES, requires_gradient_sync
 from snugfit.runtime.stage_activations import StageActivations
+from snugfit.runtime.step_runner import StepContext
 from snugfit.runtime.tensor_parallel import vocab_parallel_loss
 
 
@@ -125,18 +126,18 @@ class PipelineRunner:
         self.comms = StageComms(self.pp_group, self.pp_rank, plan.pp, env.timeout_s)
         self.n_stages = len(plan.stage_ranges())
         self.is_last = stages[-1].index == self.n_stages - 1
-        self.engine = None  # the engine running the current step (its trace, memory tracker, loss scale)
+        self.ctx: StepContext | None = None  # the current step's (its trace, memory tracker, loss scale)
         self.divisors: list[float] = []  # this step's, per microbatch (`microbatches.loss_divisors`)
 
-    def train(self, engine, micro: list[tuple[torch.Tensor, torch.Tensor]], divisors: list[float]) -> torch.Tensor:
-        self.engine, self.divisors = engine, divisors
-        self.acts.tracker = engine.memory if engine.track_memory else None
+    def train(self, ctx: StepContext, micro: list[tuple[torch.Tensor, torch.Tensor]],
+              divisors: list[float]) -> torch.Tensor:
+        self.ctx, self.divisors = ctx, divisors
+        self.acts.tracker = ctx.memory
         # BPipe evicts what it records; others record only on the steps whose memory is counted
-        self.acts.recording = engine.track_memory or self.plan.schedule_entry.evicts
+        self.acts.recording = ctx.memory is not None or self.plan.schedule_entry.evicts
         feed = self.feed(micro)
         self.acts.reset(external=(*(t for pair in micro for t in pair), *feed))  # the step's input: never counted
-        if engine.host is not None:
-            engine.host.wait()  # the root unit waits in a model forward hook, and stages never call the model
+        ctx.wait_updates()  # the root unit waits in a model forward hook, and stages never call the model
         for s in self.stages:
             s.microbatch = 0
         try:
@@ -147,7 +148,7 @@ class PipelineRunner:
             raise PipelineError(f"pipeline stages {[s.index for s in self.stages]} (rank {dist.get_rank()}) "
                                 f"{self.plan.schedule} step failed: {err}") from err
         loss = torch.stack(losses).detach().sum().float() if losses else torch.zeros((), device=self.device)
-        loss /= engine.loss_scale  # the schedules backpropagate the scaled loss (float16)
+        loss /= ctx.loss_scale  # the schedules backpropagate the scaled loss (float16)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage has it
         return loss
 
@@ -164,14 +165,14 @@ class PipelineRunner:
         activations of that microbatch."""
         last = self.stages[-1]
         with self.acts.microbatch((last.index, last.microbatch - 1)):
-            return local(cross_entropy(logits, targets)) * (self.engine.loss_scale / self.divisors[last.microbatch - 1])
+            return local(cross_entropy(logits, targets)) * (self.ctx.loss_scale / self.divisors[last.microbatch - 1])
 
     @torch.no_grad()
-    def eval(self, engine, micro: list[tuple[torch.Tensor, torch.Tensor]], divisors: list[float]) -> torch.Tensor:
+    def eval(self, ctx: StepContext, micro: list[tuple[torch.Tensor, torch.Tensor]],
+             divisors: list[float]) -> torch.Tensor:
         """Forward only, microbatch by microbatch through every stage in order (blocking transfers suffice; a
         stage whose neighbour is on this rank hands it its output directly)."""
-        if engine.host is not None:
-            engine.host.wait()
+        ctx.wait_updates()
         total = torch.zeros((), device=self.device)
         rank_of = self.plan.stage_rank
         for mb, (tokens, targets) in enumerate(micro):
@@ -202,9 +203,9 @@ class PipelineRunner:
                 "evictions": a.evictions, "accepted": a.accepts, "peak_own_bytes": a.peak_own_bytes,
                 "largest_accepted_bytes": a.largest_accepted_bytes}
 
-    def span(self, kind: str, mb: int, stage: int):
+    def span(self, kind: str, mb: int, stage: int) -> AbstractContextManager:
         """Time one action into the trace, on traced steps."""
-        return self.engine.span(kind, mb, stage) if self.engine is not None else nullcontext()
+        return self.ctx.span(kind, mb, stage) if self.ctx is not None else nullcontext()
 
 
 class TorchSchedule(PipelineRunner):
@@ -220,9 +221,7 @@ class TorchSchedule(PipelineRunner):
 
     def __init__(self, model: nn.Module, stages: list[StageModule], plan: Plan, dims: ParallelDims, env: DistEnv):
         super().__init__(model, stages, plan, dims, env)
-        pipeline = [PipelineStage(s, s.index, self.n_stages, env.device, group=self.pp_group) for s in stages]
-        for stage in pipeline:
-            trace_stage(stage, self)
+        pipeline = [RunnerStage(s, self) for s in stages]
         for s in stages:  # pipelining infers shapes with one extra forward per stage in its first step
             s.untracked = 1
         self.schedule = _PipelineScheduleRuntime(pipeline, plan.num_microbatches, loss_fn=self._traced_loss,
@@ -251,35 +250,53 @@ class TorchSchedule(PipelineRunner):
         """`loss`, counted (on traced steps) in the last stage's forward span, as the engine and BPipe time it:
         pipelining computes the loss after forward_one_chunk returns, right after it."""
         loss = self.loss(logits, targets)
-        if self.engine.trace is not None:
-            self.engine.trace.extend(dist.get_rank(), "F")
+        if self.ctx.trace is not None:
+            self.ctx.trace.extend(dist.get_rank(), "F")
         return loss
 
 
-def trace_stage(stage: PipelineStage, runner: PipelineRunner) -> None:
-    """Time `stage`'s per-microbatch actions into the engine's trace on traced steps: F, B (or I, where the
-    backward is split) and W spans.
+class RunnerStage(PipelineStage):
+    """torch's PipelineStage of one StageModule, as `TorchSchedule` runs it: each per-microbatch action timed into
+    the step's trace, and FSDP2's gradient sync as the plan says.
 
-    Wraps the stage instance's `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk`: the
-    per-microbatch entry points torch's schedule runtime calls, with the schedule's own microbatch index, after it
-    has waited for that microbatch's receive -- so a span is the stage's compute, as in the time model. None is
-    called by pipelining's shape inference. The alternatives were worse: StageModule.forward would time forwards
-    but not backwards, and autograd hooks cannot mark a stage's whole backward (the last stage's starts at the
-    loss, which has no gradient to hook; the first stage's inputs are tokens, which get none at its end) and run
-    among FSDP's own hooks. Untraced steps pay one attribute test per call.
+    The trace: F, B (or I, where the backward is split) and W spans, timed around `forward_one_chunk`,
+    `backward_one_chunk` and `backward_weight_one_chunk`, the per-microbatch entry points torch's schedule runtime
+    calls, with the schedule's own microbatch index, after it has waited for that microbatch's receive -- so a span
+    is the stage's compute, as in the time model. None is called by pipelining's shape inference. The alternatives
+    were worse: StageModule.forward would time forwards but not backwards, and autograd hooks cannot mark a stage's
+    whole backward (the last stage's starts at the loss, which has no gradient to hook; the first stage's inputs
+    are tokens, which get none at its end) and run among FSDP's own hooks.
+
+    The sync: torch's stage turns FSDP2's gradient sync off before every backward and reduces after the last
+    (`perform_reduce_grad`), with no option to leave it on. Where the plan reduces every microbatch
+    (`requires_gradient_sync`), `backward_maybe_with_nosync` runs the backward as torch's does, but with it on.
     """
-    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-        run = getattr(stage, name)
-        first = next(iter(inspect.signature(run).parameters))  # fwd_chunk_id / bwd_chunk_id
 
-        @functools.wraps(run)
-        def timed(*args, _run=run, _name=name, _first=first, **kwargs):
-            if runner.engine is None or runner.engine.trace is None:
-                return _run(*args, **kwargs)
-            mb = args[0] if args else kwargs[_first]
-            kind = ("F" if _name == "forward_one_chunk" else "W" if _name == "backward_weight_one_chunk"
-                    else "B" if kwargs.get("full_backward", True) else "I")
-            with runner.engine.trace.span(dist.get_rank(), kind, mb, stage.stage_index):
-                return _run(*args, **kwargs)
+    def __init__(self, module: StageModule, runner: PipelineRunner):
+        super().__init__(module, module.index, runner.n_stages, runner.device, group=runner.pp_group)
+        self.runner = runner
 
-        setattr(stage, name, timed)
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        with self.runner.span("F", fwd_chunk_id, self.stage_index):
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        with self.runner.span("B" if full_backward else "I", bwd_chunk_id, self.stage_index):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        with self.runner.span("W", bwd_chunk_id, self.stage_index):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if not (isinstance(self.submod, FSDPModule) and requires_gradient_sync(self.runner.plan, last=False)):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)  # as torch's: perform_reduce_grad ends the step's backward
+        self.submod.set_reshard_after_backward(False)
+        self.submod.set_requires_gradient_sync(True)
+        kw, params = bwd_kwargs, self.submod.parameters()
+        if backward_type == "full":
+            return stage_backward(kw["stage_output"], kw["output_grads"], kw["input_values"]), None
+        if backward_type == "input":
+            return stage_backward_input(kw["stage_output"], kw["output_grads"], kw["input_values"], params)
+        return stage_backward_weight(params, kw["param_groups"]), None

@@ -27,10 +27,10 @@ With tensor parallelism (runtime.tensor_parallel, applied first) a unit's weight
 are already DTensors split over tp; FSDP2 shards each rank's piece over dp on top
 (a 2-D shard), and zero 0 replicates it over dp.
 
-Gradients are reduced once a step (`Plan.grad_reduce` "step": the engine and the pipeline schedules turn FSDP2's
-gradient sync off for every microbatch but the last, so the unsharded gradient accumulates), or after every
-microbatch ("microbatch": sync stays on, so each backward reduce-scatters and only the fp32 shard accumulates,
-as FSDP2 and DeepSpeed's ZeRO-2/3 do by default; `reduce_every_microbatch`).
+Gradients are reduced once a step (`Plan.grad_reduce` "step": the step runners turn FSDP2's gradient sync off
+for every microbatch but the last, so the unsharded gradient accumulates), or after every microbatch
+("microbatch": sync stays on, so each backward reduce-scatters and only the fp32 shard accumulates, as FSDP2 and
+DeepSpeed's ZeRO-2/3 do by default). Each runner asks `requires_gradient_sync` before a backward.
 
 `offload_params` (zero 3 only, checked by the Plan) adds FSDP2's
 CPUOffloadPolicy: the shard, its gradient and its optimizer step live on host.
@@ -51,7 +51,7 @@ import logging
 from collections import Counter
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from snugfit.model.quantize import check_shardable, is_quantized
 from snugfit.plan import BlockPlan, Plan
@@ -129,15 +129,10 @@ def shard_unit(module: nn.Module, block: BlockPlan, dims: ParallelDims, mp: Mixe
     )
 
 
-def reduce_every_microbatch(root: FSDPModule) -> None:
-    """Keep the root unit's gradient sync on for good: the engine, BPipe and torch's PipelineStage all switch it
-    off before each backward but the step's last (PipelineStage for every one, reducing after the last with
-    `perform_reduce_grad`), and torch's stage has no option to leave it on. Overriding the switch on this one
-    module serves all three callers, where each would otherwise need its own branch."""
-    def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        FSDPModule.set_requires_gradient_sync(root, True, recurse=recurse)
-
-    root.set_requires_gradient_sync = set_requires_gradient_sync
+def requires_gradient_sync(plan: Plan, last: bool) -> bool:
+    """Whether FSDP2 reduces the gradients in this backward: in every one where the plan reduces every microbatch,
+    else in the step's `last` only (one microbatch: its backward is the last)."""
+    return last or plan.grad_reduce == "microbatch"
 
 
 def apply_fsdp(
@@ -156,8 +151,6 @@ def apply_fsdp(
         else:
             plain |= set(block.parameters())
     shard_unit(root, plan.root, dims, mixed_precision(plan, root=output_fp32), plain)
-    if plan.grad_reduce == "microbatch":
-        reduce_every_microbatch(root)
     stages = Counter(f"zero{plan.blocks[i].zero}" + ("+offload_params" if plan.blocks[i].offload_params else "")
                      for i in indices)
     frozen = sum(not needs_unit(b, plan.blocks[i]) for i, b in zip(indices, blocks.values()))

@@ -11,17 +11,20 @@ next block's states are already coming in (`prefetch`), on a copy stream beside 
 The states stay the optimizer's own tensors (plain, DTensors, torchao's quantized subclasses): only the storages
 behind them are emptied (`untyped_storage().resize_(0)`, as FSDP2 frees its gathered copies) and refilled, so the
 optimizer, its compiled update and checkpoints see the same objects. Where the device is this CPU (tests), the
-same copies run between two host buffers.
+same copies run between two host buffers. `StreamedStates` is runtime.optimizer's `DeviceUnits` with the states
+loaded around each use (a step, a checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
-from snugfit.runtime.memory import storage_leaves, tensor_bytes
-from snugfit.runtime.optimizer import OptimUnit
+from snugfit.runtime.memory import MemoryTracker, storage_leaves, tensor_bytes
+from snugfit.runtime.optimizer import DeviceUnits, OptimUnit
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +42,14 @@ class _Leaves:
         self.ready: torch.Event | None = None  # the copy in finished (accelerators)
 
 
-class StreamedStates:
-    """The streamed units' states, on host between their steps (see the module docstring)."""
+class StreamedStates(DeviceUnits):
+    """Units whose states are on host between their uses (see the module docstring), in the order backward
+    finishes them."""
 
-    def __init__(self, units: list[OptimUnit], device: torch.device):
-        self.order = [u for u in units if u.streamed]
+    states_move = True
+
+    def __init__(self, units: list[OptimUnit], device: torch.device, sample: Callable[[], None]):
+        super().__init__(units, sample)
         self.device = device
         self.leaves = {id(u): _Leaves(u) for u in self.order}
         accel = device.type != "cpu" and torch.accelerator.is_available()
@@ -110,10 +116,16 @@ class StreamedStates:
             leaf.untyped_storage().resize_(0)
         lv.loaded = False
 
-    def synchronize(self) -> None:
-        """Every copy back finished (before the host copies are read or the step ends)."""
-        if self.stream is not None:
-            self.stream.synchronize()
+    @contextmanager
+    def loaded(self, unit: OptimUnit) -> Iterator[None]:
+        """The unit's states on the device while inside, back on host after."""
+        self.load(unit)
+        yield
+        self.offload(unit)
+
+    def track(self, tracker: MemoryTracker) -> None:
+        super().track(tracker)  # loaded states: the optimizer's, on the device
+        tracker.add_source(self.memory)
 
     def memory(self) -> dict[str, int]:
         """MemoryTracker source: the host copies (the device's loaded states count as the optimizer's)."""
