@@ -72,8 +72,9 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
         pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
         pieces += [StagePiece(prof.blocks[i], plan.blocks[i], prof.blocks[i].num_params) for i in blocks]
         if k == last:
-            # the head needs its own copy of tied weights on another rank than the embedding's
-            tied = prof.tied_params if plan.stage_rank(last) != plan.stage_rank(0) else 0
+            # the head's stage holds its own copy of tied weights (runtime.tied_embeddings), on the embedding's rank
+            # too where a V folds the last stage back: the two stages are separate FSDP2 roots
+            tied = prof.tied_params if last > 0 else 0
             pieces.append(StagePiece(prof.head, plan.root, prof.head.num_params + tied))
         out[k] = pieces
     return out

@@ -40,6 +40,7 @@ from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.step_in_backward import StepInBackward
 from snugfit.runtime.step_runner import Accumulate, StepRunner
 from snugfit.runtime.stream_states import StreamedStates
+from snugfit.runtime.tied_embeddings import TiedEmbeddings
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,12 @@ class Engine:
         dp_group=None,
         host: HostOffload | None = None,
         cast: CastOnce | None = None,
+        tied: TiedEmbeddings | None = None,
     ):
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
         self.runner = runner or Accumulate(model)
         self.dp_group, self.host, self.stage_group = dp_group, host, self.runner.stage_group
-        self.cast = cast
+        self.cast, self.tied = cast, tied
         units = self.runner.units
         self.lr = optim.lr
         self.scaler = LossScale() if plan.compute_dtype == "float16" else None
@@ -142,6 +144,8 @@ class Engine:
         self.memory.reset_peak()
         self._begin()
         loss = self.runner.train(self, micro, divisors)
+        if self.tied is not None:
+            self.tied.sum_grads()  # a tied weight's copies in the first and last pipeline stages
         if self.cast is not None:
             self.cast.release()  # the optimizer changes the masters; the next step casts them again
         return self._update(loss)

@@ -1,0 +1,158 @@
+"""Tied embeddings across pipeline stages (runtime.tied_embeddings): the first and last stages each hold the shared
+weight, their gradients are summed, and the run equals the one-process model that holds it once.
+
+Each configuration is built as `snugfit train` builds it, on the meta device and filled by the weights' source
+(the built-in init drawn per tensor, or a Hugging Face folder read by each rank), so the copies' initial equality is
+tested too. Each rank compares its own gradient shards, after the sum and before the update, with a reference it
+computes itself. Spawns are the cost, so each world size is one spawn.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from snugfit.hardware import parse_cluster
+from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.model.hf import FolderWeights, load_hf
+from snugfit.plan import Plan
+from snugfit.plan.piece_memory import rank_stages
+from snugfit.plan.search import search
+from snugfit.profile import profile_model
+from snugfit.runtime.build import build_engine
+from snugfit.runtime.microbatches import split_batch
+from snugfit.runtime.optimizer import OptimConfig, make_optimizer
+from snugfit.train.build import InitWeights
+from tests.distributed import check_update_gradients, run_ranks
+
+SEQ, MICRO, SEED = 16, 4, 3
+CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, vocab_size=96, max_seq_len=SEQ, tie_embeddings=True)
+OPT = OptimConfig(lr=1e-2, grad_clip=1.0)
+TIED = ("embed.tokens.weight", "head.weight")
+
+# name -> Plan.uniform arguments (world = pp x dp)
+PLANS = {
+    "pp2": dict(pp=2, schedule="1f1b"),
+    "pp2-zbv": dict(pp=2, schedule="zbv"),  # 4 stages; rank 0 runs the first and the last: its copies sum in place
+    "pp2xdp2": dict(pp=2, dp=2, schedule="1f1b"),
+}
+
+
+def make_plan(name: str) -> Plan:
+    spec = PLANS[name]
+    rows = 8 // spec.get("dp", 1)
+    return Plan.uniform(CFG.n_layers, micro_batch_size=rows // MICRO, num_microbatches=MICRO, seq_len=SEQ, **spec)
+
+
+def hf_folder(path: str) -> str:
+    """A tiny Qwen2 with tied embeddings, saved as a Hugging Face folder."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def reference_model(folder: str | None):
+    if folder is not None:
+        return load_hf(folder)
+    model = Decoder(CFG)
+    model.init_weights(SEED)  # the values InitWeights draws per tensor on the meta device
+    return model
+
+
+def meta_model(folder: str | None):
+    """The model as `snugfit train` builds it: on the meta device, with what fills it after sharding."""
+    if folder is not None:
+        return load_hf(folder, device="meta"), FolderWeights(Path(folder))
+    with torch.device("meta"):
+        return Decoder(CFG), InitWeights(SEED)
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, CFG.vocab_size, (8, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def reference(folder: str | None, plan: Plan, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: each step's loss (mean over all microbatches of all dp ranks) and the first step's gradients,
+    the tied weight's under both names."""
+    model = reference_model(folder)
+    opt = make_optimizer(list(model.parameters()), OPT, plan.optimizer)  # the engine's AdamW, one unit
+    losses, first = [], None
+    for batch in batches(steps):
+        micro = [mb for rows in batch.chunk(plan.dp) for mb in split_batch(rows, plan)]
+        total = 0.0
+        for inputs, targets in micro:
+            loss = model(inputs, targets) / len(micro)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if first is None:
+            first = {n: p.grad.clone() for n, p in model.named_parameters()}
+            first["head.weight"] = first["embed.tokens.weight"]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    return losses, first
+
+
+def rows_of(env, plan: Plan, batch: torch.Tensor) -> torch.Tensor:
+    return batch.chunk(plan.dp)[plan.layout.coords(env.rank)[1]]
+
+
+def train_and_check(env, name: str, folder: str | None, steps: int = 3) -> dict:
+    """`steps` steps of a configuration on this rank; the first's gradients checked against the reference."""
+    plan = make_plan(name)
+    ref_losses, ref_grads = reference(folder, plan, steps)
+    model, weights = meta_model(folder)
+    engine = build_engine(model, plan, OPT, env, weights)
+    checked, bad = [], []
+    update = check_update_gradients(engine, ref_grads, checked, bad)
+    losses = []
+    for i, batch in enumerate(batches(steps)):
+        losses.append(engine.train_step(rows_of(env, plan, batch)).loss)
+        engine._update = update
+    return {"losses": losses, "ref_losses": ref_losses, "checked": checked, "bad": bad}
+
+
+def two_rank_work(env, folder: str) -> dict:
+    return {f"{kind}-{name}": train_and_check(env, name, folder if kind == "hf" else None)
+            for kind in ("decoder", "hf") for name in ("pp2", "pp2-zbv")}
+
+
+def four_rank_work(env, folder: str) -> dict:
+    return {f"{kind}-pp2xdp2": train_and_check(env, "pp2xdp2", folder if kind == "hf" else None)
+            for kind in ("decoder", "hf")}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return hf_folder(str(tmp_path_factory.mktemp("qwen2-tied")))
+
+
+@pytest.fixture(scope="module")
+def runs(folder) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for work, world in ((two_rank_work, 2), (four_rank_work, 4)):
+        results = run_ranks(work, world, folder)
+        out.update({name: [r[name] for r in results] for name in results[0]})
+    return out
+
+
+@pytest.mark.parametrize("name", ["decoder-pp2", "decoder-pp2-zbv", "hf-pp2", "hf-pp2-zbv", "decoder-pp2xdp2",
+                                  "hf-pp2xdp2"])
+def test_tied_pipeline_matches_single_process(runs, name):
+    for r in runs[name]:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)  # the later steps: the copies stayed equal
+        assert not r["bad"], r["bad"]
+    checked = set().union(*(r["checked"] for r in runs[name]))
+    assert set(TIED) <= checked, "both copies' gradients checked"
