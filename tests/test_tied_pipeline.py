@@ -10,6 +10,7 @@ computes itself. Spawns are the cost, so each world size is one spawn.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.hf import FolderWeights, load_hf
 from snugfit.plan import Plan
-from snugfit.plan.piece_memory import rank_stages
+from snugfit.plan.options import Constraints
 from snugfit.plan.search import search
 from snugfit.profile import profile_model
 from snugfit.runtime.build import build_engine
@@ -156,3 +157,75 @@ def test_tied_pipeline_matches_single_process(runs, name):
         assert not r["bad"], r["bad"]
     checked = set().union(*(r["checked"] for r in runs[name]))
     assert set(TIED) <= checked, "both copies' gradients checked"
+
+
+# -- every plan the search returns builds and steps --
+
+def searched_plans(world: int) -> list[Plan]:
+    """The search's plans for the tied model at `world` CPU ranks (the best and its alternatives), and with two
+    pipeline stages fixed where the world allows, so pipelines are among them."""
+    prof = profile_model(CFG, micro_batch_size=1, seq_len=SEQ, use_cache=False)
+    cluster = parse_cluster(f"{world}xcpu")
+    plans = []
+    for constraints in [Constraints()] + ([Constraints(pp=2)] if world > 1 else []):
+        result = search(prof, cluster, global_batch=8, constraints=constraints, alternatives=3)
+        plans += [result.best, *result.alternatives]
+    return plans
+
+
+def step_each(env, plans: list[Plan]) -> list[float]:
+    """One step of each plan, from the same initial weights and batch: the global loss."""
+    batch = batches(1)[0]
+    out = []
+    for plan in plans:
+        model, weights = meta_model(None)
+        engine = build_engine(model, plan, OPT, env, weights)
+        out.append(engine.train_step(rows_of(env, plan, batch)).loss)
+        del engine  # one pipeline engine at a time: live ones would share the gloo pairs
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_searched_plan_for_a_tied_model_builds_and_steps(world):
+    plans = searched_plans(world)
+    assert world == 1 or any(p.pp > 1 for p in plans)
+    ref_loss = reference(None, plans[0], 1)[0][0]  # a global batch of 8 rows, whatever the split
+    for rank_losses in run_ranks(step_each, world, plans):
+        assert rank_losses == pytest.approx([ref_loss] * len(plans), rel=1e-5)
+
+
+# -- a checkpoint resumes under another pipeline split --
+
+def save_at_pp2(env, ckpt: str) -> list[float]:
+    """Two steps at pp 2, a checkpoint, then the next step: its loss is what a resumed run must give."""
+    plan = make_plan("pp2")
+    model, weights = meta_model(None)
+    engine = build_engine(model, plan, OPT, env, weights)
+    data = batches(3)
+    for batch in data[:2]:
+        engine.train_step(rows_of(env, plan, batch))
+    dcp.save(engine.state_dict(), checkpoint_id=ckpt)
+    dist.barrier()
+    return [engine.train_step(rows_of(env, plan, data[2])).loss]
+
+
+def resume_at(env, plan: Plan, ckpt: str) -> list[float]:
+    model, weights = meta_model(None)
+    engine = build_engine(model, plan, OPT, env, weights)
+    state = engine.state_dict()
+    dcp.load(state, checkpoint_id=ckpt)
+    engine.load_state_dict(state)
+    return [engine.train_step(rows_of(env, plan, batches(3)[2])).loss]
+
+
+def test_pp2_checkpoint_resumes_at_pp1(tmp_path):
+    ckpt = str(tmp_path / "pp2")
+    continued = run_ranks(save_at_pp2, 2, ckpt)[0]
+    pp1 = Plan.uniform(CFG.n_layers, micro_batch_size=2, num_microbatches=MICRO, seq_len=SEQ)
+    resumed = run_ranks(resume_at, 1, pp1, ckpt)[0]
+    assert resumed == pytest.approx(continued, rel=1e-5)
+    assert resumed[0] == pytest.approx(reference(None, pp1, 3)[0][2], rel=1e-5)  # as the uninterrupted run
+    whole = replace(pp1, micro_batch_size=8, num_microbatches=1)
+    with torch.no_grad():  # guards the comparison: untrained weights give another loss on that batch (by 1e-3)
+        untrained = reference_model(None)(*split_batch(batches(3)[2], whole)[0]).item()
+    assert untrained != pytest.approx(resumed[0], rel=1e-4)
