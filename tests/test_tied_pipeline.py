@@ -196,9 +196,11 @@ def test_every_searched_plan_for_a_tied_model_builds_and_steps(world):
 
 # -- a checkpoint resumes under another pipeline split --
 
-def save_at_pp2(env, ckpt: str) -> list[float]:
-    """Two steps at pp 2, a checkpoint, then the next step: its loss is what a resumed run must give."""
-    plan = make_plan("pp2")
+PP1 = Plan.uniform(CFG.n_layers, micro_batch_size=2, num_microbatches=MICRO, seq_len=SEQ)
+
+
+def save_at(env, plan: Plan, ckpt: str) -> list[float]:
+    """Two steps, a checkpoint, then the next step: its loss is what a resumed run must give."""
     model, weights = meta_model(None)
     engine = build_engine(model, plan, OPT, env, weights)
     data = batches(3)
@@ -218,14 +220,15 @@ def resume_at(env, plan: Plan, ckpt: str) -> list[float]:
     return [engine.train_step(rows_of(env, plan, batches(3)[2])).loss]
 
 
-def test_pp2_checkpoint_resumes_at_pp1(tmp_path):
-    ckpt = str(tmp_path / "pp2")
-    continued = run_ranks(save_at_pp2, 2, ckpt)[0]
-    pp1 = Plan.uniform(CFG.n_layers, micro_batch_size=2, num_microbatches=MICRO, seq_len=SEQ)
-    resumed = run_ranks(resume_at, 1, pp1, ckpt)[0]
-    assert resumed == pytest.approx(continued, rel=1e-5)
-    assert resumed[0] == pytest.approx(reference(None, pp1, 3)[0][2], rel=1e-5)  # as the uninterrupted run
-    whole = replace(pp1, micro_batch_size=8, num_microbatches=1)
+@pytest.mark.parametrize("saved,resumed", [("pp2", "pp1"), ("pp1", "pp2")])
+def test_checkpoint_resumes_under_another_pipeline_split(tmp_path, saved, resumed):
+    plans, ckpt = {"pp1": (PP1, 1), "pp2": (make_plan("pp2"), 2)}, str(tmp_path / saved)
+    continued = run_ranks(save_at, plans[saved][1], plans[saved][0], ckpt)[0]
+    after = run_ranks(resume_at, plans[resumed][1], plans[resumed][0], ckpt)
+    for loss in after:
+        assert loss == pytest.approx(continued, rel=1e-5)
+    assert continued[0] == pytest.approx(reference(None, PP1, 3)[0][2], rel=1e-5)  # as the uninterrupted run
+    whole = replace(PP1, micro_batch_size=8, num_microbatches=1)
     with torch.no_grad():  # guards the comparison: untrained weights give another loss on that batch (by 1e-3)
         untrained = reference_model(None)(*split_batch(batches(3)[2], whole)[0]).item()
-    assert untrained != pytest.approx(resumed[0], rel=1e-4)
+    assert untrained != pytest.approx(continued[0], rel=1e-4)

@@ -40,7 +40,7 @@ from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.step_in_backward import StepInBackward
 from snugfit.runtime.step_runner import Accumulate, StepRunner
 from snugfit.runtime.stream_states import StreamedStates
-from snugfit.runtime.tied_embeddings import TiedEmbeddings
+from snugfit.runtime.tied_embeddings import TiedEmbeddings, saved_name
 
 log = logging.getLogger(__name__)
 
@@ -262,13 +262,14 @@ class Engine:
     # -- checkpoints --
     def _state_owners(self):
         """(name, parameter, the tensor keying its states, optimizer, streamed unit or None) of every trainable
-        parameter this rank updates: device units' parameters, host offload's masters."""
+        parameter this rank updates: device units' parameters, host offload's masters. A tied weight's copies
+        share one name (runtime.tied_embeddings.saved_name)."""
         for u in self.units:
             for name, p in zip(u.names, u.params):
-                yield name, p, p, u.optimizer, u if u.streamed else None
+                yield saved_name(name, p), p, p, u.optimizer, u if u.streamed else None
         if self.host is not None:
             for name, p, master, opt in self.host.named_masters():
-                yield name, p, master, opt, None
+                yield saved_name(name, p), p, master, opt, None
 
     def state_dict(self) -> dict:
         """Model and optimizer keyed by parameter name (FQN), so DCP reshards them under another plan.

@@ -12,8 +12,9 @@ values, and stays equal to the other. Both copies are sharded over dp alike, so 
 
 Both start equal: the weights' sources fill the head's copy with the embedding's values (model.decoder.init_name,
 model.hf.load_weights), and a model built whole cuts both from the same tensor. The global gradient norm counts the
-weight once (`is_head_copy`, as Megatron's clip skips its shared copies). Checkpoints hold each copy under its own
-name, as the one-process model's state dict names both, so a checkpoint loads under another pipeline split.
+weight once (`is_head_copy`, as Megatron's clip skips its shared copies). Checkpoints hold each copy's weight under
+its own name, as the one-process model's state dict names both, and their optimizer states once, under the
+embedding's name (`saved_name`), as the one-process model's: a checkpoint loads under any other pipeline split.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from snugfit.runtime.memory import local
 from snugfit.runtime.offload import HostOffload
 
 HEAD_COPY = "snugfit_tied_head_copy"  # set on the head's copy: the gradient norm counts the embedding's only
+EMBEDDING = "embed.tokens.weight"  # the tied weight's name in the embedding (the built-in and Hugging Face models)
 
 
 def ties(model: nn.Module) -> bool:
@@ -52,6 +54,12 @@ def untie_head(model: nn.Module) -> None:
 def is_head_copy(p: torch.Tensor) -> bool:
     """Whether p is the head's copy of a tied weight (runtime.grad_norm leaves it out of the norm)."""
     return getattr(p, HEAD_COPY, False)
+
+
+def saved_name(name: str, p: torch.Tensor) -> str:
+    """The name p's states are saved under: a tied weight's under the embedding's, as the one-process model saves
+    them, so a checkpoint of one pipeline split loads into both copies under another."""
+    return EMBEDDING if is_head_copy(p) else name
 
 
 class TiedEmbeddings:
@@ -81,7 +89,7 @@ class TiedEmbeddings:
                 ranks = [plan.layout.rank(first, d, t), plan.layout.rank(last, d, t)]
                 g = cached_group(("tied", *ranks, env.timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
                 group = g if env.rank in ranks else group
-        copies = ([model.embed.tokens.weight] if model.embed is not None else []) + (
+        copies = ([model.get_parameter(EMBEDDING)] if model.embed is not None else []) + (
             [head_linear(model).weight] if model.head is not None else [])
         if not any(p.requires_grad for p in copies):  # a rank between the two, or a frozen weight
             return None
