@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.hf import FolderWeights, load_hf
-from snugfit.plan import Plan
+from snugfit.plan import BlockPlan, Plan
 from snugfit.plan.options import Constraints
 from snugfit.plan.search import search
 from snugfit.profile import profile_model
@@ -41,7 +41,16 @@ PLANS = {
     "pp2": dict(pp=2, schedule="1f1b"),
     "pp2-zbv": dict(pp=2, schedule="zbv"),  # 4 stages; rank 0 runs the first and the last: its copies sum in place
     "pp2xdp2": dict(pp=2, dp=2, schedule="1f1b"),
+    # the copies sharded over dp (their local shards pair), on host between uses (their gradients too)
+    "pp2xdp2-zero3-offload_params": dict(pp=2, dp=2, schedule="1f1b", block=BlockPlan(zero=3),
+                                         root=BlockPlan(zero=3, offload_params=True)),
+    # the root's masters and AdamW on host: the copies' gradients are host offload's
+    "pp2-offload_optimizer": dict(pp=2, schedule="1f1b", root=BlockPlan(offload_optimizer=True)),
 }
+# which model trains under which plans, at 2 and 4 ranks
+RUNS = {2: [("decoder", "pp2"), ("decoder", "pp2-zbv"), ("hf", "pp2"), ("hf", "pp2-zbv"),
+            ("decoder", "pp2-offload_optimizer")],
+        4: [("decoder", "pp2xdp2"), ("hf", "pp2xdp2"), ("decoder", "pp2xdp2-zero3-offload_params")]}
 
 
 def make_plan(name: str) -> Plan:
@@ -110,7 +119,7 @@ def rows_of(env, plan: Plan, batch: torch.Tensor) -> torch.Tensor:
     return batch.chunk(plan.dp)[plan.layout.coords(env.rank)[1]]
 
 
-def train_and_check(env, name: str, folder: str | None, steps: int = 3) -> dict:
+def train_and_check(env, name: str, folder: str | None, steps: int = 2) -> dict:
     """`steps` steps of a configuration on this rank; the first's gradients checked against the reference."""
     plan = make_plan(name)
     ref_losses, ref_grads = reference(folder, plan, steps)
@@ -125,14 +134,9 @@ def train_and_check(env, name: str, folder: str | None, steps: int = 3) -> dict:
     return {"losses": losses, "ref_losses": ref_losses, "checked": checked, "bad": bad}
 
 
-def two_rank_work(env, folder: str) -> dict:
+def train_runs(env, folder: str) -> dict:
     return {f"{kind}-{name}": train_and_check(env, name, folder if kind == "hf" else None)
-            for kind in ("decoder", "hf") for name in ("pp2", "pp2-zbv")}
-
-
-def four_rank_work(env, folder: str) -> dict:
-    return {f"{kind}-pp2xdp2": train_and_check(env, "pp2xdp2", folder if kind == "hf" else None)
-            for kind in ("decoder", "hf")}
+            for kind, name in RUNS[env.world_size]}
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +147,13 @@ def folder(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def runs(folder) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
-    for work, world in ((two_rank_work, 2), (four_rank_work, 4)):
-        results = run_ranks(work, world, folder)
+    for world in RUNS:
+        results = run_ranks(train_runs, world, folder)
         out.update({name: [r[name] for r in results] for name in results[0]})
     return out
 
 
-@pytest.mark.parametrize("name", ["decoder-pp2", "decoder-pp2-zbv", "hf-pp2", "hf-pp2-zbv", "decoder-pp2xdp2",
-                                  "hf-pp2xdp2"])
+@pytest.mark.parametrize("name", [f"{kind}-{plan}" for runs in RUNS.values() for kind, plan in runs])
 def test_tied_pipeline_matches_single_process(runs, name):
     for r in runs[name]:
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)  # the later steps: the copies stayed equal

@@ -38,17 +38,18 @@ def ties(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "cfg", None), "tie_embeddings", False))
 
 
-def head_linear(model: nn.Module) -> nn.Linear:
-    """The head's output projection (after OPT's project_out where a Hugging Face head has one)."""
-    return [m for m in model.head.modules() if isinstance(m, nn.Linear)][-1]
+def head_name(model: nn.Module) -> str:
+    """The head's output weight (after OPT's project_out where a Hugging Face head has one: model.hf_model)."""
+    return getattr(model, "head_weight", "head.weight")
 
 
 def untie_head(model: nn.Module) -> None:
     """Give the head a weight of its own, equal to the embedding's: the stages holding them are separate FSDP2
     roots (runtime.pipeline.stage_parts, where one rank runs both the first and the last stage)."""
-    out = head_linear(model)
-    if out.weight is model.embed.tokens.weight:
-        out.weight = nn.Parameter(model.embed.tokens.weight.detach().clone(), requires_grad=out.weight.requires_grad)
+    module, _, attr = head_name(model).rpartition(".")
+    out, shared = model.get_submodule(module), model.get_parameter(EMBEDDING)
+    if getattr(out, attr) is shared:
+        setattr(out, attr, nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad))
 
 
 def is_head_copy(p: torch.Tensor) -> bool:
@@ -90,7 +91,7 @@ class TiedEmbeddings:
                 g = cached_group(("tied", *ranks, env.timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
                 group = g if env.rank in ranks else group
         copies = ([model.get_parameter(EMBEDDING)] if model.embed is not None else []) + (
-            [head_linear(model).weight] if model.head is not None else [])
+            [model.get_parameter(head_name(model))] if model.head is not None else [])
         if not any(p.requires_grad for p in copies):  # a rank between the two, or a frozen weight
             return None
         if model.head is not None:
