@@ -21,18 +21,22 @@ import torch.distributed.checkpoint as dcp
 from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.hf import FolderWeights, load_hf
-from snugfit.plan import BlockPlan, Plan
+from snugfit.plan import BlockPlan, OptimizerPlan, Plan, PlanError
+from snugfit.plan.estimate import estimate
 from snugfit.plan.options import Constraints
 from snugfit.plan.search import search
 from snugfit.profile import profile_model
 from snugfit.runtime.build import build_engine
+from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.microbatches import split_batch
 from snugfit.runtime.optimizer import OptimConfig, make_optimizer
+from snugfit.runtime.tied_embeddings import TiedEmbeddings
 from snugfit.train.build import InitWeights
 from tests.distributed import check_update_gradients, run_ranks
 
 SEQ, MICRO, SEED = 16, 4, 3
-CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, vocab_size=96, max_seq_len=SEQ, tie_embeddings=True)
+# a wide vocabulary: the head's copy is a third of the model, so the memory model's charge for it shows
+CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, vocab_size=512, max_seq_len=SEQ, tie_embeddings=True)
 OPT = OptimConfig(lr=1e-2, grad_clip=1.0)
 TIED = ("embed.tokens.weight", "head.weight")
 
@@ -41,6 +45,7 @@ PLANS = {
     "pp2": dict(pp=2, schedule="1f1b"),
     "pp2-zbv": dict(pp=2, schedule="zbv"),  # 4 stages; rank 0 runs the first and the last: its copies sum in place
     "pp2xdp2": dict(pp=2, dp=2, schedule="1f1b"),
+    "pp4": dict(pp=4, schedule="1f1b"),  # ranks 1 and 2 hold no copy
     # the copies sharded over dp (their local shards pair), on host between uses (their gradients too)
     "pp2xdp2-zero3-offload_params": dict(pp=2, dp=2, schedule="1f1b", block=BlockPlan(zero=3),
                                          root=BlockPlan(zero=3, offload_params=True)),
@@ -50,13 +55,15 @@ PLANS = {
 # which model trains under which plans, at 2 and 4 ranks
 RUNS = {2: [("decoder", "pp2"), ("decoder", "pp2-zbv"), ("hf", "pp2"), ("hf", "pp2-zbv"),
             ("decoder", "pp2-offload_optimizer")],
-        4: [("decoder", "pp2xdp2"), ("hf", "pp2xdp2"), ("decoder", "pp2xdp2-zero3-offload_params")]}
+        4: [("decoder", "pp2xdp2"), ("hf", "pp2xdp2"), ("decoder", "pp2xdp2-zero3-offload_params"),
+            ("decoder", "pp4")]}
 
 
-def make_plan(name: str) -> Plan:
+def make_plan(name: str, **kw) -> Plan:
     spec = PLANS[name]
     rows = 8 // spec.get("dp", 1)
-    return Plan.uniform(CFG.n_layers, micro_batch_size=rows // MICRO, num_microbatches=MICRO, seq_len=SEQ, **spec)
+    return Plan.uniform(CFG.n_layers, micro_batch_size=rows // MICRO, num_microbatches=MICRO, seq_len=SEQ, **spec,
+                        **kw)
 
 
 def hf_folder(path: str) -> str:
@@ -131,7 +138,7 @@ def train_and_check(env, name: str, folder: str | None, steps: int = 2) -> dict:
     for i, batch in enumerate(batches(steps)):
         losses.append(engine.train_step(rows_of(env, plan, batch)).loss)
         engine._update = update
-    return {"losses": losses, "ref_losses": ref_losses, "checked": checked, "bad": bad}
+    return {"losses": losses, "ref_losses": ref_losses, "checked": checked, "bad": bad, "peak": engine.memory.peak()}
 
 
 def train_runs(env, folder: str) -> dict:
@@ -160,6 +167,24 @@ def test_tied_pipeline_matches_single_process(runs, name):
         assert not r["bad"], r["bad"]
     checked = set().union(*(r["checked"] for r in runs[name]))
     assert set(TIED) <= checked, "both copies' gradients checked"
+
+
+@functools.cache
+def tied_profile(micro_batch_size: int):
+    return profile_model(CFG, micro_batch_size=micro_batch_size, seq_len=SEQ, use_cache=False)
+
+
+@pytest.mark.parametrize("name", [plan for runs in RUNS.values() for kind, plan in runs if kind == "decoder"])
+def test_memory_model_charges_what_each_rank_holds(runs, name):
+    """Each rank's tracked peak of the last step, device and host, as the memory model predicts it: the head's
+    copy of the tied weight, its gradient and its optimizer states on the last stage's rank (the first's too in a
+    V)."""
+    plan = make_plan(name)
+    pred = estimate(plan, tied_profile(plan.micro_batch_size), parse_cluster(f"{plan.world_size}xcpu"))
+    for rank, r in enumerate(runs[f"decoder-{name}"]):
+        for place in ("device", "host"):
+            want, got = pred.tracked_by_rank[rank][f"{place}.total"], r["peak"][f"{place}.total"]
+            assert got == pytest.approx(want, rel=0.05), f"rank {rank} {place}: {got} vs {want}"
 
 
 # -- every plan the search returns builds and steps --
@@ -235,3 +260,9 @@ def test_checkpoint_resumes_under_another_pipeline_split(tmp_path, saved, resume
     with torch.no_grad():  # guards the comparison: untrained weights give another loss on that batch (by 1e-3)
         untrained = reference_model(None)(*split_batch(batches(3)[2], whole)[0]).item()
     assert untrained != pytest.approx(continued[0], rel=1e-4)
+
+
+def test_stepping_in_backward_is_refused_before_the_copies_diverge():
+    plan = make_plan("pp2", optimizer=OptimizerPlan(in_backward=True))
+    with pytest.raises(PlanError, match="in_backward"):
+        TiedEmbeddings.of(Decoder(CFG), plan, DistEnv())
