@@ -121,10 +121,13 @@ def initial_value(name: str, shape: tuple[int, ...], n_layers: int,
     return torch.randn(shape, generator=generator) * std
 
 
+EMBEDDING = "embed.tokens.weight"  # the token embedding's weight, which a tied head shares (Hugging Face models too)
+
+
 def init_name(cfg: ModelConfig, name: str) -> str:
     """The tensor whose init `name` draws: a tied head's own copy (a pipeline stage apart from the embedding's,
     runtime.tied_embeddings) the embedding's, so both copies start equal."""
-    return "embed.tokens.weight" if cfg.tie_embeddings and name == "head.weight" else name
+    return EMBEDDING if cfg.tie_embeddings and name == "head.weight" else name
 
 
 def tensor_generator(seed: int, name: str) -> torch.Generator:

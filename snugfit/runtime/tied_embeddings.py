@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from snugfit.model.decoder import EMBEDDING
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.dist import DistEnv, cached_group
 from snugfit.runtime.memory import local
 from snugfit.runtime.offload import HostOffload
 
 HEAD_COPY = "snugfit_tied_head_copy"  # set on the head's copy: the gradient norm counts the embedding's only
-EMBEDDING = "embed.tokens.weight"  # the tied weight's name in the embedding (the built-in and Hugging Face models)
 
 
 def ties(model: nn.Module) -> bool:
@@ -39,7 +39,7 @@ def ties(model: nn.Module) -> bool:
 
 
 def head_name(model: nn.Module) -> str:
-    """The head's output weight (after OPT's project_out where a Hugging Face head has one: model.hf_model)."""
+    """The head's output weight's name: a Hugging Face model's says where it is (after OPT's project_out)."""
     return getattr(model, "head_weight", "head.weight")
 
 
@@ -71,13 +71,15 @@ class TiedEmbeddings:
     masters hold the gradients of the units it owns.
     """
 
-    def __init__(self, copies: list[nn.Parameter], group, device: torch.device, host: HostOffload | None = None):
+    def __init__(self, copies: list[nn.Parameter], group: dist.ProcessGroup | None, device: torch.device,
+                 host: HostOffload | None = None):
         self.copies, self.group, self.device, self.host = copies, group, device, host
 
     @classmethod
     def of(cls, model: nn.Module, plan: Plan, env: DistEnv, host: HostOffload | None = None) -> "TiedEmbeddings | None":
         """The pairing of this rank's part of a pipelined `model` (as runtime.build parallelized and filled it);
-        None where the model ties nothing or the weight is frozen. Every rank makes every pair's group."""
+        None where the model ties nothing, this rank holds no copy, or the weight is frozen. Every rank makes every
+        pair's group (new_group's rule)."""
         if not ties(model) or not plan.schedule_entry.pipelined:
             return None
         if plan.optimizer.in_backward:
@@ -114,7 +116,7 @@ class TiedEmbeddings:
 
     def _grads(self) -> list[torch.Tensor]:
         """This step's local gradient of each copy: the device shard, or host offload's master gradient."""
-        hosted = dict((id(p), g) for p, g in self.host.host_grads()) if self.host is not None else {}
+        hosted = {id(p): g for p, g in self.host.host_grads()} if self.host is not None else {}
         out = []
         for p in self.copies:
             g = hosted.get(id(p), p.grad)
