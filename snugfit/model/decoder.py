@@ -121,6 +121,15 @@ def initial_value(name: str, shape: tuple[int, ...], n_layers: int,
     return torch.randn(shape, generator=generator) * std
 
 
+EMBEDDING = "embed.tokens.weight"  # the token embedding's weight, which a tied head shares (Hugging Face models too)
+
+
+def init_name(cfg: ModelConfig, name: str) -> str:
+    """The tensor whose init `name` draws: a tied head's own copy (a pipeline stage apart from the embedding's,
+    runtime.tied_embeddings) the embedding's, so both copies start equal."""
+    return EMBEDDING if cfg.tie_embeddings and name == "head.weight" else name
+
+
 def tensor_generator(seed: int, name: str) -> torch.Generator:
     """One generator per (seed, tensor name): a tensor's init is drawn alone, whatever else a rank holds."""
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -260,6 +269,7 @@ class Decoder(nn.Module):
         for name, p in (tensors if tensors is not None else dict(self.named_parameters())).items():
             if p.is_meta:
                 continue
+            name = init_name(self.cfg, name)
             gen = tensor_generator(seed, name) if seed is not None else None
             write_whole(p, initial_value(name, tuple(p.shape), self.cfg.n_layers, gen))
         if self.cfg.arch == "llama" and self.rope is not None and not self.rope.is_meta:

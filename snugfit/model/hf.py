@@ -187,7 +187,8 @@ class FolderWeights:
         init_adapters(model, self.seed)
         if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
             out = model.get_submodule(model.head_weight.rpartition(".")[0])
-            if out.weight is not model.embed.tokens.weight:  # to_empty gives each module its own tensor
+            # to_empty gives each plain module its own tensor; FSDP2's keep theirs: tied, or two stages' copies
+            if out.weight is not model.embed.tokens.weight and not isinstance(out.weight, DTensor):
                 out.weight = model.embed.tokens.weight
         if model.rope is not None:
             with torch.device(device):

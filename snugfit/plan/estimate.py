@@ -8,6 +8,7 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_tp_time
 from snugfit.plan.memory import RankMemory, device_bytes, host_bytes, rank_memory
+from snugfit.plan.optimizer import master_bytes
 from snugfit.plan.piece_memory import StagePiece, host_saved, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.schedules import partner
@@ -233,6 +234,7 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
                                            ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies,
                                            optimizer=plan.optimizer)
+        reduce += tied_sync_time(plan, prof, cluster, pp_rank)
         reduce = corrected("dp_comm_exposed", reduce, node)
         opt_dev, opt_host = corrected("optimizer", opt_dev, node), corrected("offload_exposed", opt_host, node)
         phases = {
@@ -257,6 +259,18 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
     pred.tracked_by_rank = [ranks[kind[r]].memory.tracked for r in range(plan.world_size)]
     pace = [max(_dp_group(plan, on(k)), key=lambda r, k=k: times[kind[r]][k].b_total) for k in range(n_stages)]
     return StepEstimate(pred, sim, stages_of, kind, ranks, pace, p2p, move, offload_move)
+
+
+def tied_sync_time(plan: Plan, prof: ModelProfile, cluster: Cluster, pp_rank: int) -> float:
+    """Seconds pipeline rank pp_rank spends after backward summing its copy's gradient of a tied weight with the
+    other's (runtime.tied_embeddings: an all-reduce of the first and the last stage's ranks, their local shards);
+    none where one rank holds both stages, or the weight is frozen."""
+    first, last = plan.stage_rank(0), plan.stage_rank(len(plan.stage_ranges()) - 1)
+    if not (prof.tied_params and prof.embed.num_trainable) or first == last or pp_rank not in (first, last):
+        return 0.0
+    shard = -(-prof.tied_params // (plan.dp if plan.root.zero >= 1 else 1))
+    link = cluster.link_for([plan.layout.rank(first, 0, 0), plan.layout.rank(last, 0, 0)])
+    return transfer_time(shard * master_bytes(plan.optimizer), link)
 
 
 def largest_tensor_bytes(prof: ModelProfile) -> int:

@@ -51,11 +51,11 @@ class StagePiece:
     piece: PieceProfile
     decision: BlockPlan
     n_params: int  # parameters this rank holds for the piece (tied weights included on the last stage)
-    n_trainable: int = -1  # of which trainable; -1: the piece's trainable count (+ tied weights)
+    n_trainable: int = -1  # of which trainable; -1: the piece's trainable count
 
     def __post_init__(self) -> None:
         if self.n_trainable < 0:
-            self.n_trainable = self.piece.num_trainable + self.n_params - self.piece.num_params
+            self.n_trainable = self.piece.num_trainable
 
     @property
     def is_block(self) -> bool:
@@ -72,9 +72,12 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
         pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
         pieces += [StagePiece(prof.blocks[i], plan.blocks[i], prof.blocks[i].num_params) for i in blocks]
         if k == last:
-            # the head needs its own copy of tied weights on another rank than the embedding's
-            tied = prof.tied_params if plan.stage_rank(last) != plan.stage_rank(0) else 0
-            pieces.append(StagePiece(prof.head, plan.root, prof.head.num_params + tied))
+            # the head's stage holds its own copy of tied weights (runtime.tied_embeddings), on the embedding's rank
+            # too where a V folds the last stage back: the two stages are separate FSDP2 roots
+            tied = prof.tied_params if last > 0 else 0
+            trainable = tied if prof.embed.num_trainable else 0  # a frozen embedding's copy is frozen too
+            pieces.append(StagePiece(prof.head, plan.root, prof.head.num_params + tied,
+                                     prof.head.num_trainable + trainable))
         out[k] = pieces
     return out
 

@@ -17,10 +17,11 @@ from snugfit.runtime.dist import DistEnv, ensure_process_group
 from snugfit.runtime.engine import Engine
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.optimizer import OptimConfig
-from snugfit.runtime.pipeline import TorchSchedule, refuse_tied_embeddings, stage_parts
+from snugfit.runtime.pipeline import TorchSchedule, stage_parts
 from snugfit.runtime.precision import apply_mixed_precision
 from snugfit.runtime.sharding import DTYPES
 from snugfit.runtime.step_runner import Accumulate
+from snugfit.runtime.tied_embeddings import TiedEmbeddings
 
 RUNNERS = {  # the schedules registry's runner name -> the step runner (model, stages, plan, dims, env)
     "accumulate": lambda model, stages, plan, dims, env: Accumulate(model, plan),
@@ -44,14 +45,15 @@ def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
     dims = ParallelDims.of(plan, env)
     stages = []
     if plan.schedule_entry.pipelined:
-        refuse_tied_embeddings(model)
         stages = stage_parts(model, plan, dims)
     host = place(model, plan, env.device, weights)  # a model on meta: read after sharding, this rank's part only
     last = len(plan.stage_ranges()) - 1
     for part in stages or [model]:
         parallelize(part, plan, dims, output_fp32=part is model or part.index == last)
     read_weights(model, plan, env.device, weights)
+    tied = TiedEmbeddings.of(model, plan, env, host)  # a pipeline's embedding and head hold a tied weight each
     # a plan that runs unwrapped computes below fp32 through copies cast once a step (FSDP2's mixed precision else)
     cast = apply_mixed_precision(model, DTYPES[plan.compute_dtype]) if plan.runs_unwrapped else None
     runner = RUNNERS[plan.schedule_entry.runner](model, stages, plan, dims, env)
-    return Engine(model, plan, optim, env.device, runner, dp_group=dims.dp_group, host=host, cast=cast)
+    return Engine(model, plan, optim, env.device, runner, dp_group=dims.dp_group, host=host, cast=cast,
+                  tied=tied)

@@ -35,6 +35,7 @@ from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.step_in_backward import StepInBackward
 from snugfit.runtime.step_runner import StepContext, StepRunner
 from snugfit.runtime.stream_states import StreamedStates
+from snugfit.runtime.tied_embeddings import TiedEmbeddings
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,10 @@ class Engine:
         dp_group=None,
         host: HostOffload | None = None,
         cast: CastOnce | None = None,
+        tied: TiedEmbeddings | None = None,
     ):
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
-        self.runner, self.dp_group, self.host, self.cast = runner, dp_group, host, cast
+        self.runner, self.dp_group, self.host, self.cast, self.tied = runner, dp_group, host, cast, tied
         self.lr = optim.lr
         self.scaler = LossScale() if plan.compute_dtype == "float16" else None
         # Counting saved tensors costs a Python hook per tensor (~20% of a small model's step on CPU),
@@ -144,6 +146,8 @@ class Engine:
         if self.in_backward is not None:
             self.in_backward.begin(self.lr)
         loss = self.runner.train(self._context(), micro, divisors)
+        if self.tied is not None:  # after backward, before the update: a tied weight's copies in two stages joined
+            self.tied.sum_grads()
         if self.cast is not None:
             self.cast.release()  # the optimizer changes the masters; the next step casts them again
         return self._update(loss)
@@ -160,7 +164,6 @@ class Engine:
         if self.dp_group is not None:
             with ctx.span("collective"):
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
-        # after backward, before clipping: where gradients held on several ranks would be joined
         if self.in_backward is not None:
             grad_norm, skipped = self.in_backward.finish()
             skipped, overflow = skipped or not (math.isfinite(loss.item()) and math.isfinite(grad_norm)), False
@@ -213,11 +216,15 @@ class Engine:
         states = {}
         for u in self.updaters:
             states.update(u.state_dict(model_sd))
+        if self.tied is not None:
+            states = self.tied.saved_states(states)
         return {"model": model_sd, "optimizer": {"state": states}}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         model_sd, saved = dict(state["model"]), state["optimizer"]["state"]
+        if self.tied is not None:
+            saved = self.tied.states_to_load(saved)
         self._wait_updates()
         set_model_state_dict(self.model, model_sd)
         for u in self.updaters:

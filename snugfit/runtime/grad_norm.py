@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from snugfit.runtime.memory import local
+from snugfit.runtime.tied_embeddings import is_head_copy
 
 
 def shard_groups(p: torch.Tensor) -> tuple:
@@ -25,7 +26,8 @@ def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     """L2 norm over all (parameter, local gradient) pairs: shards are summed over their groups, replicas counted
     once.
 
-    stage_group: pipeline ranks holding disjoint parts of the model; their squares add up too.
+    stage_group: pipeline ranks holding disjoint parts of the model; their squares add up too. A tied weight's
+    copy in the head (runtime.tied_embeddings) is left out: its gradient equals the embedding's.
 
     Hand-written because torch's clip_grad_norm_ cannot mix DTensors of different
     meshes (zero 0 blocks live on a 2-D mesh, sharded ones on a 1-D mesh) and
@@ -33,6 +35,8 @@ def global_grad_norm(grads: list[tuple[torch.Tensor, torch.Tensor]], device: tor
     """
     by_groups: dict[tuple, list[torch.Tensor]] = {}
     for p, g in grads:
+        if is_head_copy(p):  # a tied weight's second copy: the embedding's counts it
+            continue
         g = local(g)
         by_groups.setdefault((shard_groups(p), g.device, g.dtype), []).append(g)
     squares: dict[tuple, torch.Tensor] = {}

@@ -39,7 +39,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Shard
 
 from snugfit.model.decoder import cross_entropy
-from snugfit.plan import Plan, PlanError
+from snugfit.plan import Plan
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.memory import local
 from snugfit.runtime.mesh import ParallelDims
@@ -48,6 +48,7 @@ from snugfit.runtime.sharding import DTYPES, requires_gradient_sync
 from snugfit.runtime.stage_activations import StageActivations
 from snugfit.runtime.step_runner import StepContext
 from snugfit.runtime.tensor_parallel import vocab_parallel_loss
+from snugfit.runtime.tied_embeddings import ties, untie_head
 
 
 class StageModule(nn.Module):
@@ -93,6 +94,8 @@ def stage_parts(model: nn.Module, plan: Plan, dims: ParallelDims) -> list[StageM
     for name in [n for n in model.blocks if n not in keep]:
         del model.blocks[name]
     last = len(ranges) - 1
+    if 0 in stages and last in stages and ties(model):  # a V: the first and last stage are FSDP2 roots apart
+        untie_head(model)
     parts = [StageModule(model, ranges[k], k == 0, k == last, k, dims.tp_mesh if plan.tp > 1 else None)
              for k in stages]
     if 0 not in stages:
@@ -100,12 +103,6 @@ def stage_parts(model: nn.Module, plan: Plan, dims: ParallelDims) -> list[StageM
     if last not in stages:
         model.norm = model.head = None
     return parts
-
-
-def refuse_tied_embeddings(model: nn.Module) -> None:
-    """Pipeline stages hold the embedding and the head apart: a model that ties them cannot be split."""
-    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-        raise PlanError("tied embeddings cannot be split across pipeline stages; set model.tie_embeddings=false")
 
 
 class PipelineRunner:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from snugfit.config import RunConfig
 from snugfit.data import BatchSampler, ByteTokenizer, eval_batches, load_tokenizer, load_tokens, split
@@ -17,7 +18,7 @@ from snugfit.data.instruct import InstructSampler, instruct_eval_batches, load_i
 from snugfit.data.tokenizer import Tokenizer
 from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
-from snugfit.model.decoder import initial_value, tensor_generator
+from snugfit.model.decoder import init_name, initial_value, tensor_generator
 from snugfit.model.hf import FolderWeights, fingerprint, load_hf
 from snugfit.model.lora import (apply_lora, freeze, init_adapters, parse_targets, plain_name, plain_named_tensors,
                                 trainable_summary)
@@ -66,8 +67,10 @@ class InitWeights:
     seed: int
 
     def fill(self, model: Decoder, device: torch.device) -> None:
-        if model.cfg.tie_embeddings and model.head is not None and model.embed is not None:
-            model.head.weight = model.embed.tokens.weight  # to_empty gives each module its own tensor
+        # to_empty gives each plain module its own tensor; FSDP2's keep theirs: tied, or two stages' copies
+        if model.cfg.tie_embeddings and model.head is not None and model.embed is not None and not isinstance(
+                model.head.weight, DTensor):
+            model.head.weight = model.embed.tokens.weight
         model.init_weights(self.seed, self._plain_parameters(model))
         init_adapters(model, self.seed)
 
@@ -76,6 +79,7 @@ class InitWeights:
         plain = plain_name(model, name)
         if plain is None:
             return None
+        plain = init_name(model.cfg, plain)
         return local_shard(initial_value(plain, tuple(like.shape), model.cfg.n_layers,
                                          tensor_generator(self.seed, plain)), like)
 
