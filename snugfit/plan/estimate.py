@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_tp_time
+from snugfit.plan.footprint import largest_tensor_bytes
 from snugfit.plan.memory import RankMemory, device_bytes, host_bytes, rank_memory
 from snugfit.plan.piece_memory import StagePiece, host_saved, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
@@ -252,20 +253,11 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
             step, phases_of = total, phases
     bubble = step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble")
     phases_of["bubble"] = bubble if bubble > 1e-9 * step else 0.0  # not the rounding of the others' sum
-    pred = _finish(plan, prof, cluster, [ranks[kind[r]].memory.cats for r in range(plan.world_size)], step,
+    pred = _finish(plan, prof, cluster, [ranks[kind[r]].memory for r in range(plan.world_size)], step,
                    phases_of, sim, notes, memory_budget_bytes)
     pred.tracked_by_rank = [ranks[kind[r]].memory.tracked for r in range(plan.world_size)]
     pace = [max(_dp_group(plan, on(k)), key=lambda r, k=k: times[kind[r]][k].b_total) for k in range(n_stages)]
     return StepEstimate(pred, sim, stages_of, kind, ranks, pace, p2p, move, offload_move)
-
-
-def largest_tensor_bytes(prof: ModelProfile) -> int:
-    """fp32 bytes of the model's largest weight (the embedding, the head or an MLP matrix): what a rank holds
-    beyond its shards while they are filled, one whole tensor at a time (runtime.apply.read_weights)."""
-    c = prof.config
-    hidden = prof.summary()["hidden"] or 0
-    ffn = c.get("ffn_dim") or c.get("intermediate_size") or c.get("n_inner") or 4 * hidden
-    return 4 * hidden * max(c.get("vocab_size") or 0, ffn)
 
 
 def node_host_need(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]],
@@ -278,14 +270,15 @@ def node_host_need(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[d
     return need, need + len(ranks) * largest_tensor_bytes(prof)
 
 
-def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]], step: float,
+def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, memory: list[RankMemory], step: float,
             phases: dict[str, float], sim: SimResult, notes: list[str], budget: int | None) -> Prediction:
+    mem = [rm.cats for rm in memory]
     peak = max(device_bytes(c) for c in mem)
     gpu_mem = min(cluster.gpu_of(r).memory_bytes for r in range(plan.world_size))
     budget = min(budget, gpu_mem) if budget else gpu_mem
     # a rank's device bytes before its first step: its parameter shards and one whole tensor in fp32 (the copy
     # into a shard of another dtype stages it on the device)
-    start_device = max(c.get("parameters", 0) + c.get("frozen_parameters", 0) for c in mem) + largest_tensor_bytes(prof)
+    start_device = max(rm.footprint.startup.total for rm in memory)
     fits = all(device_bytes(c) <= budget for c in mem) and start_device <= budget
     start_host, host, over = 0, {}, []
     for i, node in enumerate(cluster.nodes):
