@@ -13,6 +13,7 @@ from snugfit.plan.piece_memory import StagePiece, host_saved, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.schedules import partner
 from snugfit.plan.simulate import SimResult, simulate, split_backward
+from snugfit.plan.step_terms import step_terms
 from snugfit.plan.timing import (
     StageTime, TensorParallel, gather_every, grad_reduce_exposed, optimizer_time, reductions, stage_time,
     transfer_time,
@@ -225,30 +226,21 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
         sts = times[rank]
         pieces = [sp for k in sorted(sts) for sp in stages_of[pp_rank][k]]
         bwd_last = sum(st.bwd + st.recompute for st in sts.values())
-        copies = reductions(plan.grad_reduce, m)
-        reduce = copies * grad_reduce_exposed(
+        reduce = grad_reduce_exposed(
             [(sts[k], stages_of[pp_rank][k]) for k in sorted(sts)], dp, cluster.link_for(_dp_group(plan, pp_rank)),
             bwd_last, cpu=node if node.gpu.name == "cpu" else None)
-        ranks_on_host = cluster.nodes[cluster.node_of(rank)].count
         opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
-                                           ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies,
-                                           optimizer=plan.optimizer)
-        reduce = corrected("dp_comm_exposed", reduce, node)
-        opt_dev, opt_host = corrected("optimizer", opt_dev, node), corrected("offload_exposed", opt_host, node)
-        phases = {
-            "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
-            "recompute": m * sum(st.recompute * split_extra[k] for k, st in sts.items()),
-            "bubble": sim.bubble(pp_rank) if pp > 1 else 0.0,
-            "dp_comm_exposed": m * sum(st.comm_exposed for st in sts.values()) + reduce,
-            "tp_comm": m * sum(st.tp_fwd + st.tp_bwd for st in sts.values()),
-            "offload_exposed": m * sum(st.offload_exposed for st in sts.values()) + opt_host,
-            "pipeline_runtime": m * sum(st.pipe + (st.split_host if split else 0.0) for st in sts.values()),
-            "optimizer": opt_dev + sum(st.update for st in sts.values()),
-        }
-        tail = {"collective": reduce, "host optimizer": opt_host, "optimizer": phases["optimizer"]}
+                                           ranks_on_host=node.count, bwd_last=bwd_last,
+                                           grad_copies=reductions(plan.grad_reduce, m), optimizer=plan.optimizer)
+        terms = step_terms([(st, split_extra[k]) for k, st in sts.items()],
+                           reduce=corrected("dp_comm_exposed", reduce, node),
+                           host_step=corrected("offload_exposed", opt_host, node),
+                           device_step=corrected("optimizer", opt_dev, node),
+                           every_microbatch=plan.grad_reduce == "microbatch", split=bool(split))
+        phases, tail = terms.phases(m, sim.bubble(pp_rank) if pp > 1 else 0.0), terms.tail(m)
         ranks[rank] = RankStep(sts, phases, tail, rm)
-        total = sim.makespan + reduce + opt_host + phases["optimizer"]  # the tail's, in its order
+        total = sim.makespan + terms.reduces(m) + terms.host_step + terms.device_step  # the tail's, in its order
         if total > step:
             step, phases_of = total, phases
     bubble = step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble")

@@ -1,0 +1,71 @@
+"""A rank's step time by term, assembled once: estimate() adds up a rank's stages with it, stage_costs one piece
+under one option (what the knapsack weighs).
+
+What each term is worth (the stage's seconds per microbatch, the exposed gradient reduction, the optimizer on the
+device and on the host) is timing.py; here they become a step's phases: what every microbatch repeats, and what
+the step adds once after the pipeline drains (in order: the exposed reduction, the host optimizer, the device
+one). The schedule's bubble is the simulation's, beside them. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snugfit.plan.timing import StageTime
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """Seconds of a step by phase (timing.py's terms): each microbatch's, and the step's once."""
+
+    per_microbatch: dict[str, float]  # by phase, the gradient reduction apart
+    reduce: float  # one reduction of every unit's gradients, what the backward does not hide
+    host_step: float  # the host optimizer and streamed states' copies, exposed
+    device_step: float  # the optimizer on the device, and its FSDP2 (DTensor) work on CPU ranks
+    every_microbatch: bool  # each microbatch's backward reduces (grad_reduce "microbatch"), else the step's last
+
+    def reduces(self, m: int) -> float:
+        """The step's exposed reductions: one, or one per microbatch."""
+        return self.reduce * m if self.every_microbatch else self.reduce
+
+    def phases(self, m: int, bubble: float) -> dict[str, float]:
+        """The step's seconds by phase over m microbatches, `bubble` the schedule's idle time."""
+        out = {k: m * v for k, v in self.per_microbatch.items()}
+        out = {"compute": out.pop("compute"), "recompute": out.pop("recompute"), "bubble": bubble, **out}
+        out["dp_comm_exposed"] += self.reduces(m)
+        out["offload_exposed"] += self.host_step
+        out["optimizer"] = self.device_step
+        return out
+
+    def tail(self, m: int) -> dict[str, float]:
+        """What the step adds after the pipeline drains, in order."""
+        return {"collective": self.reduces(m), "host optimizer": self.host_step, "optimizer": self.device_step}
+
+    @property
+    def t_microbatch(self) -> float:
+        """Seconds each microbatch adds (its reduction included where each one reduces)."""
+        return sum(self.per_microbatch.values()) + (self.reduce if self.every_microbatch else 0.0)
+
+    @property
+    def t_step(self) -> float:
+        """Seconds the step adds once."""
+        return self.host_step + self.device_step + (0.0 if self.every_microbatch else self.reduce)
+
+
+def step_terms(stages: list[tuple[StageTime, int]], *, reduce: float, host_step: float, device_step: float,
+               every_microbatch: bool, split: bool) -> StepTerms:
+    """The step of a rank running `stages` (each stage's times per microbatch, and how often its backward runs
+    what it recomputes: twice where a split backward's W replays it, simulate.split_backward); `reduce` one
+    exposed gradient reduction of them all, `host_step`/`device_step` the optimizer's exposed host and device
+    seconds (timing.optimizer_time) without FSDP2's update work, which the stage times carry; split: the
+    backward is split into I and W (its host work: StageTime.split_host)."""
+    per_mb = {
+        "compute": sum(st.fwd + st.bwd for st, _ in stages),
+        "recompute": sum(st.recompute * replays for st, replays in stages),
+        "dp_comm_exposed": sum(st.comm_exposed for st, _ in stages),
+        "tp_comm": sum(st.tp_fwd + st.tp_bwd for st, _ in stages),
+        "offload_exposed": sum(st.offload_exposed for st, _ in stages),
+        "pipeline_runtime": sum(st.pipe + (st.split_host if split else 0.0) for st, _ in stages),
+        "optimizer": 0.0,
+    }
+    return StepTerms(per_mb, reduce, host_step, device_step + sum(st.update for st, _ in stages), every_microbatch)
