@@ -22,7 +22,7 @@ def test_stage_buffers_are_named_by_what_needs_them():
     assert b.extra(BlockPlan(zero=3, activations="offload")) == 12.0 and b.prefetched == 4.0
     # every subset of what is asked for, once, the empty one first (the knapsack solves one table for each)
     subsets = b.subsets(frozenset({"zero3_copies", "states_window"}))
-    assert subsets == [frozenset(), {"zero3_copies"}, {"states_window"}, {"zero3_copies", "states_window"}]
+    assert list(subsets) == [frozenset(), {"zero3_copies"}, {"states_window"}, {"zero3_copies", "states_window"}]
 
 
 def test_stage_moments_bound_a_stage_by_its_passes_and_its_roots_reduce():

@@ -218,10 +218,11 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
     # -- per-rank totals --
     ranks, step, phases_of = {}, -1.0, {}
+    staging = largest_tensor_bytes(prof)  # one whole weight at start-up
     for rank in sorted(set(kind.values())):
         pp_rank = plan.layout.coords(rank)[0]
         node = cluster.nodes[cluster.node_of(rank)]
-        rm = rank_memory(plan, prof, node.gpu, rank, sim)
+        rm = rank_memory(plan, prof, node.gpu, rank, sim, staging)
         notes += rm.notes
         sts = times[rank]
         pieces = [sp for k in sorted(sts) for sp in stages_of[pp_rank][k]]

@@ -16,7 +16,8 @@ are `StageBuffers`, named. Pure: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import functools
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from snugfit.plan.optimizer import state_bytes
@@ -58,11 +59,8 @@ class StageBuffers:
     @staticmethod
     def needs(o: BlockPlan, root: bool = False) -> frozenset[str]:
         """The buffers an option needs (the root unit's: the ZeRO-3 copies only)."""
-        on_host = o.policy.on_host and not root
-        return frozenset(name for name, needed in (
-            ("zero3_copies", o.zero == 3), ("activation_window", on_host and not o.policy.recomputes),
-            ("checkpoint_window", on_host and bool(o.policy.recomputes)),
-            ("states_window", o.stream_states and not root)) if needed)
+        return _needs(o.zero == 3, o.policy.on_host and not root, bool(o.policy.recomputes),
+                      o.stream_states and not root)
 
     def bytes_of(self, names: frozenset[str]) -> float:
         return sum(getattr(self, name) for name in names)
@@ -71,15 +69,21 @@ class StageBuffers:
         """The bytes of the buffers a block option needs."""
         return self.bytes_of(self.needs(o))
 
-    def subsets(self, within: frozenset[str]) -> list[frozenset[str]]:
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def subsets(within: frozenset[str]) -> tuple[frozenset[str], ...]:
         """Every set of buffers drawn from `within`, in one fixed order (the knapsack solves one table for each)."""
-        names = [f.name for f in fields(self)]
-        out = []
-        for mask in range(1 << len(names)):
-            chosen = frozenset(n for j, n in enumerate(names) if mask >> j & 1)
-            if chosen <= within:
-                out.append(chosen)
-        return out
+        names = [f.name for f in fields(StageBuffers)]
+        every = (frozenset(n for j, n in enumerate(names) if mask >> j & 1) for mask in range(1 << len(names)))
+        return tuple(chosen for chosen in every if chosen <= within)
+
+
+@functools.lru_cache(maxsize=None)
+def _needs(zero3: bool, on_host: bool, recomputes: bool, streams: bool) -> frozenset[str]:
+    """StageBuffers.needs, once per kind of option (the search asks for it per option and solve)."""
+    return frozenset(name for name, needed in (
+        ("zero3_copies", zero3), ("activation_window", on_host and not recomputes),
+        ("checkpoint_window", on_host and recomputes), ("states_window", streams)) if needed)
 
 
 class Held(Protocol):
@@ -139,10 +143,10 @@ class Moment:
 
     cats: dict[str, int]
     piece: str = ""
+    total: int = field(init=False)
 
-    @property
-    def total(self) -> int:
-        return sum(self.cats.values())
+    def __post_init__(self) -> None:
+        self.total = sum(self.cats.values())
 
 
 @dataclass
@@ -160,8 +164,9 @@ class RankFootprint:
     tracked_step: dict[str, int]
 
 
-def rank_footprint(plan: Plan, prof: ModelProfile, pp_rank: int, sim: SimResult) -> RankFootprint:
-    """The footprint of a rank of pipeline rank pp_rank; prof at the plan's micro-batch size."""
+def rank_footprint(plan: Plan, prof: ModelProfile, pp_rank: int, sim: SimResult, staging: int) -> RankFootprint:
+    """The footprint of a rank of pipeline rank pp_rank; prof at the plan's micro-batch size, `staging` the
+    model's largest tensor in fp32 (`largest_tensor_bytes`)."""
     stages = rank_stages(plan, prof, pp_rank)
     all_pieces = [sp for k in sorted(stages) for sp in stages[k]]
     static: dict[str, int] = {}
@@ -283,6 +288,6 @@ def rank_footprint(plan: Plan, prof: ModelProfile, pp_rank: int, sim: SimResult)
             peak = "step"
     startup = Moment({"parameters": static.get("parameters", 0),
                       "frozen_parameters": static.get("frozen_parameters", 0),
-                      "staging": largest_tensor_bytes(prof)})
+                      "staging": staging})
     return RankFootprint(static, {k: best[k] for k in MOMENTS if k in best}, startup, host, peak, tracked_pass,
                          tracked_step)

@@ -43,9 +43,10 @@ class RankMemory:
     footprint: RankFootprint  # every moment of the step, the peak's among them
 
 
-def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimResult) -> RankMemory:
-    """Categories of bytes on `rank` at its peak (device) plus 'host:*' categories, notes, and tracked peak."""
-    fp = rank_footprint(plan, prof, plan.layout.coords(rank)[0], sim)
+def rank_memory(plan: Plan, prof: ModelProfile, gpu: GPU, rank: int, sim: SimResult, staging: int) -> RankMemory:
+    """Categories of bytes on `rank` at its peak (device) plus 'host:*' categories, notes, and tracked peak;
+    `staging`: footprint.largest_tensor_bytes."""
+    fp = rank_footprint(plan, prof, plan.layout.coords(rank)[0], sim, staging)
     cats = dict(fp.static)
     for k, v in fp.moments[fp.peak].cats.items():
         cats[k] = cats.get(k, 0) + v

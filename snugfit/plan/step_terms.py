@@ -59,13 +59,15 @@ def step_terms(stages: list[tuple[StageTime, int]], *, reduce: float, host_step:
     exposed gradient reduction of them all, `host_step`/`device_step` the optimizer's exposed host and device
     seconds (timing.optimizer_time) without FSDP2's update work, which the stage times carry; split: the
     backward is split into I and W (its host work: StageTime.split_host)."""
-    per_mb = {
-        "compute": sum(st.fwd + st.bwd for st, _ in stages),
-        "recompute": sum(st.recompute * replays for st, replays in stages),
-        "dp_comm_exposed": sum(st.comm_exposed for st, _ in stages),
-        "tp_comm": sum(st.tp_fwd + st.tp_bwd for st, _ in stages),
-        "offload_exposed": sum(st.offload_exposed for st, _ in stages),
-        "pipeline_runtime": sum(st.pipe + (st.split_host if split else 0.0) for st, _ in stages),
-        "optimizer": 0.0,
-    }
-    return StepTerms(per_mb, reduce, host_step, device_step + sum(st.update for st, _ in stages), every_microbatch)
+    per_mb = dict.fromkeys(("compute", "recompute", "dp_comm_exposed", "tp_comm", "offload_exposed",
+                            "pipeline_runtime", "optimizer"), 0.0)
+    update = 0.0
+    for st, replays in stages:
+        per_mb["compute"] += st.fwd + st.bwd
+        per_mb["recompute"] += st.recompute * replays
+        per_mb["dp_comm_exposed"] += st.comm_exposed
+        per_mb["tp_comm"] += st.tp_fwd + st.tp_bwd
+        per_mb["offload_exposed"] += st.offload_exposed
+        per_mb["pipeline_runtime"] += st.pipe + (st.split_host if split else 0.0)
+        update += st.update
+    return StepTerms(per_mb, reduce, host_step, device_step + update, every_microbatch)
