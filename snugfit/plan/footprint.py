@@ -38,7 +38,7 @@ MOMENTS = ("forward", "backward", "reduce", "step")  # a step's moments, in orde
 @dataclass(frozen=True)
 class StageBuffers:
     """Device buffers a stage holds once whichever blocks need them, two blocks' worth of each (the one in use and
-    the next), sized on the typical block as memory.py counts them; the states unsharded (an upper bound)."""
+    the next), sized on the typical block as rank_footprint counts them; the states unsharded (an upper bound)."""
 
     zero3_copies: float = 0.0  # ZeRO-3: the running block's gathered copy and the one FSDP2 prefetches
     activation_window: float = 0.0  # a policy whose whole saved activations wait on host: two blocks in flight

@@ -161,7 +161,7 @@ class StageCosts:
 
     def root_reduce(self, roots: list[PieceProfile], m: int) -> float:
         """FSDP2's bytes at the root unit's reduce, the backward's last, beyond the held static bytes: the root's
-        unsharded gradients and its reduce-scatter input (memory.rank_memory's last reduce moment)."""
+        unsharded gradients and its reduce-scatter input (footprint.rank_footprint's last reduce moment)."""
         if self.unwrapped:
             return 0.0
         own = DTYPE_BYTES[self.rdtype if m > 1 and self.grad_reduce == "step" else self.dtype]
