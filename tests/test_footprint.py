@@ -8,7 +8,8 @@ from snugfit.plan.estimate import estimate_step
 from snugfit.plan.footprint import MOMENTS, StageBuffers, largest_tensor_bytes, stage_moments
 from snugfit.plan.plan import BlockPlan
 from snugfit.plan.stage_costs import Cost
-from snugfit.plan.step_terms import StepTerms
+from snugfit.plan.step_terms import step_terms
+from snugfit.plan.timing import StageTime
 from tests.test_memory_model import _plan, synthetic_profile
 
 
@@ -56,15 +57,17 @@ def test_a_ranks_peak_is_its_busiest_named_moment(in_backward):
 
 
 @pytest.mark.parametrize("every", [False, True])
-def test_step_terms_split_a_step_into_each_microbatchs_and_the_steps_own(every):
-    terms = StepTerms({"compute": 1.0, "recompute": 0.25, "dp_comm_exposed": 0.125, "tp_comm": 0.0,
-                       "offload_exposed": 0.5, "pipeline_runtime": 0.0, "optimizer": 0.0},
-                      reduce=2.0, host_step=3.0, device_step=4.0, every_microbatch=every)
+def test_step_terms_add_up_alike_for_estimate_and_the_stage_costs(every):
+    """estimate()'s phases over m microbatches are m of the stage costs' per-microbatch seconds and their step's."""
+    st = StageTime(fwd=1.0, bwd=2.0, recompute=0.5, comm_exposed=0.25, offload_exposed=0.5, tp_fwd=0.125,
+                   tp_bwd=0.125, split_host=0.0625, update=0.75)
+    terms = step_terms([(st, 2)], reduce=2.0, host_step=3.0, device_step=4.0, every_microbatch=every, split=True)
     m = 4
     phases = terms.phases(m, bubble=0.75)
     assert list(phases)[:3] == ["compute", "recompute", "bubble"]
-    assert phases["dp_comm_exposed"] == m * 0.125 + (m * 2.0 if every else 2.0)
-    assert phases["offload_exposed"] == m * 0.5 + 3.0 and phases["optimizer"] == 4.0
+    assert phases["recompute"] == m * 2 * 0.5  # a split backward's W recomputes again
+    assert phases["dp_comm_exposed"] == m * 0.25 + (m * 2.0 if every else 2.0)
+    assert phases["offload_exposed"] == m * 0.5 + 3.0 and phases["optimizer"] == 4.75
     assert sum(phases.values()) - 0.75 == pytest.approx(m * terms.t_microbatch + terms.t_step)
-    assert terms.tail(m) == {"collective": terms.reduces(m), "host optimizer": 3.0, "optimizer": 4.0}
-
+    assert terms.t_step == 3.0 + 4.75 + (0.0 if every else 2.0)
+    assert terms.tail(m) == {"collective": terms.reduces(m), "host optimizer": 3.0, "optimizer": 4.75}

@@ -241,7 +241,7 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
                            every_microbatch=plan.grad_reduce == "microbatch", split=bool(split))
         phases, tail = terms.phases(m, sim.bubble(pp_rank) if pp > 1 else 0.0), terms.tail(m)
         ranks[rank] = RankStep(sts, phases, tail, rm)
-        total = sim.makespan + terms.reduces(m) + terms.host_step + terms.device_step  # the tail's, in its order
+        total = sim.makespan + terms.reduces(m) + terms.host_step + phases["optimizer"]  # the tail's, in its order
         if total > step:
             step, phases_of = total, phases
     bubble = step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble")

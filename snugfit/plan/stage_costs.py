@@ -7,7 +7,7 @@ them. Pure: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 from snugfit.hardware.catalogue import GPU
 from snugfit.hardware.cluster import Cluster
@@ -81,7 +81,8 @@ class _Parts:
     host: int
     host_act: int
     at_root: int
-    time: StageTime  # per microbatch: a block's on a GPU is what one more such unit adds
+    time: StageTime  # per microbatch
+    passes: float  # its forward and backward: a block's on a GPU what one more such unit adds
     opt_dev: float
     opt_host: float
     reduce: float  # one reduction's exposed seconds
@@ -204,7 +205,8 @@ class StageCosts:
             reduced = 0
         # a split backward's W recomputes again (simulate.split_backward), and its host work
         terms = step_terms([(parts.time, self.replays)], reduce=parts.reduce, host_step=parts.opt_host,
-                           device_step=parts.opt_dev, every_microbatch=every, split=self.replays > 1)
+                           device_step=parts.opt_dev, every_microbatch=every, split=self.replays > 1,
+                           passes=parts.passes)
         return Cost(parts.static, grads, reduced, parts.act, terms.t_microbatch, terms.t_step, parts.host,
                     parts.host_act, parts.at_root)
 
@@ -232,7 +234,9 @@ class StageCosts:
         # a block: what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
         # costs the same wherever it is. The root is one unit per stage, the first to gather: counted whole (the
         # difference dropped its FSDP2 overhead, so on one GPU a sharded root cost what a plain one did)
-        time = _added(two, one) if self.gpu.name != "cpu" and block else one
+        passes = one.f_total + one.b_total
+        if self.gpu.name != "cpu" and block:
+            passes = two.f_total + two.b_total - passes
         # a block's host step hides behind its own backward, as estimate() hides the sum behind the whole one
         opt_dev, opt_host = optimizer_time(sps, gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
                                            reduce_dtype=self.rdtype, pcie=self.node.pcie,
@@ -248,10 +252,5 @@ class StageCosts:
         reduce = corrected("dp_comm_exposed", reduce, self.node)
         opt_dev = corrected("optimizer", opt_dev, self.node)
         opt_host = corrected("offload_exposed", opt_host, self.node)
-        return _Parts(static, grads, reduced, act, host_bytes, host_act, at_root, time, opt_dev, opt_host, reduce)
-
-
-def _added(two: StageTime, one: StageTime) -> StageTime:
-    """What the second of two alike units adds to a stage's times."""
-    return StageTime(**{f.name: getattr(two, f.name) - getattr(one, f.name) for f in fields(StageTime)
-                        if f.name != "reduce_bytes"})
+        return _Parts(static, grads, reduced, act, host_bytes, host_act, at_root, one, passes, opt_dev, opt_host,
+                      reduce)
