@@ -171,7 +171,8 @@ def test_start_up_counts_one_whole_tensor_per_rank_beyond_the_shards():
     a node needs its ranks' host memory plus that tensor per rank, and a card its shards plus that tensor."""
     from dataclasses import replace
 
-    from snugfit.plan.estimate import largest_tensor_bytes, node_host_need
+    from snugfit.plan.estimate import node_host_need
+    from snugfit.plan.footprint import largest_tensor_bytes
 
     prof = replace(synthetic_profile(), config={"dim": 4096, "vocab_size": 32000, "ffn_dim": 11008})
     assert largest_tensor_bytes(prof) == 4 * 4096 * 32000  # the embedding

@@ -8,6 +8,7 @@ import pytest
 
 from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate
+from snugfit.plan.footprint import StageBuffers
 from snugfit.plan.explain import advise, explain_bpipe, format_result
 from snugfit.plan.knapsack import BUCKETS, fine_resolution, knapsack, split
 from snugfit.plan.stage_costs import Cost
@@ -165,9 +166,10 @@ def test_fine_resolution_keeps_the_room_rounding_loses_on_many_blocks():
     knapsack takes the slow option for 32 blocks that all fit the fast one; at fine_resolution(80) it finds that."""
     fast, slow = Cost(110, 0, 0, 0, 1.0, 0.0), Cost(60, 0, 0, 0, 2.0, 0.0)  # bytes; one bucket of 128 is 100
     exact = 80 * fast.t_mb  # 80 x 110 bytes fit the 12,800
-    coarse = knapsack(None, [fast, slow], [0, 0], [], resident=1, m=1, cap=12800.0, n_max=80, buffers=())
-    fine = knapsack(None, [fast, slow], [0, 0], [], resident=1, m=1, cap=12800.0, n_max=80, buffers=(),
-                    buckets=fine_resolution(80))
+    coarse = knapsack(None, [fast, slow], [frozenset()] * 2, [], resident=1, m=1, cap=12800.0, n_max=80,
+                      buffers=StageBuffers())
+    fine = knapsack(None, [fast, slow], [frozenset()] * 2, [], resident=1, m=1, cap=12800.0, n_max=80,
+                    buffers=StageBuffers(), buckets=fine_resolution(80))
     assert coarse.best[80] == 48 * fast.t_mb + 32 * slow.t_mb  # weights 2 and 1 buckets: 48 fast at most
     assert fine.best[80] == exact and fine_resolution(80) == 640
     assert sorted(fine.choices(80)[1]) == [0] * 80
@@ -178,7 +180,8 @@ def test_knapsack_matches_brute_force():
     for _ in range(20):
         opts = [Cost(int(rng.integers(1, 40)) * 1000, 0, 0, 0, float(rng.uniform(1, 10)), 0.0) for _ in range(4)]
         n, cap = 4, float(rng.integers(40, 120) * 1000)
-        table = knapsack(None, opts, [0] * 4, [], resident=1, m=1, cap=cap, n_max=n, buffers=(0.0, 0.0))
+        table = knapsack(None, opts, [frozenset()] * 4, [], resident=1, m=1, cap=cap, n_max=n,
+                         buffers=StageBuffers())
         best = min((sum(opts[i].t_mb for i in combo) for combo in itertools.product(range(4), repeat=n)
                     if sum(opts[i].static for i in combo) <= cap - n * cap / BUCKETS), default=float("inf"))
         exact = min((sum(opts[i].t_mb for i in combo) for combo in itertools.product(range(4), repeat=n)

@@ -17,16 +17,16 @@ from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
 from snugfit.plan.estimate import HOST_USABLE
-from snugfit.plan.knapsack import INF, Table, buffer_bytes
-from snugfit.plan.options import Constraints, block_options, buffer_kinds, may_be_fastest
-from snugfit.plan.optimizer import state_bytes
+from snugfit.plan.footprint import StageBuffers, stage_moments
+from snugfit.plan.knapsack import INF, Table
+from snugfit.plan.options import Constraints, block_options, may_be_fastest
 from snugfit.plan.plan import BlockPlan, OptimizerPlan
 from snugfit.plan.rules import allows_unit
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, unit_run
 from snugfit.plan.stage_costs import SharedCosts, StageCosts, usable, with_reserve
 from snugfit.plan.timing import TensorParallel, gather_every, weight_share
-from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
+from snugfit.profile.types import ModelProfile, PieceProfile
 
 
 def _per_stage(cache: dict, cand: Candidate, s: int, make):
@@ -70,7 +70,7 @@ class CostModel:
         self._costs_of: dict[tuple, StageCosts] = {}  # by candidate key and stage
         self._views: dict[tuple, StageView] = {}  # the same
         self.tables: dict[tuple, Table] = {}  # knapsack tables by their inputs (solve._table)
-        self._buffers_of: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+        self._buffers_of: dict[tuple[int, int], StageBuffers] = {}
         self._options: dict[tuple, list[BlockPlan]] = {}
         self._fastest_of: dict[tuple[int, int], tuple[float, float, float]] = {}
 
@@ -202,7 +202,8 @@ class CostModel:
         view = self.stage(cand, s)
         st, blk, r = view.costs, view.block, view.resident
         share = math.ceil(self.n_blocks / cand.pp)
-        b = min(opts, key=lambda o: share * st.cost(blk, o).mem(r, cand.num_microbatches) + self.extra(cand, o))
+        extra = self.buffers(cand).extra
+        b = min(opts, key=lambda o: share * st.cost(blk, o).mem(r, cand.num_microbatches) + extra(o))
         ro = min(ropts, key=lambda o: sum(st.cost(p, o).mem(r, cand.num_microbatches) for p in view.roots))
         return b, ro
 
@@ -213,25 +214,20 @@ class CostModel:
         worst: tuple[int, int, BlockPlan | None] = (0, 0, None)
         for s in range(cand.pp):
             view = self.stage(cand, s)
-            st, blk, roots, opts, ropts, r = (view.costs, view.block, view.roots, view.options, view.root_options,
-                                              view.resident)
+            opts, ropts = view.options, view.root_options
             if not offload:
                 opts = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
                 ropts = [o for o in ropts if not o.states_on_host] or ropts
             if not opts:
                 return worst
-            share = math.ceil(self.n_blocks / cand.pp)
+            st, blk, roots = view.costs, view.block, view.roots
             b, ro = self.leanest(cand, s, opts, ropts)
-            static = sum(st.cost(p, ro).static for p in roots) + share * st.cost(blk, b).static
-            total = (st.working_peak(blk, roots, opts, ropts, m)
-                     + sum(st.cost(p, ro).mem(r, m) for p in roots)
-                     + share * st.cost(blk, b).mem(r, m) + self.extra(cand, b))
-            at_root_reduce = (static + share * st.cost(blk, b).grads_reduced + st.root_reduce(roots, m)
-                              + sum(st.cost(p, ro).at_root for p in roots)
-                              + (self.buffers(cand)[0] / 2 if b.zero == 3 else 0))  # one zero-3 block prefetched
-            total = max(total, at_root_reduce)
-            if with_reserve(st.gpu, total) > worst[0]:
-                worst = (with_reserve(st.gpu, total), int(static), b)
+            at = stage_moments(math.ceil(self.n_blocks / cand.pp), st.cost(blk, b), [st.cost(p, ro) for p in roots],
+                               resident=view.resident, m=m, walk=st.working_peak(blk, roots, opts, ropts, m),
+                               buffers=self.buffers(cand).extra(b), root_reduce=st.root_reduce(roots, m),
+                               prefetched=self.buffers(cand).prefetched if b.zero == 3 else 0)
+            if with_reserve(st.gpu, at.peak) > worst[0]:
+                worst = (with_reserve(st.gpu, at.peak), int(at.static), b)
         return worst
 
     def room(self, cand: Candidate, s: int, slack: float) -> int:
@@ -242,26 +238,17 @@ class CostModel:
                                           view.resident)
         free = usable(st.gpu, self.budget) - st.working_peak(blk, roots, opts, ropts, m) - slack
         free -= min((sum(st.cost(p, o).mem(r, m) for p in roots) for o in ropts), default=0)
-        most = max(((free - self.extra(cand, o)) // max(st.cost(blk, o).mem(r, m), 1) for o in opts), default=0)
+        most = max(((free - self.buffers(cand).extra(o)) // max(st.cost(blk, o).mem(r, m), 1) for o in opts),
+                   default=0)
         return int(most) if most >= cand.virtual_stages else 0
 
-    def buffers(self, cand: Candidate) -> tuple[float, float, float, float]:
-        """(ZeRO-3 gather buffers, activation-offload window, checkpoint-offload window, streamed states' window):
-        two blocks of each, as memory.py counts them (the states unsharded: an upper bound)."""
+    def buffers(self, cand: Candidate) -> StageBuffers:
+        """The once-per-stage buffers an option may need, on the candidate's typical block."""
         key = (cand.micro_batch_size, cand.tp)
         if key not in self._buffers_of:
             blk = self.profile_at(cand).blocks[self.typical]
-            states = state_bytes(self.optimizer, blk.matrices, blk.num_trainable, 1)
-            self._buffers_of[key] = (2 * blk.num_params * DTYPE_BYTES[self.profile.dtype],
-                                     2 * blk.saved_bytes["keep"], 2 * blk.saved_bytes["recompute"], 2 * states)
+            self._buffers_of[key] = StageBuffers.of_block(blk, self.profile.dtype, self.optimizer)
         return self._buffers_of[key]
-
-    def extra(self, cand: Candidate, o: BlockPlan) -> float:
-        """The once-per-stage buffers the option needs (`buffers`)."""
-        kind = buffer_kinds(o)
-        if not kind:
-            return 0.0
-        return buffer_bytes(self.buffers(cand), kind)
 
     def host_fits(self, cand: Candidate, st: StageCosts, blk, roots, opts: list[BlockPlan],
                    r: float) -> list[BlockPlan]:

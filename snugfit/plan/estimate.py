@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.corrections import corrected
 from snugfit.plan.cpu_ranks import cpu_tp_time
+from snugfit.plan.footprint import largest_tensor_bytes
 from snugfit.plan.memory import RankMemory, device_bytes, host_bytes, rank_memory
 from snugfit.plan.optimizer import master_bytes
 from snugfit.plan.piece_memory import StagePiece, host_saved, rank_stages
 from snugfit.plan.plan import Plan, PlanError, Prediction
 from snugfit.plan.schedules import partner
 from snugfit.plan.simulate import SimResult, simulate, split_backward
+from snugfit.plan.step_terms import step_terms
 from snugfit.plan.timing import (
     StageTime, TensorParallel, gather_every, grad_reduce_exposed, optimizer_time, reductions, stage_time,
     transfer_time,
@@ -217,44 +219,36 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
     # -- per-rank totals --
     ranks, step, phases_of = {}, -1.0, {}
+    staging = largest_tensor_bytes(prof)  # one whole weight at start-up
     for rank in sorted(set(kind.values())):
         pp_rank = plan.layout.coords(rank)[0]
         node = cluster.nodes[cluster.node_of(rank)]
-        rm = rank_memory(plan, prof, node.gpu, rank, sim)
+        rm = rank_memory(plan, prof, node.gpu, rank, sim, staging)
         notes += rm.notes
         sts = times[rank]
         pieces = [sp for k in sorted(sts) for sp in stages_of[pp_rank][k]]
         bwd_last = sum(st.bwd + st.recompute for st in sts.values())
-        copies = reductions(plan.grad_reduce, m)
-        reduce = copies * grad_reduce_exposed(
+        reduce = grad_reduce_exposed(
             [(sts[k], stages_of[pp_rank][k]) for k in sorted(sts)], dp, cluster.link_for(_dp_group(plan, pp_rank)),
             bwd_last, cpu=node if node.gpu.name == "cpu" else None)
-        ranks_on_host = cluster.nodes[cluster.node_of(rank)].count
         opt_dev, opt_host = optimizer_time(pieces, gpu=node.gpu, host=node.host, dp=dp, dtype=plan.compute_dtype,
                                            reduce_dtype=plan.reduce_dtype, pcie=node.pcie,
-                                           ranks_on_host=ranks_on_host, bwd_last=bwd_last, grad_copies=copies,
-                                           optimizer=plan.optimizer)
-        reduce += tied_sync_time(plan, prof, cluster, pp_rank)
-        reduce = corrected("dp_comm_exposed", reduce, node)
-        opt_dev, opt_host = corrected("optimizer", opt_dev, node), corrected("offload_exposed", opt_host, node)
-        phases = {
-            "compute": m * sum(st.fwd + st.bwd for st in sts.values()),
-            "recompute": m * sum(st.recompute * split_extra[k] for k, st in sts.items()),
-            "bubble": sim.bubble(pp_rank) if pp > 1 else 0.0,
-            "dp_comm_exposed": m * sum(st.comm_exposed for st in sts.values()) + reduce,
-            "tp_comm": m * sum(st.tp_fwd + st.tp_bwd for st in sts.values()),
-            "offload_exposed": m * sum(st.offload_exposed for st in sts.values()) + opt_host,
-            "pipeline_runtime": m * sum(st.pipe + (st.split_host if split else 0.0) for st in sts.values()),
-            "optimizer": opt_dev + sum(st.update for st in sts.values()),
-        }
-        tail = {"collective": reduce, "host optimizer": opt_host, "optimizer": phases["optimizer"]}
+                                           ranks_on_host=node.count, bwd_last=bwd_last,
+                                           grad_copies=reductions(plan.grad_reduce, m), optimizer=plan.optimizer)
+        terms = step_terms([(st, split_extra[k]) for k, st in sts.items()],
+                           reduce=corrected("dp_comm_exposed", reduce, node),
+                           host_step=corrected("offload_exposed", opt_host, node),
+                           device_step=corrected("optimizer", opt_dev, node),
+                           every_microbatch=plan.grad_reduce == "microbatch", split=bool(split),
+                           sync=corrected("dp_comm_exposed", tied_sync_time(plan, prof, cluster, pp_rank), node))
+        phases, tail = terms.phases(m, sim.bubble(pp_rank) if pp > 1 else 0.0), terms.tail(m)
         ranks[rank] = RankStep(sts, phases, tail, rm)
-        total = sim.makespan + reduce + opt_host + phases["optimizer"]  # the tail's, in its order
+        total = sim.makespan + terms.reduces(m) + terms.host_step + phases["optimizer"]  # the tail's, in its order
         if total > step:
             step, phases_of = total, phases
     bubble = step - sum(v_ for k_, v_ in phases_of.items() if k_ != "bubble")
     phases_of["bubble"] = bubble if bubble > 1e-9 * step else 0.0  # not the rounding of the others' sum
-    pred = _finish(plan, prof, cluster, [ranks[kind[r]].memory.cats for r in range(plan.world_size)], step,
+    pred = _finish(plan, prof, cluster, [ranks[kind[r]].memory for r in range(plan.world_size)], step,
                    phases_of, sim, notes, memory_budget_bytes)
     pred.tracked_by_rank = [ranks[kind[r]].memory.tracked for r in range(plan.world_size)]
     pace = [max(_dp_group(plan, on(k)), key=lambda r, k=k: times[kind[r]][k].b_total) for k in range(n_stages)]
@@ -273,15 +267,6 @@ def tied_sync_time(plan: Plan, prof: ModelProfile, cluster: Cluster, pp_rank: in
     return transfer_time(shard * master_bytes(plan.optimizer), link)
 
 
-def largest_tensor_bytes(prof: ModelProfile) -> int:
-    """fp32 bytes of the model's largest weight (the embedding, the head or an MLP matrix): what a rank holds
-    beyond its shards while they are filled, one whole tensor at a time (runtime.apply.read_weights)."""
-    c = prof.config
-    hidden = prof.summary()["hidden"] or 0
-    ffn = c.get("ffn_dim") or c.get("intermediate_size") or c.get("n_inner") or 4 * hidden
-    return 4 * hidden * max(c.get("vocab_size") or 0, ffn)
-
-
 def node_host_need(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]],
                    node: int) -> tuple[int, int]:
     """Host bytes a node needs while training (its ranks' host memory; on CPU ranks all of their memory) and
@@ -292,14 +277,15 @@ def node_host_need(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[d
     return need, need + len(ranks) * largest_tensor_bytes(prof)
 
 
-def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, mem: list[dict[str, int]], step: float,
+def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, memory: list[RankMemory], step: float,
             phases: dict[str, float], sim: SimResult, notes: list[str], budget: int | None) -> Prediction:
+    mem = [rm.cats for rm in memory]
     peak = max(device_bytes(c) for c in mem)
     gpu_mem = min(cluster.gpu_of(r).memory_bytes for r in range(plan.world_size))
     budget = min(budget, gpu_mem) if budget else gpu_mem
     # a rank's device bytes before its first step: its parameter shards and one whole tensor in fp32 (the copy
     # into a shard of another dtype stages it on the device)
-    start_device = max(c.get("parameters", 0) + c.get("frozen_parameters", 0) for c in mem) + largest_tensor_bytes(prof)
+    start_device = max(rm.footprint.startup.total for rm in memory)
     fits = all(device_bytes(c) <= budget for c in mem) and start_device <= budget
     start_host, host, over = 0, {}, []
     for i, node in enumerate(cluster.nodes):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from snugfit.plan.footprint import StageBuffers
 from snugfit.plan.stage_costs import Cost
 
 BUCKETS = 128  # memory resolution (rounded up: conservative by < blocks / BUCKETS of a stage's budget)
@@ -89,31 +90,21 @@ class _Layer:
         return cand[self.rows, arg], arg
 
 
-def buffer_bytes(buffers: tuple[float, ...], mask: int) -> float:
-    """The once-per-stage buffers a set of option kinds (bit j: buffers[j]) needs."""
-    return sum(b for j, b in enumerate(buffers) if mask >> j & 1)
-
-
-def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root_kinds: list[int], *,
-             resident: float, m: int, cap: float, n_max: int, buffers: tuple[float, ...],
-             buckets: int = BUCKETS) -> Table:
+def knapsack(root: list[Cost] | None, blocks: list[Cost], needs: list[frozenset[str]],
+             root_needs: list[frozenset[str]], *, resident: float, m: int, cap: float, n_max: int,
+             buffers: StageBuffers, buckets: int = BUCKETS) -> Table:
     """Fastest (root +) n identical blocks within cap, for n = 1..n_max.
 
-    kinds[i]: bit j set if option i needs once-per-stage buffer j (`buffers[j]`: the ZeRO-3 prefetch copies,
-    the activation-offload window, the checkpoint-offload window); these are paid once per stage, so the
-    knapsack is solved once per set of them (reserved up front, options needing others left out).
+    needs[i]: the once-per-stage buffers option i needs (StageBuffers.needs); these are paid once per stage, so
+    the knapsack is solved once per set of them (reserved up front, options needing others left out).
     """
     best, sols = [INF] * (n_max + 1), [None] * (n_max + 1)
-    every = 0
-    for k in [*kinds, *root_kinds]:
-        every |= k
-
-    for mask in [x for x in range(1 << len(buffers)) if x & ~every == 0]:
-        c = cap - buffer_bytes(buffers, mask)
+    for reserved in buffers.subsets(frozenset().union(*needs, *root_needs)):
+        c = cap - buffers.bytes_of(reserved)
         if c <= 0:
             continue
         unit = c / buckets
-        items = pareto([(b.mem(resident, m), b.time(m), i) for i, b in enumerate(blocks) if kinds[i] & ~mask == 0])
+        items = pareto([(b.mem(resident, m), b.time(m), i) for i, b in enumerate(blocks) if needs[i] <= reserved])
         items = [it for it in items if it[0] <= c]
         if not items:
             continue
@@ -121,16 +112,12 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root
         f, root_sol, ritems = np.zeros(buckets + 1), None, []
         if root is not None:
             ritems = pareto([(r.mem(resident, m), r.time(m), i) for i, r in enumerate(root)
-                             if root_kinds[i] & ~mask == 0])
+                             if root_needs[i] <= reserved])
             ritems = [it for it in ritems if it[0] <= c]
             if not ritems:
                 continue
-        used = 0
-        for it in items:
-            used |= kinds[it[2]]
-        for it in ritems:
-            used |= root_kinds[it[2]]
-        if used != mask:  # a buffer no option worth taking needs: the mask without it does better
+        used = frozenset().union(*(needs[it[2]] for it in items), *(root_needs[it[2]] for it in ritems))
+        if used != reserved:  # a buffer no option worth taking needs: the set without it does better
             continue
         if root is not None:
             f, arg = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems], buckets)(f)

@@ -140,11 +140,3 @@ def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
     lean = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
     return lean or opts
 
-
-def buffer_kinds(o: BlockPlan) -> int:
-    """Once-per-stage buffers the option needs (`CostModel.buffers`): bit 1 ZeRO-3 prefetch copies, bit 2 the
-    activation-offload window (a policy whose whole saved activations wait on host), bit 4 the
-    checkpoint-offload window (one whose recomputation checkpoint does), bit 8 the streamed states' window."""
-    on_host = o.policy.on_host
-    return ((o.zero == 3) | 2 * (on_host and not o.policy.recomputes) | 4 * (on_host and bool(o.policy.recomputes))
-            | 8 * o.stream_states)

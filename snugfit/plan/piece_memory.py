@@ -29,7 +29,7 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
               unit's step (the one stepping, the next copied in): `stream_windows`.
 
 A piece's saved activations (device_saved, host_saved) are the bytes it saves under its policy
-(profile.saved_bytes). memory.py adds the pieces up at each moment of a rank's step.
+(profile.saved_bytes). footprint.py adds the pieces up at each moment of a rank's step.
 """
 
 from __future__ import annotations

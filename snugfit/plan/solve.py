@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from snugfit.plan.candidates import Candidate
 from snugfit.plan.cost_model import CostModel
 from snugfit.plan.cpu_ranks import cpu_stage_time
-from snugfit.plan.knapsack import BUCKETS, Table, buffer_bytes, fine_resolution, knapsack, split
-from snugfit.plan.options import buffer_kinds
+from snugfit.plan.footprint import StageBuffers, stage_moments
+from snugfit.plan.knapsack import BUCKETS, Table, fine_resolution, knapsack, split
 from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.stage_costs import Cost, usable
@@ -49,9 +49,9 @@ def solve(model: CostModel, cand: Candidate, slack: float = 0.0, fine: bool = Fa
         opts_of.append(opts)
         ropts_of.append(ropts)
         rcost = [st.root(roots, o) for o in ropts] if roots else None
-        tables.append(_table(model, rcost, [st.cost(blk, o) for o in opts], [buffer_kinds(o) for o in opts],
-                             [int(o.zero == 3) for o in ropts], resident=r, m=cand.num_microbatches, cap=cap,
-                             n_max=n_max, buffers=model.buffers(cand), buckets=buckets))
+        tables.append(_table(model, rcost, [st.cost(blk, o) for o in opts], [StageBuffers.needs(o) for o in opts],
+                             [StageBuffers.needs(o, root=True) for o in ropts], resident=r, m=cand.num_microbatches,
+                             cap=cap, n_max=n_max, buffers=model.buffers(cand), buckets=buckets))
     sizes = split([t.best for t in tables], n, cand.virtual_stages)
     if sizes is None:
         return _solve_uniform(model, cand, slack, opts_of[0], ropts_of[0]) if pp == 1 else None
@@ -73,16 +73,17 @@ def _room_for(model: CostModel, cand: Candidate, slack: float, n: int) -> bool:
     return False
 
 
-def _table(model: CostModel, root: list[Cost] | None, blocks: list[Cost], kinds: list[int], root_kinds: list[int], *,
-           resident: float, m: int, cap: float, n_max: int, buffers: tuple[float, ...], buckets: int) -> Table:
+def _table(model: CostModel, root: list[Cost] | None, blocks: list[Cost], needs: list[frozenset[str]],
+           root_needs: list[frozenset[str]], *, resident: float, m: int, cap: float, n_max: int,
+           buffers: StageBuffers, buckets: int) -> Table:
     """knapsack.knapsack, solved once per search for each set of inputs: alike stages of other candidates (the
     same kind of rank and microbatches held) and re-solves at the same slack ask for the same table (70B on 8x8
     H100s: 1321 distinct of 2442). Costs are named by identity: each is StageCosts' cached one for its option."""
-    key = (None if root is None else tuple(map(id, root)), tuple(map(id, blocks)), tuple(kinds), tuple(root_kinds),
+    key = (None if root is None else tuple(map(id, root)), tuple(map(id, blocks)), tuple(needs), tuple(root_needs),
            resident, m, cap, n_max, buffers, buckets)
     table = model.tables.get(key)
     if table is None:
-        table = model.tables[key] = knapsack(root, blocks, kinds, root_kinds, resident=resident, m=m, cap=cap,
+        table = model.tables[key] = knapsack(root, blocks, needs, root_needs, resident=resident, m=m, cap=cap,
                                              n_max=n_max, buffers=buffers, buckets=buckets)
     return table
 
@@ -96,18 +97,17 @@ def _solve_uniform(model: CostModel, cand: Candidate, slack: float, opts: list[B
     view = model.stage(cand, 0)
     st, blk, roots, r, n = view.costs, view.block, view.roots, view.resident, model.n_blocks
     walk = st.working_peak(blk, roots, view.options, view.root_options, m)  # as solve() counts it
-    cap = usable(st.gpu, model.budget) - walk - slack
+    cap, buffers = usable(st.gpu, model.budget) - slack, model.buffers(cand)
     best = None
     for o in opts:
         for ro in ropts:
             block, root = st.cost(blk, o), st.root(roots, ro)
-            mem = (n * block.mem(r, m) + root.mem(r, m)
-                   + buffer_bytes(model.buffers(cand), buffer_kinds(o) | int(ro.zero == 3)))
-            at_root_reduce = (n * (block.static + block.grads_reduced) + root.static + root.at_root
-                              + st.root_reduce(roots, m) + (model.buffers(cand)[0] / 2 if o.zero == 3 else 0))
-            mem = max(mem, at_root_reduce - walk)
+            at = stage_moments(n, block, [root], resident=r, m=m, walk=walk,
+                               buffers=buffers.bytes_of(buffers.needs(o) | buffers.needs(ro, root=True)),
+                               root_reduce=st.root_reduce(roots, m),
+                               prefetched=buffers.prefetched if o.zero == 3 else 0)
             t = n * block.time(m) + root.time(m)
-            if mem <= cap and (best is None or t < best[0]):
+            if at.peak <= cap and (best is None or t < best[0]):
                 best = (t, o, ro)
     if best is None:
         return None

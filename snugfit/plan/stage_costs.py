@@ -18,7 +18,10 @@ from snugfit.plan.piece_memory import (
     StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, param_state,
 )
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
-from snugfit.plan.timing import TensorParallel, grad_reduce_exposed, optimizer_time, reduce_time, stage_time
+from snugfit.plan.step_terms import step_terms
+from snugfit.plan.timing import (
+    StageTime, TensorParallel, grad_reduce_exposed, optimizer_time, reduce_time, stage_time,
+)
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
 
@@ -75,16 +78,14 @@ class _Parts:
     grads: int  # unsharded, accumulating
     reduced: int  # the reduced shard
     act: int
-    t_mb: float
     host: int
     host_act: int
     at_root: int
+    time: StageTime  # per microbatch
+    passes: float  # its forward and backward: a block's on a GPU what one more such unit adds
     opt_dev: float
     opt_host: float
     reduce: float  # one reduction's exposed seconds
-    recompute: float  # one microbatch's (a split backward's W recomputes again)
-    split_host: float
-    update: float
 
 
 @dataclass
@@ -161,7 +162,7 @@ class StageCosts:
 
     def root_reduce(self, roots: list[PieceProfile], m: int) -> float:
         """FSDP2's bytes at the root unit's reduce, the backward's last, beyond the held static bytes: the root's
-        unsharded gradients and its reduce-scatter input (memory.rank_memory's last reduce moment)."""
+        unsharded gradients and its reduce-scatter input (footprint.rank_footprint's last reduce moment)."""
         if self.unwrapped:
             return 0.0
         own = DTYPE_BYTES[self.rdtype if m > 1 and self.grad_reduce == "step" else self.dtype]
@@ -196,17 +197,18 @@ class StageCosts:
         parts = self.shared.parts.get(key)
         if parts is None:
             parts = self.shared.parts[key] = self._parts(pieces, o)
-        grads, reduced, t_mb, reduce = parts.grads, parts.reduced, parts.t_mb, parts.reduce
-        if self.grad_reduce == "microbatch":  # each backward reduces what it made: only the shard accumulates
+        grads, reduced = parts.grads, parts.reduced
+        every = self.grad_reduce == "microbatch"
+        if every:  # each backward reduces what it made: only the shard accumulates
             grads = reduced
         if self.stub.optimizer.in_backward:  # each unit steps once reduced and frees its gradient
             reduced = 0
-        if self.grad_reduce == "microbatch":  # one reduction per microbatch (timing.reductions)
-            t_mb, reduce = t_mb + reduce, 0.0
-        if self.replays > 1:  # a split backward's W recomputes again (simulate.split_backward), and its host work
-            t_mb += parts.recompute + parts.split_host
-        t_step = parts.opt_dev + parts.opt_host + reduce + parts.update
-        return Cost(parts.static, grads, reduced, parts.act, t_mb, t_step, parts.host, parts.host_act, parts.at_root)
+        # a split backward's W recomputes again (simulate.split_backward), and its host work
+        terms = step_terms([(parts.time, self.replays)], reduce=parts.reduce, host_step=parts.opt_host,
+                           device_step=parts.opt_dev, every_microbatch=every, split=self.replays > 1,
+                           passes=parts.passes)
+        return Cost(parts.static, grads, reduced, parts.act, terms.t_microbatch, terms.t_step, parts.host,
+                    parts.host_act, parts.at_root)
 
     def _parts(self, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> _Parts:
         sps = [StagePiece(p, o, p.num_params) for p in pieces]
@@ -232,9 +234,9 @@ class StageCosts:
         # a block: what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
         # costs the same wherever it is. The root is one unit per stage, the first to gather: counted whole (the
         # difference dropped its FSDP2 overhead, so on one GPU a sharded root cost what a plain one did)
-        t_mb = one.f_total + one.b_total
+        passes = one.f_total + one.b_total
         if self.gpu.name != "cpu" and block:
-            t_mb = two.f_total + two.b_total - t_mb
+            passes = two.f_total + two.b_total - passes
         # a block's host step hides behind its own backward, as estimate() hides the sum behind the whole one
         opt_dev, opt_host = optimizer_time(sps, gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
                                            reduce_dtype=self.rdtype, pcie=self.node.pcie,
@@ -250,5 +252,5 @@ class StageCosts:
         reduce = corrected("dp_comm_exposed", reduce, self.node)
         opt_dev = corrected("optimizer", opt_dev, self.node)
         opt_host = corrected("offload_exposed", opt_host, self.node)
-        return _Parts(static, grads, reduced, act, t_mb, host_bytes, host_act, at_root, opt_dev, opt_host, reduce,
-                      one.recompute, one.split_host, one.update)
+        return _Parts(static, grads, reduced, act, host_bytes, host_act, at_root, one, passes, opt_dev, opt_host,
+                      reduce)
