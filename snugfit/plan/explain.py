@@ -247,9 +247,10 @@ def _switch_effect(before: Plan, after: Plan) -> str:
 def _could_pay(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, budget: int | None,
                opt: OptimizerPlan, step_s: float) -> bool:
     """Whether some plan under `opt` could be PAYS times faster than `step_s`, by the search's lower bounds (every
-    block at its fastest option, memory aside): a fifth of a search, where a compute-bound step's switches need
-    none (Llama-2-70B on 8x8 A100s: its five searches were two thirds of `snugfit plan`'s time). The plans the search
-    finds ran 1.7% and more above them (six catalogue rows, five switches each), so no switch that pays is left out."""
+    block at its fastest option, memory aside): a quarter of a search, where a compute-bound step's switches need
+    none (Llama-2-70B on 8x8 A100s: their five searches were two thirds of its `snugfit plan`). The plans the
+    search finds ran 1.7% and more above them (six catalogue rows, five switches each), so no switch that pays is
+    left out."""
     model = CostModel(profile, cluster, global_batch, c, budget_for(cluster, budget), optimizer=opt)
     return any(PAYS * model.lower_bound(x) <= step_s for x in model.candidates())
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 from snugfit.profile.compiled import signature
 
 _PLAIN = (bool, int, float, str, type(None))
-# a layer's index into a KV cache (unused in training, where no cache is passed): the one setting layers always differ in
+# a layer's index into a KV cache (none is passed in training): the one setting layers always differ in
 _INDEX = "layer_idx"
 
 
