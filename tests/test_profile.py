@@ -248,3 +248,56 @@ def test_the_2026_catalogue_entries_have_their_published_sizes(name, published):
     cfg = resolve_model(name)
     count = cfg.num_params() if isinstance(cfg, ModelConfig) else _count(hf_from_config(cfg))
     assert count == pytest.approx(published, rel=0.01)
+
+
+def _every_block_recorded(monkeypatch):
+    """profile_model as it was before blocks stood in for each other: every block recorded and traced."""
+    import snugfit.profile.profile as profiling
+
+    monkeypatch.setattr(profiling, "stand_ins", lambda embed, blocks: list(range(len(blocks))))
+
+
+@pytest.mark.parametrize("kind", ["lora", "sliding", "compiled"])
+def test_blocks_of_one_kind_are_recorded_once_and_profile_as_every_block_recorded(monkeypatch, kind):
+    """One block of each kind stands for the others (profile.alike): the profile equals, field for field, the one
+    that records and traces every block. A LoRA model's first block computes no input gradient; a Qwen2 with
+    sliding windows above its second layer has two kinds of attention; compiled, every block is traced so too."""
+    from snugfit.model.hf import hf_from_config
+    from snugfit.profile.alike import stand_ins
+    from snugfit.profile.profile import fine_tune, model_parts
+
+    pytest.importorskip("transformers")
+    llama = ModelConfig(arch="llama", vocab_size=256, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                        max_seq_len=64)
+    qwen = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 5,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+            "max_position_embeddings": 128, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+    model, options, kinds = {
+        "lora": (llama, {"lora_rank": 4, "kernels": "gpu"}, [0, 1, 1, 1, 1, 5]),
+        "sliding": (qwen, {}, [0, 1, 2, 2, 4]),
+        "compiled": (llama, {"compile": True, "lora_rank": 4, "quantize_base": "nf4"}, [0, 1, 1, 1, 1, 5]),
+    }[kind]
+    if isinstance(model, dict):
+        net = hf_from_config(model)
+    else:
+        with torch.device("meta"):
+            net = Decoder(model)
+    fine_tune(net, options.get("lora_rank"), None)
+    parts = model_parts(net)
+    assert stand_ins(parts.embed, parts.blocks) == kinds
+    few = profile_model(model, micro_batch_size=2, seq_len=32, use_cache=False, **options)
+    _every_block_recorded(monkeypatch)
+    assert few == profile_model(model, micro_batch_size=2, seq_len=32, use_cache=False, **options)
+
+
+def test_a_compiled_profile_takes_the_eager_recording_and_only_traces(monkeypatch, tmp_path):
+    """`snugfit plan` profiles a model eager, then compiled: the second records nothing again."""
+    import snugfit.profile.profile as profiling
+
+    cfg = ModelConfig(arch="llama", vocab_size=256, dim=64, n_layers=3, n_heads=4, max_seq_len=64)
+    eager = profile_model(cfg, micro_batch_size=2, seq_len=32, cache_dir=tmp_path)
+    recorded = []
+    monkeypatch.setattr(profiling, "record_step", lambda *a: recorded.append(a))
+    compiled = profile_model(cfg, micro_batch_size=2, seq_len=32, cache_dir=tmp_path, compile=True)
+    assert compiled.compiled and not recorded
+    assert [b.fwd_flops for b in compiled.blocks] == [b.fwd_flops for b in eager.blocks]

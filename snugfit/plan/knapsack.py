@@ -44,23 +44,23 @@ class Table:
     """A stage's knapsack: best[n] seconds for n blocks (inf: does not fit), and how to rebuild the choice."""
 
     best: list[float]
-    sols: list  # n -> (items, weights, per-layer argmin arrays, root solution) or None
+    sols: list  # n -> (items, block layer, tables entering each block layer, root solution) or None
     blocks: list[Cost]
     root: list[Cost] | None
     buckets: int = BUCKETS
 
     def choices(self, n: int) -> tuple[int | None, list[int]]:
         """(root option index, block option indices) of the n-block solution."""
-        items, w, args, root_sol = self.sols[n]
+        items, layer, entering, root_sol = self.sols[n]
         b, out = self.buckets, []
         for k in range(n - 1, -1, -1):
-            j = int(args[k][b])
+            j = layer.choice(entering[k], b)
             out.append(items[j][2])
-            b -= w[j]
+            b -= layer.w[j]
         if root_sol is None:
             return None, out
-        arg, ritems = root_sol
-        return ritems[int(arg[b])][2], out
+        root_layer, ritems = root_sol
+        return ritems[root_layer.choice(np.zeros(self.buckets + 1), b)][2], out
 
     def t_mb(self, n: int) -> float:
         r, idx = self.choices(n)
@@ -70,24 +70,28 @@ class Table:
 class _Layer:
     """Adds one item to a knapsack table: g[b] = min over options j of f[b - w_j] + t_j.
 
-    The gather indices depend only on the weights, so they are built once per item set
-    and reused for every block added (the search adds thousands of layers).
+    The gather indices depend only on the weights, so they are built once per item set and reused for every
+    block added (a 70B search on 8x8 H100s adds 300,000 layers). A layer gives the minima only, one pass down a
+    row per option; the option taken at a bucket is found again, from the table the layer was given, for the few
+    buckets a solution is rebuilt from (`choice`). Its argument at every bucket, then the minimum at it, took
+    twice as long (an argmin along each bucket's few options).
     """
 
     def __init__(self, items: list[tuple[float, float, int]], w: list[int], buckets: int):
-        # one row per bucket, one column per option: the minimum runs along contiguous memory (a search makes tens
-        # of thousands of these calls; options in rows took 1.7x as long)
-        src = np.arange(buckets + 1)[:, None] - np.asarray(w)[None, :]
+        self.w = w
+        src = np.arange(buckets + 1)[None, :] - np.asarray(w)[:, None]  # one row per option
         self.src = np.maximum(src, 0)
-        # out-of-range sources cost infinity: added as a penalty column to the item times
-        self.t = np.where(src >= 0, np.array([it[1] for it in items])[None, :], INF)
-        self.rows = np.arange(buckets + 1)
+        # out-of-range sources cost infinity: added as a penalty to the item times
+        self.t = np.where(src >= 0, np.array([it[1] for it in items])[:, None], INF)
 
-    def __call__(self, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, f: np.ndarray) -> np.ndarray:
         cand = f.take(self.src)
         cand += self.t
-        arg = cand.argmin(axis=1)  # the first option of the least time, as along the other axis
-        return cand[self.rows, arg], arg
+        return np.minimum.reduce(cand, axis=0)  # ndarray.min's Python wrapper costs a tenth of the call
+
+    def choice(self, f: np.ndarray, b: int) -> int:
+        """The option the layer took at bucket b given table f: the first of the least time, as a minimum is."""
+        return int((f.take(self.src[:, b]) + self.t[:, b]).argmin())
 
 
 def knapsack(root: list[Cost] | None, blocks: list[Cost], needs: list[frozenset[str]],
@@ -120,16 +124,17 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], needs: list[frozenset[
         if used != reserved:  # a buffer no option worth taking needs: the set without it does better
             continue
         if root is not None:
-            f, arg = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems], buckets)(f)
-            root_sol = (arg, ritems)
-        args, layer = [], _Layer(items, w, buckets)
+            root_layer = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems], buckets)
+            f, root_sol = root_layer(f), (root_layer, ritems)
+        entering, layer = [], _Layer(items, w, buckets)  # the table each block layer was given: its solution's
         for n in range(1, n_max + 1):
-            f, arg = layer(f)
-            args.append(arg)
-            if not math.isfinite(f[buckets]):
+            entering.append(f)
+            f = layer(f)
+            top = float(f[buckets])
+            if not math.isfinite(top):
                 break
-            if f[buckets] < best[n]:
-                best[n], sols[n] = float(f[buckets]), (items, w, list(args), root_sol)
+            if top < best[n]:  # the n-block solution reads entering[:n], which later layers only extend
+                best[n], sols[n] = top, (items, layer, entering, root_sol)
     return Table(best, sols, blocks, root, buckets)
 
 

@@ -25,8 +25,8 @@ import statistics
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +36,7 @@ import torch.nn as nn
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.lora import apply_lora, freeze, parse_targets
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
+from snugfit.profile.alike import stand_ins
 from snugfit.profile.compiled import GraphCost, compiled_costs
 from snugfit.plan.policies import PROFILED
 from snugfit.profile.kernels import gpu_kernels
@@ -104,7 +105,7 @@ def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int, 
         fwd_peak_bytes=rec.fwd.peak_delta, bwd_peak_bytes=rec.bwd.peak_delta, fwd_flops=rec.fwd.flops,
         bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,
         fwd_fresh_bytes=rec.fwd.fresh_bytes, bwd_fresh_bytes=rec.bwd.fresh_bytes,
-        fwd_ops=rec.fwd.ops, bwd_ops=rec.bwd.ops, gemms=rec.fwd.gemms, head_dim=rec.head_dim,
+        fwd_ops=rec.fwd.ops, bwd_ops=rec.bwd.ops, gemms=[list(g) for g in rec.fwd.gemms], head_dim=rec.head_dim,
     )
 
 
@@ -118,24 +119,37 @@ def _compiled(piece: PieceProfile, fwd: GraphCost, bwd: GraphCost) -> PieceProfi
                    fwd_ops=fwd.launches, bwd_ops=bwd.launches, compiled=True)
 
 
-def _trace_compiled(model: nn.Module, parts: ModelParts,
-                    tokens: torch.Tensor) -> list[tuple[GraphCost, GraphCost]] | None:
-    """The blocks' compiled costs, or None (with the reason logged) where they cannot be traced: the plan then
-    runs them eager, as the runtime would."""
+@contextmanager
+def _faked(model: nn.Module, parts: ModelParts) -> Iterator[ModelParts]:
+    """The model on fake tensors, running only the blocks that stand for the others (alike.stand_ins):
+    the parts it then runs (the others stay on the meta device, unrecorded)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kept = sorted(set(stand_ins(parts.embed, parts.blocks)))
+    every = model.blocks
+    model.blocks = nn.ModuleDict({name: every[name] for name in [list(every)[i] for i in kept]})
     try:
-        return compiled_costs(model, parts.blocks, lambda: parts.loss(tokens, tokens))
-    except Exception as err:  # noqa: BLE001 - any tracing failure means the same: plan these blocks eager
-        log.warning("compile: the blocks cannot be traced as torch.compile runs them (%s); planned eager",
-                    str(err).strip().splitlines()[0][:200])
-        return None
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            retie(model)
+            yield replace(parts, blocks=[parts.blocks[i] for i in kept])
+    finally:
+        model.blocks = every
+
+
+def _by_block(parts: ModelParts, per_kept: list) -> list:
+    """What was found for each block that stands for others (in order), given to every block it stands for."""
+    stand_in = stand_ins(parts.embed, parts.blocks)
+    kept = sorted(set(stand_in))
+    return [per_kept[kept.index(j)] for j in stand_in]
 
 
 def profile_module(
     model: nn.Module, parts: ModelParts, *, name: str, config: dict, micro_batch_size: int, seq_len: int,
-    dtype: str, vocab_size: int, compile: bool = False,
+    dtype: str, vocab_size: int,
 ) -> ModelProfile:
-    """Profile a model built on the meta device: counts its (trainable) parameters, then records one fake step
-    (and with `compile`, traces its blocks as torch.compile runs them)."""
+    """Profile a model built on the meta device: counts its (trainable) parameters, then records one fake step of
+    one block of each kind (alike.stand_ins), each block profiled as the one that stands for it."""
     model.to(getattr(torch, dtype))
     seen: set[int] = set()
     embed_ids = {id(p) for m in parts.embed for p in m.parameters()}
@@ -144,29 +158,40 @@ def profile_module(
     block_p = [_params_by_dtype([b], seen) for b in parts.blocks]
     # leftovers (e.g. OPT's project_in/out) are charged to the last piece
     head_p = _params_by_dtype([*parts.last, model], seen)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        retie(model)
-        tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len))
-        recs = record_step(model, parts, tokens)
+    with _faked(model, parts) as recorded:
         # again at twice the micro-batch: what of each peak does not grow with it (ModelProfile.scaled)
-        twice = record_step(model, parts, torch.randint(0, vocab_size, (2 * micro_batch_size, seq_len)))
-        costs = _trace_compiled(model, parts, tokens) if compile else None
-    blocks = [_piece(f"block.{i}", recs[f"block.{i}"], p, True) for i, p in enumerate(block_p)]
-    if costs is not None:
-        blocks = [_compiled(b, *c) for b, c in zip(blocks, costs)]
+        recs, twice = [record_step(model, recorded, torch.randint(0, vocab_size, (rows, seq_len)))
+                       for rows in (micro_batch_size, 2 * micro_batch_size)]
+    kinds = len(recorded.blocks)
+    one, two = ([r["embed"], *_by_block(parts, [r[f"block.{j}"] for j in range(kinds)]), r["head"]]
+                for r in (recs, twice))
+    blocks = [_piece(f"block.{i}", rec, p, True) for i, (rec, p) in enumerate(zip(one[1:-1], block_p))]
     prof = ModelProfile(
         model=name, config=config, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-        embed=_piece("embed", recs["embed"], embed_p, False), blocks=blocks,
-        head=_piece("head", recs["head"], head_p, False), tied_params=tied,
+        embed=_piece("embed", one[0], embed_p, False), blocks=blocks,
+        head=_piece("head", one[-1], head_p, False), tied_params=tied,
     )
-    for piece in prof.pieces:
-        one, two = recs[piece.name], twice[piece.name]
-        piece.fwd_peak_fixed_bytes = min(max(0, 2 * one.fwd.peak_delta - two.fwd.peak_delta), one.fwd.peak_delta)
-        piece.bwd_peak_fixed_bytes = min(max(0, 2 * one.bwd.peak_delta - two.bwd.peak_delta), one.bwd.peak_delta)
+    for piece, a, b in zip(prof.pieces, one, two):
+        piece.fwd_peak_fixed_bytes = min(max(0, 2 * a.fwd.peak_delta - b.fwd.peak_delta), a.fwd.peak_delta)
+        piece.bwd_peak_fixed_bytes = min(max(0, 2 * a.bwd.peak_delta - b.bwd.peak_delta), a.bwd.peak_delta)
     return prof
+
+
+def compile_module(prof: ModelProfile, model: nn.Module, parts: ModelParts, vocab_size: int) -> ModelProfile:
+    """The model's eager profile `prof` with its blocks as torch.compile runs them, traced (profile.compiled) one
+    of each kind; `prof` itself, with the reason logged, where they cannot be traced: the plan then runs them
+    eager, as the runtime would."""
+    model.to(getattr(torch, prof.dtype))
+    with _faked(model, parts) as traced:
+        tokens = torch.randint(0, vocab_size, (prof.micro_batch_size, prof.seq_len))
+        try:
+            costs = compiled_costs(model, traced.blocks, lambda: traced.loss(tokens, tokens))
+        except Exception as err:  # noqa: BLE001 - any tracing failure means the same: plan these blocks eager
+            log.warning("compile: the blocks cannot be traced as torch.compile runs them (%s); planned eager",
+                        str(err).strip().splitlines()[0][:200])
+            return prof
+    blocks = [_compiled(b, *c) for b, c in zip(prof.blocks, _by_block(parts, costs))]
+    return replace(prof, blocks=blocks)
 
 
 def _cache_path(cache_dir: str | Path | None, key: dict) -> Path:
@@ -222,9 +247,16 @@ def profile_model(
             net = Decoder(cfg)
     fine_tune(net, lora_rank, frozen, lora_targets)
     with gpu_kernels(net) if kernels == "gpu" else nullcontext():
-        prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
-                              seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size, compile=compile)
-    if quantize_base == "nf4":
+        if compile:  # the eager profile's recording (cached on its own: `snugfit plan` weighs both), blocks traced
+            eager = profile_model(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, name=name,
+                                  cache_dir=cache_dir, use_cache=use_cache, lora_rank=lora_rank, frozen=frozen,
+                                  quantize_base=quantize_base, kernels=kernels, lora_targets=lora_targets)
+            prof = compile_module(eager, net, model_parts(net), net.cfg.vocab_size)
+        else:
+            prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
+                                  seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
+    # traced blocks' traffic and launches replace the eager ones NF4's were charged to, so they are charged again
+    if quantize_base == "nf4" and prof.compiled == compile:
         count_quantized(prof, net)
     if measure_on and not is_hf:
         measure_times(prof, cfg, measure_on, repeats, clock, lora_rank, frozen, lora_targets)
