@@ -72,7 +72,7 @@ WHOLE = ["--micro-batch", "1", "--zero", "0", "--recompute", "keep"]  # with --p
      r"cannot be split .* on 2 GPUs with dp=2 .*a global batch of 6 \(--batch-size 6\) can be, or use fewer GPUs"),
     (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2", *WHOLE], "num_microbatches"),
     (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2"], "--num-microbatches 2 must be >= --pp 4"),
-    (["--cluster", "2xA10", "--offload-params", "--zero", "2"], "offload_params needs zero 3"),
+    (["--cluster", "2xA10", "--offload-params", "--zero", "2"], r"\(--offload-params\) needs zero 3"),
     (["--cluster", "2xA10", "--offload-optimizer", "2"], "'all' or 'none'"),
     (["--cluster", "2xA01"], "A10"),
     (["--cluster", "4xA10", "--tp", "3"], "--tp 3 does not divide"),

@@ -113,7 +113,7 @@ def test_reported_need_is_what_that_plan_evaluates_to(model, spec, pp):
     for cand in model.candidates():
         need, _, option = model.need(cand)
         plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=pp, block=option, schedule=cand.schedule,
-                            root=BlockPlan(zero=0, offload_optimizer=True), micro_batch_size=cand.micro_batch_size,
+                            root=BlockPlan(zero=0, placement="host_step"), micro_batch_size=cand.micro_batch_size,
                             num_microbatches=cand.num_microbatches, seq_len=prof.seq_len, compute_dtype=prof.dtype,
                             grad_reduce=cand.grad_reduce)
         exact = estimate(plan, prof, cluster).peak_memory_bytes

@@ -157,10 +157,10 @@ class CostModel:
                 # offload holds a compute copy, and moves 16 bytes a parameter a step where host offload moves about
                 # 6 and the host's fused AdamW takes about as long (RTX 4090 with a 1.5e9/s host: 0.14 s a block
                 # each); left out, it only cost search time (llama-2-7b on 4 RTX 4090s: 0.28 s -> 0.47 s)
-                opts = [o for o in opts if not o.stream_states]
+                opts = [o for o in opts if not o.placement.streams_states]
             if self.cpu_only:  # nothing to stream states to either: the host is the device
-                lean = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
-                opts = lean or [o for o in opts if not o.stream_states]
+                lean = [o for o in opts if not (o.placement.states_on_host or o.offloads_activations)]
+                opts = lean or [o for o in opts if not o.placement.streams_states]
             self._options[key] = opts
         return self._options[key]
 
@@ -216,8 +216,8 @@ class CostModel:
             st, blk, roots, opts, ropts, r = (view.costs, view.block, view.roots, view.options, view.root_options,
                                               view.resident)
             if not offload:
-                opts = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
-                ropts = [o for o in ropts if not o.states_on_host] or ropts
+                opts = [o for o in opts if not (o.placement.states_on_host or o.offloads_activations)]
+                ropts = [o for o in ropts if not o.placement.states_on_host] or ropts
             if not opts:
                 return worst
             share = math.ceil(self.n_blocks / cand.pp)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from snugfit.errors import PlanError
+from snugfit.plan.placement import Placement
 from snugfit.plan.rules import Parts, problem
 from snugfit.plan.policies import ACTIVATION_POLICIES, POLICY_NAMES, ActivationPolicy
 from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES, Action, Schedule, bpipe_bound
@@ -25,24 +26,38 @@ GRAD_REDUCE = ("step", "microbatch")
 # quantized states)
 MASTER_WEIGHTS = ("fp32", "bf16")
 OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "4bit")
+PLACEMENTS = tuple(p.value for p in Placement)
+# The plan's layout: 1 (no version field) held three booleans per unit where 2 holds its placement
+PLAN_VERSION = 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class BlockPlan:
-    """Decisions for one block (or for the root piece: embedding + final norm + head)."""
+    """Decisions for one block (or for the root piece: embedding + final norm + head). Frozen and hashable: the
+    cost caches key on (piece, option)."""
 
     zero: int = 0
-    offload_optimizer: bool = False  # fp32 master weights + optimizer states on host, compute params on device
-    offload_params: bool = False  # parameters on host between uses (FSDP2 CPUOffloadPolicy); needs zero 3
+    placement: Placement = Placement.DEVICE  # where its trainable state lives and is updated (plan.placement)
     activations: str = "keep"  # what happens to the block's saved activations
-    # optimizer states on host, copied to the device for the unit's update and back (runtime.stream_states); the
-    # weights and their gradients stay on the device: the alternative to offload_optimizer's update on the host
-    stream_states: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.placement, Placement):  # a name, as plan JSON and configs write it
+            if self.placement not in PLACEMENTS:
+                raise PlanError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+            object.__setattr__(self, "placement", Placement(self.placement))
+
+    # what the runtime's readers ask by the names plans had before their placement (read-only)
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.placement is Placement.HOST_STEP
 
     @property
-    def states_on_host(self) -> bool:
-        """Whether the unit's optimizer states live on host between steps (updated there or on the device)."""
-        return self.offload_optimizer or self.offload_params or self.stream_states
+    def offload_params(self) -> bool:
+        return self.placement.params_on_host
+
+    @property
+    def stream_states(self) -> bool:
+        return self.placement.streams_states
 
     @property
     def policy(self) -> ActivationPolicy:
@@ -136,6 +151,7 @@ class Prediction:
 
 @dataclass
 class Plan:
+    version: int = PLAN_VERSION  # of the layout (plan JSON); `migrated` reads every earlier one
     world_size: int = 1  # dp x tp x pp
     dp: int = 1
     pp: int = 1
@@ -187,7 +203,7 @@ class Plan:
         twice a plain loop's time on an H200 (docs/gpu.md); below fp32, runtime.precision casts the compute copies
         once a step."""
         units = [self.root, *self.blocks]
-        plain = all(u.zero == 0 and not u.states_on_host for u in units)
+        plain = all(u.zero == 0 and not u.placement.states_on_host for u in units)
         return self.world_size == 1 and plain and self.optimizer.master_weights == "fp32"
 
     @property
@@ -253,8 +269,8 @@ class Plan:
             schedule=schedule,
             virtual_stages=virtual_stages,
             stage_blocks=stage_blocks,
-            root=root or BlockPlan(**asdict(block)),
-            blocks=[BlockPlan(**asdict(block)) for _ in range(n_blocks)],
+            root=root or block,
+            blocks=[block] * n_blocks,
             **kw,
         )
 
@@ -317,10 +333,9 @@ class Plan:
         units = {}  # each distinct unit once, where it first appears
         for where, u in (("plan.root", replace(self.root, activations="keep")),  # the root pieces keep theirs
                          *((f"plan.blocks[{i}]", b) for i, b in enumerate(self.blocks))):
-            units.setdefault((u.zero, u.offload_optimizer, u.offload_params, u.activations, u.stream_states), where)
-        for (zero, opt, params, acts, stream), where in units.items():
-            yield where, Parts(**wide, zero=zero, offload_optimizer=opt, offload_params=params, activations=acts,
-                               stream_states=stream)
+            units.setdefault(u, where)
+        for u, where in units.items():
+            yield where, Parts(**wide, zero=u.zero, placement=u.placement, activations=u.activations)
 
     # -- serialisation --
     def to_dict(self) -> dict:
@@ -331,11 +346,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        d = migrated(d)
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown fields {sorted(unknown)}; allowed: {sorted(known)}")
-        d = dict(d)
         d["root"] = BlockPlan(**d.get("root", {}))
         d["blocks"] = [BlockPlan(**b) for b in d.get("blocks", [])]
         d["optimizer"] = OptimizerPlan(**d.get("optimizer", {}))
@@ -346,3 +361,35 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+# version 1's unit booleans, each the placement it said (at most one of them was allowed)
+_V1_PLACEMENTS = {"offload_optimizer": Placement.HOST_STEP, "offload_params": Placement.PARAMS_ON_HOST,
+                  "stream_states": Placement.STREAMED}
+
+
+def migrated(d: dict) -> dict:
+    """A plan dict in the current layout (PLAN_VERSION), from one written in any earlier layout (a copy). Version 1
+    (no version field) said a unit's placement by three booleans, of which the rules allowed at most one."""
+    version = d.get("version", 1)
+    if version == PLAN_VERSION:
+        return dict(d)
+    if version != 1:
+        raise PlanError(f"plan version {version!r} is not one this snugfit reads (1 to {PLAN_VERSION}); re-plan or "
+                        "upgrade snugfit")
+    out = {**d, "version": PLAN_VERSION}
+    if "root" in d:
+        out["root"] = _v1_unit(d["root"], "root")
+    out["blocks"] = [_v1_unit(b, f"blocks[{i}]") for i, b in enumerate(d.get("blocks", []))]
+    return out
+
+
+def _v1_unit(unit: dict, where: str) -> dict:
+    """A version-1 unit with its placement in place of its booleans."""
+    unit = dict(unit)
+    said = [name for name in _V1_PLACEMENTS if unit.pop(name, False)]
+    if len(said) > 1:
+        raise PlanError(f"plan.{where} sets {' and '.join(said)}, which place its states apart; keep one")
+    if said:
+        unit["placement"] = _V1_PLACEMENTS[said[0]].value
+    return unit

@@ -2,7 +2,7 @@
 
 A rule reads named parts of a plan: plan-wide ones (tp, pp, schedule, virtual stages, microbatches, gradient
 reduction, evict bound, compute dtype, the step in backward, compiled blocks) and one unit's (ZeRO stage,
-offloads, activation policy, streamed states). `Plan.validate` checks every
+state placement, activation policy). `Plan.validate` checks every
 unit of a plan against the table, so the planner, `snugfit plan --plan-file` and `snugfit train` refuse a plan
 with the same line. The parts a user fixes for a search (plan.options.Constraints) are checked against the same
 rules wherever every part a rule reads is fixed, and the search offers a unit option only where no rule forbids
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from snugfit.plan.placement import Placement
 from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.schedules import SCHEDULES
 
@@ -33,10 +34,8 @@ class Parts:
     in_backward: bool | None = None  # each unit steps in backward (plan.OptimizerPlan)
     compile: bool | None = None  # blocks compiled (Plan.compile)
     zero: int | None = None  # the unit's
-    offload_optimizer: bool | None = None
-    offload_params: bool | None = None
+    placement: Placement | None = None  # the unit's (plan.placement)
     activations: str | None = None  # a block's policy (the root's pieces always keep theirs)
-    stream_states: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -60,24 +59,15 @@ RULES: tuple[Rule, ...] = (
     Rule(("tp", "schedule"), lambda p: p.tp > 1 and not SCHEDULES[p.schedule].tensor_parallel,
          lambda p: f"tp {p.tp} does not combine with schedule {p.schedule!r} yet (its activation moves are not "
                    "tensor-parallel); use tp 1 or another schedule"),
-    Rule(("tp", "offload_optimizer"), lambda p: p.tp > 1 and p.offload_optimizer,
-         lambda p: f"tp {p.tp} does not combine with host offload (optimizer states) yet; offload nothing or use tp 1"),
-    Rule(("tp", "offload_params"), lambda p: p.tp > 1 and p.offload_params,
-         lambda p: f"tp {p.tp} does not combine with host offload (parameters) yet; offload nothing or use tp 1"),
-    Rule(("tp", "stream_states"), lambda p: p.tp > 1 and p.stream_states,
-         lambda p: f"tp {p.tp} does not combine with host offload (streamed optimizer states) yet; keep the states "
-                   "on the device or use tp 1"),
+    Rule(("tp", "placement"), lambda p: p.tp > 1 and p.placement.states_on_host,
+         lambda p: f"tp {p.tp} does not combine with host offload ({p.placement.words}: placement "
+                   f"{p.placement.value!r}) yet; keep the unit's states on the device or use tp 1"),
     Rule(("tp", "activations"), lambda p: p.tp > 1 and ACTIVATION_POLICIES[p.activations].on_host,
          lambda p: f"tp {p.tp} does not combine with host offload (activations: {p.activations}) yet; choose a "
                    "policy that keeps them on the device or use tp 1"),
-    Rule(("offload_params", "zero"), lambda p: p.offload_params and p.zero != 3,
-         lambda p: "offload_params needs zero 3 (parameters are offloaded as shards); set zero 3"),
-    Rule(("offload_params", "offload_optimizer"), lambda p: p.offload_params and p.offload_optimizer,
-         lambda p: "offload_params already keeps optimizer states on host; drop offload_optimizer"),
-    Rule(("stream_states", "offload_optimizer", "offload_params"),
-         lambda p: p.stream_states and (p.offload_optimizer or p.offload_params),
-         lambda p: "stream_states updates on the device what offload_optimizer and offload_params update on the "
-                   "host; keep one of them"),
+    Rule(("placement", "zero"), lambda p: p.placement.params_on_host and p.zero != 3,
+         lambda p: f"placement {p.placement.value!r} (--offload-params) needs zero 3 (parameters are offloaded as "
+                   "shards); set zero 3"),
     Rule(("schedule", "zero"), lambda p: _splits(p) and p.zero == 3,
          lambda p: f"schedule {p.schedule!r} splits each backward into an input and a weight pass, which needs "
                    "units gathered from forward to backward (torch finds the weights to differentiate by the "
@@ -128,6 +118,5 @@ def allows(parts: Parts) -> bool:
 def allows_unit(unit, root: bool = False, **wide) -> bool:
     """Whether no rule forbids `unit` (a BlockPlan; `root`: the embedding/norm/head unit, whose pieces keep their
     activations) beside the plan-wide parts given (Parts' names)."""
-    return allows(Parts(**wide, zero=unit.zero, offload_optimizer=unit.offload_optimizer,
-                        offload_params=unit.offload_params, activations="keep" if root else unit.activations,
-                        stream_states=unit.stream_states))
+    return allows(Parts(**wide, zero=unit.zero, placement=unit.placement,
+                        activations="keep" if root else unit.activations))

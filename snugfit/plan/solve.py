@@ -159,7 +159,8 @@ def layout(model: CostModel, cand: Candidate, choices, sizes: list[int], opts_of
         take, per_rank[r] = per_rank[r][:nb], per_rank[r][nb:]
         blocks += [replace(opts_of[r][i]) for i in take]
     roots = [ropts_of[s][choices[s][0]] for s in range(pp) if choices[s][0] is not None]
-    root = min(roots, key=lambda o: (not o.offload_params, not o.offload_optimizer, -o.zero))  # the leaner
+    # the leaner
+    root = min(roots, key=lambda o: (not o.placement.params_on_host, not o.placement.steps_on_host, -o.zero))
     prof = model.profile
     return Plan(world_size=cand.dp * cand.tp * pp, dp=cand.dp, tp=cand.tp, pp=pp,
                 micro_batch_size=cand.micro_batch_size, num_microbatches=cand.num_microbatches, seq_len=prof.seq_len,

@@ -155,7 +155,7 @@ class StageCosts:
         if self.unwrapped:
             return 0.0
         stepped = self.stub.optimizer.in_backward  # its shard is freed once it steps
-        shard = 0 if root.offload_optimizer or root.offload_params or stepped else (
+        shard = 0 if root.placement.steps_on_host or stepped else (
             master_bytes(self.stub.optimizer) / (self.dp if root.zero >= 1 else 1))
         return sum(p.num_trainable for p in roots if p.name == "head") * max(0.0, DTYPE_BYTES[self.dtype] - shard)
 
@@ -177,7 +177,7 @@ class StageCosts:
     def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
         """A block under option o (what one more such block adds to the stage). Called in the search's inner
         loops: the cache lookup is kept to one tuple."""
-        key = (p.name, o.zero, o.offload_optimizer, o.offload_params, o.activations, o.stream_states)
+        key = (p.name, o)
         found = self._cache.get(key)
         if found is None:
             found = self._cache[key] = self._cost(key, (p,), o)
@@ -185,8 +185,7 @@ class StageCosts:
 
     def root(self, pieces: list[PieceProfile], o: BlockPlan) -> Cost:
         """The stage's root pieces (embedding, final norm, head) under option o: one FSDP2 unit."""
-        key = ("+".join(p.name for p in pieces), o.zero, o.offload_optimizer, o.offload_params, o.activations,
-               o.stream_states)
+        key = ("+".join(p.name for p in pieces), o)
         if key not in self._cache:
             self._cache[key] = self._cost(key, tuple(pieces), o)
         return self._cache[key]
@@ -219,7 +218,7 @@ class StageCosts:
             if not block and o.zero == 3:  # the root's gathered copy stays from forward through backward
                 static += gathered_bytes(self.stub, sp)
             if not block:  # at its reduce FSDP2 has freed its gathered copy; its streamed states come for its step
-                at_root += host.get("optimizer_states", 0) * o.stream_states - gathered_bytes(self.stub, sp)
+                at_root += host.get("optimizer_states", 0) * o.placement.streams_states - gathered_bytes(self.stub, sp)
             grads += accumulating_grad_bytes(self.stub, sp)
             host_bytes += sum(host.values())
             act += device_saved(sp)
