@@ -63,7 +63,7 @@ def _setup(name: str):
                            placement="params_on_host" if i in extra.get("offload_params", ()) else b.placement)
                    for i, b in enumerate(plan.blocks)]
     plan.stage_blocks = extra.get("stage_blocks", plan.stage_blocks)
-    plan.evict_bound = extra.get("evict_bound")
+    plan.shape = replace(plan.shape, evict_bound=extra.get("evict_bound"))
     plan.validate(n_blocks=n, world_size=4)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (plan.global_batch, SEQ + 1), generator=gen)

@@ -22,6 +22,7 @@ def _plan(**kw) -> Plan:
 
 # one plan per rule of rules.RULES, in its order, breaking that rule first
 BREAKS = [
+    _plan(ep=2),  # within dp x cp: the world size stays 1
     _plan(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=3),
     _plan(pp=2, schedule="1f1b", num_microbatches=2, evict_bound=1),
     _plan(pp=2, tp=2, schedule="bpipe", num_microbatches=2),
@@ -92,6 +93,6 @@ def test_the_search_offers_nothing_a_rule_forbids():
     for cand in model.candidates():
         for root in (False, True):
             for o in model.options(cand, root):
-                assert rules.allows_unit(o, root, tp=cand.tp, schedule=cand.schedule, grad_reduce=cand.grad_reduce)
+                assert rules.allows_unit(o, cand.shape, root)
                 seen.add((cand.schedule, o.zero, o.activations))
     assert ("zbv", 2, "keep") in seen and ("zbv", 3, "keep") not in seen and ("1f1b", 3, "keep") in seen

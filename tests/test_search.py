@@ -286,10 +286,10 @@ def test_candidates_more_room_could_make_the_fastest_get_it(monkeypatch):
 
     from snugfit.plan import verify
     from snugfit.plan.candidates import Candidate
+    from snugfit.plan.shape import Shape
 
     def cand(lower: float, score: float, step_s: float) -> Candidate:
-        c = Candidate(dp=1, pp=1, micro_batch_size=1, num_microbatches=1, schedule="none", lower=lower, score=score,
-                      solved=True)
+        c = Candidate(Shape(), lower=lower, score=score, solved=True)
         c.plan = SimpleNamespace(predicted=SimpleNamespace(step_time_s=step_s))
         return c
 

@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if par.plan not in ("auto", "dp"):
         plan = _read_plan(par.plan)
         if t.compile is not None:  # as train runs a plan file
-            plan.compile = t.compile
+            plan.shape = replace(plan.shape, compile=t.compile)
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, [])
         return 0
     notes = [f"dtype {dtype}: {why}"]
@@ -224,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_from_options(replace(par, micro_batch=micro), seq=seq, global_batch=gb, dtype=dtype,
                                  reduce_dtype=args.reduce_dtype, n_blocks=n_blocks, world_size=cluster.world_size,
                                  optimizer=optimizer_plan(t))
-        plan.compile = bool(t.compile)  # a plan given whole is not searched: eager unless --compile
+        # a plan given whole is not searched: eager unless --compile
+        plan.shape = replace(plan.shape, compile=bool(t.compile))
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
     if par.plan == "dp":  # plain data parallelism, as `snugfit train --plan dp` runs it; the micro-batch searched

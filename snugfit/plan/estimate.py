@@ -58,19 +58,15 @@ def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
 
 
 def _dp_group(plan: Plan, pp_rank: int) -> list[int]:
-    return [plan.layout.rank(pp_rank, i) for i in range(plan.dp)]
-
-
-def _tp_group(plan: Plan, rank: int) -> list[int]:
-    pp_rank, dp_rank, _ = plan.layout.coords(rank)
-    return [plan.layout.rank(pp_rank, dp_rank, t) for t in range(plan.tp)]
+    """The data-parallel group of pipeline rank pp_rank's first rank (its peers talk alike)."""
+    return plan.layout.dp_group(plan.layout.rank(pp_rank))
 
 
 def _tensor_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int) -> TensorParallel | None:
     if plan.tp == 1:
         return None
     node = cluster.nodes[cluster.node_of(rank)]
-    return TensorParallel(plan.tp, cluster.link_for(_tp_group(plan, rank)), prof.micro_batch_size * prof.seq_len,
+    return TensorParallel(plan.tp, cluster.link_for(plan.layout.tp_group(rank)), prof.micro_batch_size * prof.seq_len,
                           cpu_tp_time(node))
 
 
@@ -88,7 +84,7 @@ def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
     for rank in range(plan.world_size):
         pp_rank, dp_rank, _ = layout.coords(rank)
         if (pp_rank, dp_rank) not in tp_links:
-            tp_links[pp_rank, dp_rank] = repr(cluster.link_for(_tp_group(plan, rank)))
+            tp_links[pp_rank, dp_rank] = repr(cluster.link_for(plan.layout.tp_group(rank)))
         key = (pp_rank, nodes[cluster.node_of(rank)], dp_links[pp_rank], tp_links[pp_rank, dp_rank])
         out[rank] = first.setdefault(key, rank)
     return out

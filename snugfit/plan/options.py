@@ -9,10 +9,11 @@ from dataclasses import dataclass, field, fields, replace
 
 from snugfit.errors import SnugfitError
 from snugfit.plan.placement import Placement
-from snugfit.plan.rules import Parts, allows, problem
-from snugfit.plan.plan import GRAD_REDUCE, ZERO_STAGES, BlockPlan
+from snugfit.plan.rules import Parts, allows, parts_of, problem
+from snugfit.plan.plan import ZERO_STAGES, BlockPlan
 from snugfit.plan.policies import ACTIVATION_POLICIES, ALIASES, POLICY_NAMES
 from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES
+from snugfit.plan.shape import GRAD_REDUCE
 
 
 @dataclass
@@ -62,6 +63,11 @@ class Constraints:
         return [p for p in Placement if not (p.params_on_host and self.offload_params is False)
                 and not (self.offloads_optimizer is False and p.states_on_host and not p.params_on_host)]
 
+    def parts(self, **rest) -> Parts:
+        """What the rules read of these fixed parts (plan.rules.parts_of), with `rest` over them."""
+        return parts_of(self, **{"zero": self.zero, "placement": self.placement, "activations": self.activations,
+                                 **rest})
+
     def fixed(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(Constraints) if getattr(self, f.name) is not None}
 
@@ -92,10 +98,7 @@ class Constraints:
             raise SnugfitError("--offload-params already keeps optimizer states on host; drop --offload-optimizer")
         if pp > 1 and self.num_microbatches and self.num_microbatches < pp:
             raise SnugfitError(f"--num-microbatches {self.num_microbatches} must be >= --pp {pp}")
-        broken = problem(Parts(
-            tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
-            schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound, zero=self.zero,
-            placement=self.placement, activations=self.activations))
+        broken = problem(self.parts())
         if broken:
             raise SnugfitError(broken)
         return self

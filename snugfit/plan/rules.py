@@ -1,8 +1,8 @@
 """The compatibility rules: which parts of a plan cannot go together, each written once, with its fix.
 
-A rule reads named parts of a plan: plan-wide ones (tp, pp, schedule, virtual stages, microbatches, gradient
-reduction, evict bound, compute dtype, the step in backward, compiled blocks) and one unit's (ZeRO stage,
-state placement, activation policy). `Plan.validate` checks every
+A rule reads named parts of a plan: plan-wide ones (the Shape's: degrees, schedule, virtual stages, microbatches,
+gradient reduction, evict bound, compiled blocks; the compute dtype, the step in backward) and one unit's (ZeRO
+stage, state placement, activation policy). `Plan.validate` checks every
 unit of a plan against the table, so the planner, `snugfit plan --plan-file` and `snugfit train` refuse a plan
 with the same line. The parts a user fixes for a search (plan.options.Constraints) are checked against the same
 rules wherever every part a rule reads is fixed, and the search offers a unit option only where no rule forbids
@@ -11,31 +11,35 @@ it beside the candidate's degrees and schedule (`allows`). Pure: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Callable
 
 from snugfit.plan.placement import Placement
 from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.schedules import SCHEDULES
+from snugfit.plan.shape import SHAPE_FIELDS, Shape
 
 
-@dataclass(frozen=True)
-class Parts:
-    """What the rules read; None where a part is not fixed (yet)."""
+def _optional(annotation: str) -> str:
+    return annotation if "None" in annotation else f"{annotation} | None"
 
-    tp: int | None = None
-    pp: int | None = None
-    virtual_stages: int | None = None
-    num_microbatches: int | None = None
-    schedule: str | None = None
-    grad_reduce: str | None = None
-    evict_bound: int | None = None
-    compute_dtype: str | None = None
-    in_backward: bool | None = None  # each unit steps in backward (plan.OptimizerPlan)
-    compile: bool | None = None  # blocks compiled (Plan.compile)
-    zero: int | None = None  # the unit's
-    placement: Placement | None = None  # the unit's (plan.placement)
-    activations: str | None = None  # a block's policy (the root's pieces always keep theirs)
+
+# What the rules read; None where a part is not fixed (yet): Shape's fields, all optional (derived from Shape, so
+# a new plan-wide part is one field there), then the plan-wide numerics and one unit's parts.
+Parts = make_dataclass("Parts", [
+    *((f.name, _optional(f.type), field(default=None)) for f in fields(Shape)),
+    ("compute_dtype", "str | None", field(default=None)),
+    ("in_backward", "bool | None", field(default=None)),  # each unit steps in backward (plan.OptimizerPlan)
+    ("zero", "int | None", field(default=None)),  # the unit's
+    ("placement", "Placement | None", field(default=None)),  # the unit's (plan.placement)
+    ("activations", "str | None", field(default=None)),  # a block's policy (the root's pieces always keep theirs)
+], frozen=True)
+
+
+def parts_of(fixed: object, **rest) -> Parts:
+    """The parts `fixed` gives (a Shape, a candidate, the user's Constraints: each of Shape's fields it has, None
+    where it has none), and `rest` (the numerics, one unit's parts) over them."""
+    return Parts(**{**{name: getattr(fixed, name, None) for name in SHAPE_FIELDS}, **rest})
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ def _splits(p: Parts) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
+    Rule(("cp", "ep"), lambda p: p.cp > 1 or p.ep > 1,
+         lambda p: f"context parallelism (cp {p.cp}) and expert parallelism (ep {p.ep}) are not built yet; use cp 1 "
+                   "and ep 1"),
     Rule(("schedule", "pp", "virtual_stages", "num_microbatches"),
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches) is not None,
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches)),
@@ -115,8 +122,8 @@ def allows(parts: Parts) -> bool:
     return problem(parts) is None
 
 
-def allows_unit(unit, root: bool = False, **wide) -> bool:
+def allows_unit(unit, fixed: object, root: bool = False) -> bool:
     """Whether no rule forbids `unit` (a BlockPlan; `root`: the embedding/norm/head unit, whose pieces keep their
-    activations) beside the plan-wide parts given (Parts' names)."""
-    return allows(Parts(**wide, zero=unit.zero, placement=unit.placement,
-                        activations="keep" if root else unit.activations))
+    activations) beside the plan-wide parts `fixed` gives (`parts_of`)."""
+    return allows(parts_of(fixed, zero=unit.zero, placement=unit.placement,
+                           activations="keep" if root else unit.activations))

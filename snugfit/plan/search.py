@@ -94,9 +94,7 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
         raise NoPlanError(f"{problem}; choose another --tp", SearchResult(None, budget_bytes=budget, candidates=0))
     # the optimizer setup is fixed by the user as the fixed parts are (Constraints.checked): the same rules
     in_backward = optimizer is not None and optimizer.in_backward
-    if broken := rules.problem(rules.Parts(schedule=c.schedule, grad_reduce=c.grad_reduce, in_backward=in_backward,
-                                           num_microbatches=c.num_microbatches, compute_dtype=profile.dtype,
-                                           compile=profile.compiled)):
+    if broken := rules.problem(c.parts(in_backward=in_backward, compute_dtype=profile.dtype, compile=profile.compiled)):
         raise NoPlanError(broken, SearchResult(None, budget_bytes=budget, candidates=0))
     model = CostModel(profile, cluster, global_batch, c, budget, reduce_dtype, optimizer)
     log = SearchLog()

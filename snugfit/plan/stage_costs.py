@@ -18,6 +18,7 @@ from snugfit.plan.piece_memory import (
     StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, param_state,
 )
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
+from snugfit.plan.shape import Shape
 from snugfit.plan.timing import TensorParallel, grad_reduce_exposed, optimizer_time, reduce_time, stage_time
 from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
 
@@ -100,22 +101,22 @@ class SharedCosts:
 class StageCosts:
     """Option costs on one kind of rank (its node's GPU, dp, micro-batch), cached per piece and option."""
 
-    def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str,
+    def __init__(self, prof: ModelProfile, cluster: Cluster, dp_group: list[int], reduce_dtype: str,
                  busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1,
                  grad_reduce: str = "step", replays: int = 1, optimizer: OptimizerPlan | None = None,
                  shared: SharedCosts | None = None):
-        self.node = cluster.nodes[cluster.node_of(rank)]
+        self.node = cluster.nodes[cluster.node_of(dp_group[0])]  # dp_group: the stage's first (RankLayout)
         self.gpu = self.node.gpu
+        dp = len(dp_group)
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
         self.busy = busy  # the share of the node's ranks working at once (cpu_ranks.local_ranks)
         self.tensor = tensor  # prof is then one tensor-parallel rank's (ModelProfile.split)
         self.gathers = gathers  # microbatches one gather of a ZeRO-1/2 unit serves (timing.gather_every)
         self.grad_reduce = grad_reduce  # plan.GRAD_REDUCE: when gradients are reduced
         self.replays = replays  # times a backward recomputes what the policy dropped (2 where the schedule splits it)
-        tp = tensor.size if tensor else 1
-        self.dp_link = cluster.link_for(list(range(rank, rank + dp * tp, tp)))  # plan.RankLayout: tp innermost
-        self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype,
-                         grad_reduce=grad_reduce, optimizer=optimizer or OptimizerPlan())
+        self.dp_link = cluster.link_for(dp_group)
+        self.stub = Plan(shape=Shape(dp=dp, grad_reduce=grad_reduce), compute_dtype=prof.dtype,
+                         reduce_dtype=reduce_dtype, optimizer=optimizer or OptimizerPlan())
         # one process whose blocks shard and offload nothing runs the model unwrapped (Plan.runs_unwrapped)
         self.unwrapped = cluster.world_size == 1 and self.stub.optimizer.master_weights == "fp32"
         self._cache: dict[tuple, Cost] = {}
@@ -223,7 +224,8 @@ class StageCosts:
             host_bytes += sum(host.values())
             act += device_saved(sp)
             host_act += host_saved(sp)
-        unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone process, nothing sharded
+        # a lone process, nothing sharded (the stub's one rank is the cluster's only one where self.unwrapped)
+        unwrapped = self.unwrapped and replace(self.stub, root=o, blocks=[o]).runs_unwrapped
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
                   computed=self.shared.computed, gathers=self.gathers)

@@ -9,7 +9,7 @@ import math
 import signal
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -112,7 +112,7 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
             f"{o.master_weights} --optimizer-states {o.states} "
             f"--optimizer-in-backward {str(o.in_backward).lower()}")
     if t.compile is not None:  # --compile true|false overrides a plan file
-        plan.compile = t.compile
+        plan.shape = replace(plan.shape, compile=t.compile)
     return plan
 
 
@@ -341,7 +341,7 @@ def _resume(checkpoints: Checkpoints, path: Path, engine: Engine, sampler, cfg: 
     if engine.scaler is not None and "loss_scale" in trainer_state:  # a float16 run goes on at its scale
         engine.scaler.load_state_dict(trainer_state["loss_scale"])
     sampler.load_state_dict(trainer_state["sampler"])
-    saved = trainer_state.get("plan", {}).get("world_size")
+    saved = Plan.from_dict(trainer_state["plan"]).world_size if "plan" in trainer_state else None
     if saved and saved != engine.plan.world_size and (not dist.is_initialized() or dist.get_rank() == 0):
         log.info("the checkpoint was written by %d ranks; %s for the %d launched", saved,
                  "re-planned" if cfg.parallel.plan == "auto" else "resuming under the given plan",
