@@ -8,6 +8,8 @@ import pytest
 
 from snugfit.cli import main
 from snugfit.plan import BlockPlan, OptimizerPlan, Plan
+from snugfit.model.decoder import ModelConfig
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.options import Constraints
 from snugfit.plan import rules
 
@@ -37,14 +39,43 @@ BREAKS = [
     _plan(num_microbatches=2, optimizer=OptimizerPlan(in_backward=True)),
     _plan(compute_dtype="float16", optimizer=OptimizerPlan(in_backward=True)),
 ]
+# then the rules beside the model's facts (plan.facts): (plan, facts) breaking each, in RULES' order
+FACTS = ModelFacts(heads=4, kv_heads=4, mlp_hidden=128, vocabulary=64, max_seq_len=SEQ)
+MODEL_BREAKS = [
+    (_plan(tp=2), replace(FACTS, kv_heads=1)),
+    (_plan(tp=2), replace(FACTS, tied_embeddings=True)),
+    (_plan(tp=2), replace(FACTS, adapters=True)),
+    (_plan(tp=2), replace(FACTS, unsplittable_block="GPT2Block")),
+    (_plan(), replace(FACTS, max_seq_len=SEQ // 2)),
+]
 
 
 def test_every_rule_has_a_plan_that_breaks_it_first():
-    assert len(BREAKS) == len(rules.RULES)
-    for rule, plan in zip(rules.RULES, BREAKS):
-        where, parts = next((w, p) for w, p in plan.rule_parts()
+    assert len(BREAKS) + len(MODEL_BREAKS) == len(rules.RULES)
+    for rule, (plan, facts) in zip(rules.RULES, [*((p, None) for p in BREAKS), *MODEL_BREAKS]):
+        where, parts = next((w, p) for w, p in plan.rule_parts(facts)
                             if all(getattr(p, n) is not None for n in rule.reads) and rule.broken(p))
-        assert plan.rule_broken() == f"{where}: {rule.says(parts)}"
+        assert plan.rule_broken(facts) == f"{where}: {rule.says(parts)}"
+        assert facts is None or plan.rule_broken() is None  # read only beside a model
+
+
+@pytest.mark.parametrize("cfg, plan", [
+    (ModelConfig(dim=48, n_layers=BLOCKS, n_heads=6, n_kv_heads=3, vocab_size=64, max_seq_len=SEQ), _plan(tp=2)),
+    (ModelConfig(dim=32, n_layers=BLOCKS, n_heads=4, vocab_size=64, max_seq_len=SEQ, tie_embeddings=True),
+     _plan(tp=2)),
+    (ModelConfig(dim=32, n_layers=BLOCKS, n_heads=4, vocab_size=64, max_seq_len=SEQ // 2), _plan()),
+], ids=["heads", "tied", "too-long"])
+def test_the_planner_and_the_runtime_read_the_same_facts(cfg, plan):
+    """The model's facts from its profile (the planner's) and from its module (the runtime's) break the same rule
+    with the same line."""
+    from snugfit.model.decoder import Decoder
+    from snugfit.profile import profile_model
+    from snugfit.runtime.tensor_parallel import model_facts
+
+    model = Decoder(cfg)
+    planned = ModelFacts.of_profile(profile_model(cfg, micro_batch_size=1, seq_len=min(SEQ, cfg.max_seq_len)))
+    line = plan.rule_broken(model_facts(model))
+    assert line is not None and plan.rule_broken(planned) == line
 
 
 @pytest.mark.parametrize("i", range(len(BREAKS)))

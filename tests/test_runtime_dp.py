@@ -296,7 +296,7 @@ def test_sharded_state_is_a_quarter_per_rank(four_ranks):
 # -- refused before the first step --
 @pytest.mark.parametrize("plan, launched, message", [
     (make_plan(4), 2, "plan is for 4 ranks but 2 were launched"),
-    (make_plan(1, tp=3), 3, "tp 3 does not divide attn.q's 4 heads"),
+    (make_plan(1, tp=3), 3, "tp 3 does not divide the model's heads (4), key/value heads (4)"),
     (make_plan(1, BlockPlan(zero=3, placement="params_on_host"), tp=2), 2, "does not combine with host offload"),
     (make_plan(2, BlockPlan(zero=2, placement="params_on_host")), 2, "(--offload-params) needs zero 3"),
     (make_plan(2, compute_dtype="float16", reduce_dtype="float16"), 2, "reduce in float32"),

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.estimate import tensor_parallel_problem
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.knapsack import INF
 from snugfit.plan.options import Constraints, block_options
 from snugfit.plan.rules import allows, allows_unit, parts_of
 from snugfit.plan.plan import Plan
-from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.shape import RankLayout, Shape, exposes_shape
 from snugfit.profile.types import ModelProfile
@@ -64,10 +63,9 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
     if all(n.gpu.name == "cpu" for n in cluster.nodes):
         return [1]
     per_node = math.gcd(*(n.count for n in cluster.nodes))
-    fixed_out = (c.schedule and not SCHEDULES[c.schedule].tensor_parallel) or c.offload_optimizer or \
-        c.offload_params or (c.activations and ACTIVATION_POLICIES[c.activations].on_host)
-    return [1] + [t for t in (2, 4, 8) if per_node % t == 0 and not fixed_out
-                  and tensor_parallel_problem(prof, t) is None]
+    facts = ModelFacts.of_profile(prof)
+    return [1] + [t for t in (2, 4, 8)
+                  if per_node % t == 0 and allows(c.parts(tp=t, seq_len=prof.seq_len, model=facts))]
 
 
 def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False) -> list[str]:
@@ -99,7 +97,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                 continue
             for sched in SCHEDULES.values():
                 v = sched.stages_per_rank or c.virtual_stages or sched.search_stages_per_rank
-                if (c.schedule and sched.name != c.schedule) or (tp > 1 and not sched.tensor_parallel):
+                if c.schedule and sched.name != c.schedule:
                     continue
                 if sched.problem(pp, v, m) or n < pp * v:
                     continue

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.corrections import corrected
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.cpu_ranks import cpu_tp_time
 from snugfit.plan.memory import RankMemory, device_bytes, host_bytes, rank_memory
 from snugfit.plan.piece_memory import StagePiece, host_saved, rank_stages
@@ -21,31 +22,8 @@ from snugfit.profile.types import ModelProfile
 HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
 
 
-def tensor_parallel_problem(prof: ModelProfile, tp: int) -> str | None:
-    """Why `tp` cannot split this model (runtime.tensor_parallel's conditions), or None."""
-    if tp == 1:
-        return None
-    c = prof.config
-    sizes = {"heads": c.get("n_heads") or c.get("num_attention_heads"),
-             "key/value heads": c.get("n_kv_heads") or c.get("num_key_value_heads") or c.get("n_heads")
-             or c.get("num_attention_heads"),
-             "MLP hidden size": c.get("ffn_dim") or c.get("intermediate_size"), "vocabulary": c.get("vocab_size"),
-             "sequence length": prof.seq_len}
-    bad = [f"{name} ({n})" for name, n in sizes.items() if n and n % tp]
-    if bad:
-        return f"tp {tp} does not divide the model's {', '.join(bad)}"
-    if prof.tied_params:
-        return "tensor parallelism cannot split tied embedding and head weights"
-    if any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces):
-        return "tensor parallelism does not split LoRA adapters"
-    return None
-
-
 def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
-    plan.validate(n_blocks=len(prof.blocks))
-    problem = tensor_parallel_problem(prof, plan.tp)
-    if problem:
-        raise PlanError(f"{problem}; plan with another tp")
+    plan.validate(n_blocks=len(prof.blocks), facts=ModelFacts.of_profile(prof))
     if plan.world_size != cluster.world_size:
         raise PlanError(
             f"plan uses {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) but the cluster has "

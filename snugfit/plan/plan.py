@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from snugfit.errors import PlanError
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.placement import Placement
-from snugfit.plan.rules import parts_of, problem
+from snugfit.plan.rules import Parts, parts_of, problem
 from snugfit.plan.policies import ACTIVATION_POLICIES, POLICY_NAMES, ActivationPolicy
 from snugfit.plan.schedules import SCHEDULES, Action, Schedule, bpipe_bound
 from snugfit.plan.shape import SHAPE_FIELDS, RankLayout, Shape, exposes_shape
@@ -220,9 +221,10 @@ class Plan:
         return cls(shape=Shape(**wide), stage_blocks=stage_blocks, root=root or block, blocks=[block] * n_blocks, **kw)
 
     # -- checks --
-    def validate(self, n_blocks: int | None = None, world_size: int | None = None) -> None:
-        """Refuse a plan that contradicts itself (its fields, then every rule of plan.rules), the model or the
-        launch."""
+    def validate(self, n_blocks: int | None = None, world_size: int | None = None,
+                 facts: ModelFacts | None = None) -> None:
+        """Refuse a plan that contradicts itself (its fields, then every rule of plan.rules), the model (its
+        blocks; its facts, which the rules read) or the launch."""
         self.shape.check("plan.shape")
         if self.seq_len < 1:
             raise PlanError(f"plan.seq_len must be >= 1, got {self.seq_len}")
@@ -242,7 +244,7 @@ class Plan:
         for i, b in enumerate(self.blocks):
             b.check(f"plan.blocks[{i}]")
         self.optimizer.check()
-        broken = self.rule_broken()
+        broken = self.rule_broken(facts)
         if broken:
             raise PlanError(broken)
         if world_size is not None and world_size != self.world_size:
@@ -253,17 +255,19 @@ class Plan:
         if n_blocks is not None and len(self.blocks) != n_blocks:
             raise PlanError(f"plan has {len(self.blocks)} block decisions but the model has {n_blocks} blocks; re-plan")
 
-    def rule_broken(self) -> str | None:
-        """The first compatibility rule (plan.rules) the plan breaks, naming where, or None."""
-        for where, parts in self.rule_parts():
+    def rule_broken(self, facts: ModelFacts | None = None) -> str | None:
+        """The first compatibility rule (plan.rules) the plan breaks beside the model's facts, naming where, or
+        None."""
+        for where, parts in self.rule_parts(facts):
             found = problem(parts)
             if found:
                 return f"{where}: {found}"
         return None
 
-    def rule_parts(self) -> Iterator[tuple[str, Parts]]:
+    def rule_parts(self, facts: ModelFacts | None = None) -> Iterator[tuple[str, Parts]]:
         """What the rules read of this plan: its plan-wide parts, then each distinct unit's beside them."""
-        wide = dict(compute_dtype=self.compute_dtype, in_backward=self.optimizer.in_backward)
+        wide = dict(seq_len=self.seq_len, compute_dtype=self.compute_dtype, in_backward=self.optimizer.in_backward,
+                    model=facts)
         yield "plan", parts_of(self.shape, **wide)
         units = {}  # each distinct unit once, where it first appears
         for where, u in (("plan.root", replace(self.root, activations="keep")),  # the root pieces keep theirs

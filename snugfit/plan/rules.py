@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Callable
 
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.placement import Placement
 from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.schedules import SCHEDULES
@@ -28,11 +29,13 @@ def _optional(annotation: str) -> str:
 # a new plan-wide part is one field there), then the plan-wide numerics and one unit's parts.
 Parts = make_dataclass("Parts", [
     *((f.name, _optional(f.type), field(default=None)) for f in fields(Shape)),
-    ("compute_dtype", "str | None", field(default=None)),
-    ("in_backward", "bool | None", field(default=None)),  # each unit steps in backward (plan.OptimizerPlan)
-    ("zero", "int | None", field(default=None)),  # the unit's
-    ("placement", "Placement | None", field(default=None)),  # the unit's (plan.placement)
-    ("activations", "str | None", field(default=None)),  # a block's policy (the root's pieces always keep theirs)
+    ("seq_len", int | None, field(default=None)),
+    ("compute_dtype", str | None, field(default=None)),
+    ("in_backward", bool | None, field(default=None)),  # each unit steps in backward (plan.OptimizerPlan)
+    ("zero", int | None, field(default=None)),  # the unit's
+    ("placement", Placement | None, field(default=None)),  # the unit's (plan.placement)
+    ("activations", str | None, field(default=None)),  # a block's policy (the root's pieces always keep theirs)
+    ("model", ModelFacts | None, field(default=None)),  # what the rules need to know of the model (plan.facts)
 ], frozen=True)
 
 
@@ -51,6 +54,12 @@ class Rule:
 
 def _splits(p: Parts) -> bool:
     return SCHEDULES[p.schedule].splits_backward
+
+
+def _undivided(p: Parts) -> list[str]:
+    """The model's sizes (and the sequence, which sequence parallelism splits) that tp does not divide."""
+    sizes = {**p.model.split_sizes(), "sequence length": p.seq_len}
+    return [f"{name} ({n})" for name, n in sizes.items() if n and n % p.tp]
 
 
 RULES: tuple[Rule, ...] = (
@@ -106,6 +115,19 @@ RULES: tuple[Rule, ...] = (
     Rule(("in_backward", "compute_dtype"), lambda p: p.in_backward and p.compute_dtype == "float16",
          lambda p: "the step in backward cannot run under float16's loss scaling (an overflow must be found before "
                    "any unit steps); compute in bfloat16 or step after backward"),
+    # what the model allows (plan.facts), read by the planner from its profile and by the runtime from the module
+    Rule(("tp", "model", "seq_len"), lambda p: p.tp > 1 and bool(_undivided(p)),
+         lambda p: f"tp {p.tp} does not divide the model's {', '.join(_undivided(p))}; choose a tp that divides them"),
+    Rule(("tp", "model"), lambda p: p.tp > 1 and p.model.tied_embeddings,
+         lambda p: "tensor parallelism cannot split tied embedding and head weights; plan with tp 1 or untie them "
+                   "(model.tie_embeddings = false)"),
+    Rule(("tp", "model"), lambda p: p.tp > 1 and p.model.adapters,
+         lambda p: "tensor parallelism does not split LoRA adapters yet; plan LoRA with tp 1"),
+    Rule(("tp", "model"), lambda p: p.tp > 1 and p.model.unsplittable_block is not None,
+         lambda p: f"tensor parallelism splits the built-in decoder's and Llama-family (Llama, Mistral, Qwen2) "
+                   f"blocks, not {p.model.unsplittable_block}; plan with tp 1"),
+    Rule(("seq_len", "model"), lambda p: p.model.max_seq_len is not None and p.seq_len > p.model.max_seq_len,
+         lambda p: f"plan.seq_len ({p.seq_len}) exceeds the model's max_seq_len ({p.model.max_seq_len}); re-plan"),
 )
 PART_NAMES = tuple(f.name for f in fields(Parts))
 
