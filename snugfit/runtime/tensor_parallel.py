@@ -98,6 +98,13 @@ def block_layout(block: nn.Module) -> BlockLayout | None:
     return next((layout for layout in LAYOUTS if not layout.missing(block)), None)
 
 
+def _out_features(linear: nn.Module) -> int | None:
+    """A linear's output width, through the wrappers that keep it as `base` (LoRA adapters)."""
+    while not hasattr(linear, "out_features") and hasattr(linear, "base"):
+        linear = linear.base
+    return getattr(linear, "out_features", None)
+
+
 def model_facts(model: nn.Module) -> ModelFacts:
     """What the rules (plan.rules) need to know of the module: the sizes tensor parallelism splits, read off its
     first block (every block has the same shape), its length limit, and what no split handles yet."""
@@ -107,11 +114,11 @@ def model_facts(model: nn.Module) -> ModelFacts:
     sizes = {}
     if layout is not None:
         attn = block.get_submodule(layout.attn)
-        head_dim = attn.head_dim if hasattr(attn, "head_dim") else attn.cfg.head_dim
-        q, k = (block.get_submodule(f"{layout.attn}.{name}").out_features // head_dim
-                for name in layout.attn_columns[:2])
-        hidden = block.get_submodule(f"{layout.mlp}.{layout.mlp_columns[-1]}").out_features
-        sizes = dict(heads=q, kv_heads=k, mlp_hidden=hidden)
+        head_dim = getattr(attn, "head_dim", None) or getattr(getattr(attn, "cfg", None), "head_dim", None)
+        q, k = (_out_features(block.get_submodule(f"{layout.attn}.{name}")) for name in layout.attn_columns[:2])
+        if head_dim and q and k:
+            sizes = dict(heads=q // head_dim, kv_heads=k // head_dim)
+        sizes["mlp_hidden"] = _out_features(block.get_submodule(f"{layout.mlp}.{layout.mlp_columns[-1]}"))
     return ModelFacts(**sizes, vocabulary=getattr(cfg, "vocab_size", None),
                       max_seq_len=getattr(cfg, "max_seq_len", None),
                       tied_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
