@@ -26,8 +26,8 @@ from snugfit.runtime.spawn import run_ranks  # noqa: E402
 PLANS = {
     "replicated (zero 0)": BlockPlan(zero=0),
     "zero 3": BlockPlan(zero=3),
-    "partial offload (zero 0 + host AdamW)": BlockPlan(zero=0, offload_optimizer=True),
-    "zero 3 + partial offload": BlockPlan(zero=3, offload_optimizer=True),
+    "partial offload (zero 0 + host AdamW)": BlockPlan(zero=0, placement="host_step"),
+    "zero 3 + partial offload": BlockPlan(zero=3, placement="host_step"),
 }
 
 

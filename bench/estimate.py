@@ -43,6 +43,7 @@ from snugfit.hardware import parse_cluster  # noqa: E402
 from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.model.lora import apply_lora, freeze  # noqa: E402
 from snugfit.model.quantize import quantize_base  # noqa: E402
+from snugfit.plan.placement import Placement
 from snugfit.plan.estimate import estimate  # noqa: E402
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan  # noqa: E402
 from snugfit.profile import profile_model  # noqa: E402
@@ -73,8 +74,8 @@ MULTI = [
     ("dp2 zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1),
     ("dp2 zero2", 2, 1, BlockPlan(zero=2), 2, 2, 1),
     ("dp2 zero3", 2, 1, BlockPlan(zero=3), 3, 1, 1),
-    ("dp2 zero3+offload_opt", 2, 1, BlockPlan(zero=3, offload_optimizer=True), 1, 2, 1),
-    ("dp2 offload_params", 2, 1, BlockPlan(zero=3, offload_params=True), 3, 2, 1),
+    ("dp2 zero3+offload_opt", 2, 1, BlockPlan(zero=3, placement="host_step"), 1, 2, 1),
+    ("dp2 offload_params", 2, 1, BlockPlan(zero=3, placement="params_on_host"), 3, 2, 1),
     ("pp2 1f1b", 1, 2, BlockPlan(), 0, 4, 1),
     ("tp2", 1, 1, BlockPlan(), 0, 4, 2),
     ("dp4 zero3", 4, 1, BlockPlan(zero=3), 3, 2, 1),
@@ -86,14 +87,14 @@ MULTI = [
     ("dp2 qlora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, "qlora"),
     ("dp2 frozen zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1, "freeze"),
     ("dp2 zero3 reduce/mb", 2, 1, BlockPlan(zero=3), 3, 4, 1, "", "microbatch"),
-    ("dp2 zero2+offload_opt reduce/mb", 2, 1, BlockPlan(zero=2, offload_optimizer=True), 2, 4, 1, "", "microbatch"),
+    ("dp2 zero2+offload_opt reduce/mb", 2, 1, BlockPlan(zero=2, placement="host_step"), 2, 4, 1, "", "microbatch"),
     ("dp2 pp2 zero3 reduce/mb", 2, 2, BlockPlan(zero=3), 3, 4, 1, "", "microbatch"),
     ("dp2 zero3 8-bit states", 2, 1, BlockPlan(zero=3), 3, 2, 1, "", "step", OptimizerPlan(states="8bit")),
     ("dp2 zero3 4-bit, bf16 weights", 2, 1, BlockPlan(zero=3), 3, 2, 1, "", "step",
      OptimizerPlan(master_weights="bf16", states="4bit")),
     ("dp2 zero3 step in backward", 2, 1, BlockPlan(zero=3), 3, 1, 1, "", "step", OptimizerPlan(in_backward=True)),
-    ("dp2 zero3 states streamed", 2, 1, BlockPlan(zero=3, stream_states=True), 3, 2, 1),
-    ("dp2 zero2 8-bit streamed in bwd/mb", 2, 1, BlockPlan(zero=2, stream_states=True), 2, 4, 1, "", "microbatch",
+    ("dp2 zero3 states streamed", 2, 1, BlockPlan(zero=3, placement="streamed"), 3, 2, 1),
+    ("dp2 zero2 8-bit streamed in bwd/mb", 2, 1, BlockPlan(zero=2, placement="streamed"), 2, 4, 1, "", "microbatch",
      OptimizerPlan(master_weights="bf16", states="8bit", in_backward=True)),
     ("pp2 step in backward/mb", 1, 2, BlockPlan(), 0, 4, 1, "", "microbatch", OptimizerPlan(in_backward=True)),
 ]
@@ -117,7 +118,8 @@ MULTI_MBS = 2
 def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int, tp: int,
                grad_reduce: str, optimizer: OptimizerPlan) -> Plan:
     return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, block=block,
-                        root=BlockPlan(zero=root_zero, stream_states=block.stream_states),
+                        root=BlockPlan(zero=root_zero, placement="streamed" if block.placement.streams_states
+                                       else Placement.DEVICE),
                         micro_batch_size=MULTI_MBS, num_microbatches=m, seq_len=seq, grad_reduce=grad_reduce,
                         optimizer=optimizer)
 

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from snugfit.plan import Plan  # noqa: E402
 BF = "--dtype bfloat16 --reduce-dtype float32"
 GPT3 = "--model docs/configs/gpt3-175b.json --cluster 128x8xA100-80GB --seq 2048 --micro-batch 1 --recompute full " \
        "--dtype bfloat16 --reduce-dtype bfloat16"
@@ -73,6 +75,11 @@ def chosen(row: str) -> dict | str:
     return json.loads(run.stdout)
 
 
+def comparable(plan: dict | str | None) -> Plan | str | None:
+    """A row's plan as the current code reads it (plan JSON of an earlier layout migrated), or its error."""
+    return Plan.from_dict(plan) if isinstance(plan, dict) else plan
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file: row -> chosen plan")
@@ -86,7 +93,7 @@ def main() -> int:
     if not args.compare:
         return 0
     before = json.loads(Path(args.compare).read_text())
-    differ = [row for row in ROWS if before.get(row) != plans[row]]
+    differ = [row for row in ROWS if comparable(before.get(row)) != comparable(plans[row])]
     for row in differ:
         print(f"DIFFERS: {row}\n  before: {json.dumps(before.get(row))[:400]}\n  after:  {json.dumps(plans[row])[:400]}")
     print(f"{len(ROWS) - len(differ)} of {len(ROWS)} rows choose the same plan")

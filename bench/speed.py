@@ -111,7 +111,7 @@ def loops(cfg: ModelConfig, plan: Plan, env: DistEnv, weights: dict) -> dict:
         tag = "compiled" if compiled else "eager"
         plain = Plain(fresh(), env.device, plan.num_microbatches, compiled)
         out[f"plain {tag}"] = plain.step
-        engine = build_engine(fresh(), replace(plan, compile=compiled), OPTIM, env)
+        engine = build_engine(fresh(), replace(plan, shape=replace(plan.shape, compile=compiled)), OPTIM, env)
         engine.track_memory = False  # as the trainer runs every step but the ones it logs
         out[f"snugfit {tag}"] = lambda batch, e=engine: e.train_step(batch).loss
     return out
@@ -174,7 +174,8 @@ def predicted(cfg: ModelConfig, plan: Plan, env: DistEnv) -> dict:
     for compiled in (False, True):
         prof = profile_model(cfg, micro_batch_size=plan.micro_batch_size, seq_len=plan.seq_len,
                              dtype=plan.compute_dtype, kernels="cpu" if on_cpu else "gpu", compile=compiled)
-        out["compiled" if compiled else "eager"] = estimate(replace(plan, compile=compiled), prof, cluster).step_time_s
+        as_run = replace(plan, shape=replace(plan.shape, compile=compiled))
+        out["compiled" if compiled else "eager"] = estimate(as_run, prof, cluster).step_time_s
     return out
 
 

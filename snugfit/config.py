@@ -20,10 +20,11 @@ from snugfit.model import ModelConfig
 from snugfit.model.hub import local_model
 from snugfit.plan.dtype import canonical_dtype
 from snugfit.plan.options import Constraints
-from snugfit.plan.plan import GRAD_REDUCE, MASTER_WEIGHTS, OPTIMIZER_STATES, OptimizerPlan
+from snugfit.plan.plan import MASTER_WEIGHTS, OPTIMIZER_STATES, OptimizerPlan
 from snugfit.plan.policies import ALIASES, POLICY_NAMES
-from snugfit.plan.rules import Parts, problem
+from snugfit.plan.rules import problem
 from snugfit.plan.schedules import SCHEDULE_NAMES
+from snugfit.plan.shape import GRAD_REDUCE
 
 try:
     import tomllib
@@ -363,7 +364,7 @@ def check_optimizer(cfg: RunConfig) -> None:
     ranks, micro = cfg.parallel.nproc * cfg.parallel.nnodes, t.micro_batch_size
     # the microbatches a step takes at the most data parallelism the launch allows (unknown while searched)
     m = -(-t.batch_size // (micro * ranks)) if micro else None
-    broken = problem(Parts(in_backward=True, compute_dtype=None if t.dtype == "auto" else t.dtype,
-                           grad_reduce=cfg.parallel.grad_reduce, num_microbatches=m))
+    broken = problem(cfg.parallel.parts(in_backward=True, compute_dtype=None if t.dtype == "auto" else t.dtype,
+                                        num_microbatches=m))
     if broken:
         raise SnugfitError(f"train.optimizer_in_backward: {broken}")

@@ -84,7 +84,7 @@ CASES = [
     ("plan-unknown-field", ["--plan", "{t}/plan_field.json"], "unknown fields ['shard']"),
     ("plan-world-size", ["--plan", "{t}/plan_world.json"], "dp (1) x tp (1) x pp (1) must equal world_size (2)"),
     ("plan-batch-mismatch", ["--plan", "{t}/plan_batch.json"], "set --batch-size 2"),
-    ("plan-contradiction", ["--plan", "{t}/plan_offload.json"], "offload_params needs zero 3"),
+    ("plan-contradiction", ["--plan", "{t}/plan_offload.json"], "(--offload-params) needs zero 3"),
     ("existing-run", [], "already holds checkpoints"),
     ("resume-past-end", ["--resume", "--steps", "2"], "raise --steps to train further"),
     ("resume-other-model", ["--resume", "--dim", "32"], "is of another model"),

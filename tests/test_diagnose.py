@@ -7,6 +7,7 @@ import json
 import pytest
 
 from snugfit.cli import main
+from snugfit.plan import Plan
 from snugfit.train.calibration import SLOW_ENV
 from snugfit.train.loop import train
 from snugfit.train.metrics import read_metrics
@@ -68,7 +69,7 @@ def test_replan_report_records_the_corrected_choice_and_does_not_switch(runs):
     # the corrected model predicts the plan it corrected closer to what was measured than the uncorrected one
     measured = replan["measured_step_s"]
     assert abs(replan["old_predicted_s"] - measured) < abs(replan["uncorrected_step_s"] - measured)
-    assert replan["new_plan"]["world_size"] == 2 and isinstance(replan["predicted_gain"], float)
+    assert Plan.from_dict(replan["new_plan"]).world_size == 2 and isinstance(replan["predicted_gain"], float)
     assert "replan at step 2:" in healthy_out and "nothing switches" in healthy_out
     # nothing switched: the plan run to the end is the one the run started with
     assert json.loads((out / "plan.json").read_text()) == replan["old_plan"]
@@ -112,7 +113,7 @@ def test_resume_on_fewer_ranks_replans_with_the_stored_corrections(runs, tmp_pat
     assert "time model corrected by what a run measured on 2xcpu at step 2" in said and "per-device terms" in said
     assert "the checkpoint was written by 2 ranks; re-planned for the 1 launched" in said
     plan = tmp_path / "replanned" / "plan.json"
-    assert json.loads(plan.read_text())["world_size"] == 1 and sorted(replanned.losses) == [6, 7]
+    assert Plan.from_json(plan.read_text()).world_size == 1 and sorted(replanned.losses) == [6, 7]
     fresh = train(build_config(None, {**settings, "out_dir": str(tmp_path / "fresh"), "plan": str(plan)}))
     assert fresh.losses == pytest.approx(replanned.losses, rel=1e-6)
 
@@ -142,11 +143,13 @@ def test_replan_switch_goes_on_under_the_corrected_choice_as_a_resume_would(tmp_
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = read_metrics(tmp_path / "switch" / "metrics.jsonl")
     (replan,) = [r for r in records if r["kind"] == "replan"]
-    assert replan["old_plan"]["dp"] == 2 and replan["switched"] and replan["new_plan"]["pp"] == 2, replan
+    old, new = (Plan.from_dict(replan[which]) for which in ("old_plan", "new_plan"))
+    assert old.dp == 2 and replan["switched"] and new.pp == 2, replan
     # the wrong term, corrected, is what the traced step measured it to cost (not clamped, applied where it acts)
     fixed, measured = replan["corrected_terms_s"]["dp_comm_exposed"], replan["measured_terms_s"]["dp_comm_exposed"]
     assert fixed == pytest.approx(measured, rel=0.15) and replan["corrections"]["dp_comm_exposed"] > 5
-    assert "switched at step 4" in proc.stdout and json.loads((tmp_path / "switch" / "plan.json").read_text())["pp"] == 2
+    switched = Plan.from_json((tmp_path / "switch" / "plan.json").read_text())
+    assert "switched at step 4" in proc.stdout and switched.pp == 2
     (outcome,) = [r for r in records if r["kind"] == "replan_outcome"]
     assert outcome["switched_at"] == 4 and outcome["measured_after_s"] > 0  # reported, not asserted: a shared host
     # a fresh run resumed from the switch's checkpoint under the new plan

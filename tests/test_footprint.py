@@ -7,6 +7,7 @@ from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate_step
 from snugfit.plan.footprint import MOMENTS, StageBuffers, largest_tensor_bytes, stage_moments
 from snugfit.plan.plan import BlockPlan
+from snugfit.plan.placement import Placement
 from snugfit.plan.stage_costs import Cost
 from snugfit.plan.step_terms import step_terms
 from snugfit.plan.timing import StageTime
@@ -17,8 +18,8 @@ def test_stage_buffers_are_named_by_what_needs_them():
     b = StageBuffers(zero3_copies=8.0, activation_window=4.0, checkpoint_window=2.0, states_window=1.0)
     assert StageBuffers.needs(BlockPlan(zero=3, activations="offload")) == {"zero3_copies", "activation_window"}
     assert StageBuffers.needs(BlockPlan(activations="recompute_offload")) == {"checkpoint_window"}
-    assert StageBuffers.needs(BlockPlan(zero=3, stream_states=True)) == {"zero3_copies", "states_window"}
-    assert StageBuffers.needs(BlockPlan(zero=3, stream_states=True), root=True) == {"zero3_copies"}
+    assert StageBuffers.needs(BlockPlan(zero=3, placement=Placement.STREAMED)) == {"zero3_copies", "states_window"}
+    assert StageBuffers.needs(BlockPlan(zero=3, placement=Placement.STREAMED), root=True) == {"zero3_copies"}
     assert StageBuffers.needs(BlockPlan(zero=2)) == frozenset()
     assert b.extra(BlockPlan(zero=3, activations="offload")) == 12.0 and b.prefetched == 4.0
     # every subset of what is asked for, once, the empty one first (the knapsack solves one table for each)

@@ -26,7 +26,7 @@ def _run(env, dp: int) -> dict:
     from snugfit.runtime.build import build_engine
 
     torch.manual_seed(0)
-    plan = Plan.uniform(CFG.n_layers, dp=dp, block=BlockPlan(zero=2), root=BlockPlan(zero=2, offload_optimizer=True),
+    plan = Plan.uniform(CFG.n_layers, dp=dp, block=BlockPlan(zero=2), root=BlockPlan(zero=2, placement="host_step"),
                         micro_batch_size=MBS, num_microbatches=2 // dp, seq_len=SEQ, compute_dtype="float16")
     engine = build_engine(Decoder(CFG), plan, OptimConfig(lr=1e-2), env)
     update, step = engine._update, [0]

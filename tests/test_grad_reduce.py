@@ -41,8 +41,8 @@ def _plans(world: int) -> dict[str, Plan]:
     plans = {"zero2": _plan(world, Z2), "zero3": _plan(world, Z3),
              "zero3_step": _plan(world, Z3, "step"),  # the count's baseline: one reduction a step
              # offloaded units: their shards add up on host, one copy per microbatch
-             "zero3_offload_optimizer": _plan(world, BlockPlan(zero=3, offload_optimizer=True)),
-             "zero3_offload_params": _plan(world, BlockPlan(zero=3, offload_params=True))}
+             "zero3_offload_optimizer": _plan(world, BlockPlan(zero=3, placement="host_step")),
+             "zero3_offload_params": _plan(world, BlockPlan(zero=3, placement="params_on_host"))}
     if world > 1:
         dp = world // 2
         plans |= {"1f1b_zero3": _plan(dp, Z3, pp=2, schedule="1f1b"),

@@ -32,8 +32,8 @@ CASES = {
     "zero3-lora": (ZERO3, 4, False),
     "zero3-tied": (ZERO3, 0, True),
     "pp2-lora": (dict(pp=2, schedule="1f1b"), 4, False),
-    "zero2-offload-optimizer": (dict(dp=2, block=BlockPlan(zero=2, offload_optimizer=True)), 0, False),
-    "zero3-offload-params": (dict(dp=2, block=BlockPlan(zero=3, offload_params=True), root=BlockPlan(zero=3)), 0,
+    "zero2-offload-optimizer": (dict(dp=2, block=BlockPlan(zero=2, placement="host_step")), 0, False),
+    "zero3-offload-params": (dict(dp=2, block=BlockPlan(zero=3, placement="params_on_host"), root=BlockPlan(zero=3)), 0,
                              False),
 }
 

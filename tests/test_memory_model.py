@@ -63,7 +63,7 @@ def test_frozen_parameters_cost_their_compute_dtype_bytes_only():
     for b in prof.blocks:
         b.trainable = 100_000
     frozen = 10_000_000 - 100_000
-    plan = _plan(dp=2, block=BlockPlan(zero=2, offload_optimizer=True))
+    plan = _plan(dp=2, block=BlockPlan(zero=2, placement="host_step"))
     dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
     assert dev["frozen_parameters"] == frozen * 2 // 2  # bf16
     assert dev["parameters"] == 100_000 * 2 // 2  # the adapters' shards: bf16 too, their masters on host
@@ -72,7 +72,7 @@ def test_frozen_parameters_cost_their_compute_dtype_bytes_only():
     dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
     assert dev["frozen_parameters"] == frozen * 2 and dev["parameters"] == 100_000 * 4  # bf16; fp32 masters
     assert dev["comm_buffers"] == 100_000 * 2  # a zero-0 unit gathers only its trainable part
-    plan = _plan(dp=2, block=BlockPlan(zero=3, offload_params=True))
+    plan = _plan(dp=2, block=BlockPlan(zero=3, placement="params_on_host"))
     dev, host = param_state(plan, rank_stages(plan, prof, 0)[0][1])
     assert host["frozen_parameters"] == frozen * 2 // 2 and host["parameters"] == 100_000 * 4 // 2
 
@@ -119,7 +119,7 @@ def test_bpipe_respects_the_bound_and_balances_memory():
 def test_offload_moves_bytes_to_host():
     prof, cl = synthetic_profile(), parse_cluster("2xRTX4090")
     base = estimate(_plan(dp=2, block=BlockPlan(zero=1)), prof, cl).memory_by_rank[0]
-    off = estimate(_plan(dp=2, block=BlockPlan(zero=1, offload_optimizer=True)), prof, cl).memory_by_rank[0]
+    off = estimate(_plan(dp=2, block=BlockPlan(zero=1, placement="host_step")), prof, cl).memory_by_rank[0]
     assert off["host:optimizer_states"] == 8 * 8 * 10_000_000 // 2
     assert off["host:master_weights"] == off["host:gradients"] == 8 * 4 * 10_000_000 // 2
     assert off["host:staging"] == 8 * 2 * 10_000_000 // 2  # the bf16 copy of the masters for the copy back
@@ -127,7 +127,7 @@ def test_offload_moves_bytes_to_host():
     acts = estimate(_plan(dp=2, block=BlockPlan(activations="offload")), prof, cl).memory_by_rank[0]
     assert acts["host:activations"] >= 8 * 64 * MB
     assert acts["activations"] < base["activations"]
-    params = estimate(_plan(dp=2, block=BlockPlan(zero=3, offload_params=True)), prof, cl).memory_by_rank[0]
+    params = estimate(_plan(dp=2, block=BlockPlan(zero=3, placement="params_on_host")), prof, cl).memory_by_rank[0]
     assert params["host:parameters"] == 8 * 10_000_000 * 4 // 2 and params["parameters"] < base["parameters"] / 10
     assert params["host:gradients"] > 0 and "host:master_weights" not in params
 
@@ -177,7 +177,7 @@ def test_start_up_counts_one_whole_tensor_per_rank_beyond_the_shards():
     prof = replace(synthetic_profile(), config={"dim": 4096, "vocab_size": 32000, "ffn_dim": 11008})
     assert largest_tensor_bytes(prof) == 4 * 4096 * 32000  # the embedding
     cl = parse_cluster("8xA100-80GB")
-    plan = _plan(dp=8, block=BlockPlan(zero=3, offload_optimizer=True))
+    plan = _plan(dp=8, block=BlockPlan(zero=3, placement="host_step"))
     pred = estimate(plan, prof, cl)
     need, start = node_host_need(plan, prof, cl, pred.memory_by_rank, 0)
     assert start == need + 8 * 4 * 4096 * 32000

@@ -50,7 +50,7 @@ ONE = {
     # the checkpoints (block inputs) on host: nothing of the blocks held on the device
     "recompute_offload": (_plan(1, BlockPlan(activations="recompute_offload"), BlockPlan()), ""),
     "accumulate": (_plan(1, m=2), ""),
-    "offload_optimizer": (_plan(1, BlockPlan(offload_optimizer=True), BlockPlan()), ""),
+    "offload_optimizer": (_plan(1, BlockPlan(placement="host_step"), BlockPlan()), ""),
     "lora": (_plan(1, m=2), "lora"),
     # frozen weights stored in bf16 once: FSDP2 leaves them out of a zero-0 unit, so no gathered copy
     "lora_bf16": (_plan(1, m=2, compute_dtype="bfloat16"), "lora"),
@@ -60,8 +60,8 @@ TWO = {
     "zero0": (_plan(2), ""),
     "zero2_accumulate": (_plan(2, BlockPlan(zero=2), m=2), ""),
     "zero3": (_plan(2, BlockPlan(zero=3)), ""),
-    "zero3_offload_optimizer": (_plan(2, BlockPlan(zero=3, offload_optimizer=True), BlockPlan(zero=1)), ""),
-    "offload_params": (_plan(2, BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3), m=2), ""),
+    "zero3_offload_optimizer": (_plan(2, BlockPlan(zero=3, placement="host_step"), BlockPlan(zero=1)), ""),
+    "offload_params": (_plan(2, BlockPlan(zero=3, placement="params_on_host"), BlockPlan(zero=3), m=2), ""),
     "lora_zero3": (_plan(2, BlockPlan(zero=3, activations="recompute"), BlockPlan(zero=2), m=2), "lora"),
     # zero bubble, V: a microbatch is held from its forward to its weight backward (after the input backward)
     "pp2_zbv": (_plan(1, m=4, pp=2, schedule="zbv", blocks=4), ""),
@@ -79,7 +79,7 @@ TWO = {
     "zero3_reduce_every_microbatch": (_plan(2, BlockPlan(zero=3), BlockPlan(zero=3), m=4, grad_reduce="microbatch"),
                                       ""),
     "zero2_offload_optimizer_reduce_every_microbatch": (
-        _plan(2, BlockPlan(zero=2, offload_optimizer=True), BlockPlan(zero=2), m=4, grad_reduce="microbatch"), ""),
+        _plan(2, BlockPlan(zero=2, placement="host_step"), BlockPlan(zero=2), m=4, grad_reduce="microbatch"), ""),
 }
 # a pipeline stage counts a saved DTensor by its local shard (its own untyped_storage() reports the global size)
 FOUR = {

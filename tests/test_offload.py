@@ -25,7 +25,7 @@ CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16)
 
 def test_bf16_masters_go_back_through_pinned_copies_in_the_device_dtype():
     plan = Plan.uniform(2, seq_len=16, micro_batch_size=2, compute_dtype="bfloat16",
-                        block=BlockPlan(offload_optimizer=True), root=BlockPlan())
+                        block=BlockPlan(placement="host_step"), root=BlockPlan())
     torch.manual_seed(0)
     engine = build_engine(Decoder(CFG), plan, OptimConfig(lr=1e-2), DistEnv())
     try:
@@ -57,8 +57,8 @@ def test_a_dropped_offload_engine_frees_its_model():
     import gc
     import weakref
 
-    plan = Plan.uniform(2, seq_len=16, micro_batch_size=2, block=BlockPlan(offload_optimizer=True),
-                        root=BlockPlan(offload_optimizer=True))
+    plan = Plan.uniform(2, seq_len=16, micro_batch_size=2, block=BlockPlan(placement="host_step"),
+                        root=BlockPlan(placement="host_step"))
     try:
         model = Decoder(CFG)
         engine = build_engine(model, plan, OptimConfig(lr=1e-2), DistEnv())

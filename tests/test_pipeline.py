@@ -39,7 +39,8 @@ CONFIGS = {
     "pp2xdp2-zero3": (4, dict(pp=2, dp=2, schedule="1f1b", block=BlockPlan(zero=3)), KEEP, 64,
                       dict(offload_params=[1, 3], instruct=True)),
     # BPipe with recomputation on ZeRO-2 blocks whose optimizer lives on host (selective's kept outputs evicted too)
-    "pp2xdp2-bpipe-zero2-offload": (4, dict(pp=2, dp=2, schedule="bpipe", block=BlockPlan(zero=2, offload_optimizer=True)),
+    "pp2xdp2-bpipe-zero2-offload": (4, dict(pp=2, dp=2, schedule="bpipe",
+                                            block=BlockPlan(zero=2, placement="host_step")),
                                     ["selective", "recompute"], 64, dict(evict_bound=1)),
     # zero bubble, V-shaped: 8 stages of one block on 4 ranks; the weight backward unpacks what the input backward
     # did once more (recomputed blocks recompute again, offloaded ones copy back again)
@@ -58,12 +59,11 @@ def _setup(name: str):
     """Model config, plan and the global batch (all dp ranks) of a configuration."""
     n, spec, policies, vocab, extra = CONFIGS[name]
     plan = Plan.uniform(n, micro_batch_size=2, num_microbatches=MICRO, seq_len=SEQ, **spec)
-    for i, b in enumerate(plan.blocks):
-        b.activations = policies[i % len(policies)]
-        if i in extra.get("offload_params", ()):
-            b.offload_params = True
+    plan.blocks = [replace(b, activations=policies[i % len(policies)],
+                           placement="params_on_host" if i in extra.get("offload_params", ()) else b.placement)
+                   for i, b in enumerate(plan.blocks)]
     plan.stage_blocks = extra.get("stage_blocks", plan.stage_blocks)
-    plan.evict_bound = extra.get("evict_bound")
+    plan.shape = replace(plan.shape, evict_bound=extra.get("evict_bound"))
     plan.validate(n_blocks=n, world_size=4)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (plan.global_batch, SEQ + 1), generator=gen)

@@ -13,6 +13,7 @@ from snugfit.commands import profile_hardware as hw_cmd
 from snugfit.errors import SnugfitError
 from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import ModelConfig
+from snugfit.plan import Plan
 
 
 def _run(argv, capsys):
@@ -37,7 +38,7 @@ def test_plan_json_has_predictions(tiny_model, tmp_path, capsys):
                     "--pp", "2", "--num-microbatches", "4", "--schedule", "bpipe", "--json",
                     "--profile-cache", str(tmp_path)], capsys)
     d = json.loads(out)
-    assert rc == 0 and d["pp"] == 2 and d["schedule"] == "bpipe"
+    assert rc == 0 and d["shape"]["pp"] == 2 and d["shape"]["schedule"] == "bpipe"
     pred = d["predicted"]
     assert pred["peak_memory_bytes"] == max(sum(v for k, v in m.items() if not k.startswith("host:"))
                                             for m in pred["memory_by_rank"])
@@ -72,7 +73,7 @@ WHOLE = ["--micro-batch", "1", "--zero", "0", "--recompute", "keep"]  # with --p
      r"cannot be split .* on 2 GPUs with dp=2 .*a global batch of 6 \(--batch-size 6\) can be, or use fewer GPUs"),
     (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2", *WHOLE], "num_microbatches"),
     (["--cluster", "4xA10", "--pp", "4", "--num-microbatches", "2"], "--num-microbatches 2 must be >= --pp 4"),
-    (["--cluster", "2xA10", "--offload-params", "--zero", "2"], "offload_params needs zero 3"),
+    (["--cluster", "2xA10", "--offload-params", "--zero", "2"], r"\(--offload-params\) needs zero 3"),
     (["--cluster", "2xA10", "--offload-optimizer", "2"], "'all' or 'none'"),
     (["--cluster", "2xA01"], "A10"),
     (["--cluster", "4xA10", "--tp", "3"], "--tp 3 does not divide"),
@@ -141,8 +142,9 @@ def test_search_respects_fixed_parts_and_prints_json(tiny_model, tmp_path, capsy
     rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xRTX4090", "--seq", "64", "--global-batch", "8",
                     "--pp", "2", "--zero", "3", "--json", "--profile-cache", str(tmp_path)], capsys)
     d = json.loads(out)
-    assert rc == 0 and d["pp"] == 2 and d["dp"] == 2 and all(b["zero"] == 3 for b in d["blocks"])
-    assert d["predicted"]["fits"] and d["micro_batch_size"] * d["num_microbatches"] * d["dp"] == 8
+    plan = Plan.from_dict(d)
+    assert rc == 0 and plan.pp == 2 and plan.dp == 2 and all(b["zero"] == 3 for b in d["blocks"])
+    assert d["predicted"]["fits"] and plan.global_batch == 8
 
 
 def test_tensor_parallelism_is_searched_within_nodes_and_can_be_fixed(tiny_model, tmp_path, capsys):
@@ -152,7 +154,9 @@ def test_tensor_parallelism_is_searched_within_nodes_and_can_be_fixed(tiny_model
     rc, out = _run(["plan", "--model", tiny_model, "--cluster", "4xA100-80GB", "--seq", "64", "--global-batch", "8",
                     "--tp", "2", "--json", "--profile-cache", str(tmp_path)], capsys)
     d = json.loads(out)
-    assert rc == 0 and d["tp"] == 2 and d["dp"] * d["pp"] == 2 and d["predicted"]["time_by_phase"]["tp_comm"] > 0
+    shape = d["shape"]
+    assert rc == 0 and shape["tp"] == 2 and shape["dp"] * shape["pp"] == 2
+    assert d["predicted"]["time_by_phase"]["tp_comm"] > 0
 
 
 def test_nothing_fits_prints_advice_not_a_plan(tiny_model, tmp_path, capsys):
@@ -235,12 +239,13 @@ def test_plan_reads_a_train_config_for_the_built_in_model(tmp_path, capsys):
     count = build_config(str(tmp_path / "run.toml")).model.num_params()
     assert rc == 0 and d["model"]["parameters"] == d["model"]["trainable"] == count
     assert (d["model"]["name"], d["model"]["blocks"], d["model"]["hidden"]) == ("built-in llama", 4, 64)
-    assert (d["seq_len"], d["micro_batch_size"] * d["num_microbatches"] * d["dp"], d["dp"] * d["pp"]) == (64, 8, 2)
+    plan = Plan.from_dict(d)
+    assert (plan.seq_len, plan.global_batch, plan.dp * plan.pp) == (64, 8, 2)
     assert {b["zero"] for b in [d["root"], *d["blocks"]]} == {3}
     rc, out = _run(["plan", "--config", str(tmp_path / "run.toml"), "--lora-rank", "4", "--pp", "2", "--json",
                     "--profile-cache", str(tmp_path)], capsys)
     d = json.loads(out)
-    assert rc == 0 and d["pp"] == 2 and d["model"]["parameters"] - d["model"]["trainable"] == count  # base frozen
+    assert rc == 0 and d["shape"]["pp"] == 2 and d["model"]["parameters"] - d["model"]["trainable"] == count  # base frozen
     with pytest.raises(SnugfitError, match="--zero fixes a part of a searched plan"):
         _run(["plan", "--config", str(tmp_path / "run.toml"), "--plan", "dp"], capsys)
 

@@ -57,11 +57,11 @@ def test_full_fine_tune_of_an_8b_model_keeps_its_weights_on_one_24gb_card(capsys
     d = _plan([*LLAMA, "--master-weights", "bf16", "--optimizer-states", "8bit", "--optimizer-in-backward"],
               capsys, cache)
     assert d["predicted"]["fits"] and d["predicted"]["peak_memory_bytes"] <= 24 * 2**30
-    assert not any(b["offload_params"] for b in d["blocks"])
+    assert not any(b["placement"] == "params_on_host" for b in d["blocks"])
     assert d["optimizer"] == {"master_weights": "bf16", "states": "8bit", "in_backward": True}
     assert d["predicted"]["tokens_per_s"] >= 2.5 * TODAY_TOKENS_PER_S
     # the search streams states rather than update them on the host's cores (36x slower for 8-bit states)
-    assert all(b["stream_states"] for b in d["blocks"])
+    assert all(b["placement"] == "streamed" for b in d["blocks"])
 
 
 def test_the_search_never_picks_an_optimizer_setup_and_advice_names_the_cheapest(capsys, cache):

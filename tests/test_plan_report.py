@@ -29,7 +29,7 @@ def _plan(n=8, **kw) -> Plan:
 
 def test_the_verdict_names_the_binding_limit_gpu_or_host():
     prof = synthetic_profile()
-    plan = _plan(dp=2, block=BlockPlan(zero=3, offload_params=True))
+    plan = _plan(dp=2, block=BlockPlan(zero=3, placement="params_on_host"))
     roomy = estimate(plan, prof, parse_cluster("2xRTX4090"))
     assert roomy.fits and verdict_line(roomy).startswith("fits: peak ")
     host = roomy.host_memory
@@ -80,11 +80,12 @@ def test_gradients_made_in_the_first_backward_are_called_gradients():
 
 
 def test_one_rank_says_offload_not_a_zero_stage():
-    one = _plan(dp=1, block=BlockPlan(zero=3, offload_params=True), root=BlockPlan(zero=3, offload_params=True))
+    offloaded = BlockPlan(zero=3, placement="params_on_host")
+    one = _plan(dp=1, block=offloaded, root=offloaded)
     text = summary(one)
     assert "ZeRO" not in text and "8 x parameter offload + activations kept" in text and "root: parameter offload" \
         in text
-    two = replace(_plan(dp=2, block=BlockPlan(zero=3, offload_params=True)), world_size=2)
+    two = _plan(dp=2, block=BlockPlan(zero=3, placement="params_on_host"))
     assert "ZeRO-3 + parameter offload" in summary(two)
 
 
@@ -108,8 +109,10 @@ def test_a_tie_is_broken_openly():
     text = format_result(res, cluster)
     assert (f"within rounding of the fastest ({faster.predicted.tokens_per_s:,.0f} tokens/s below); chosen for less "
             "memory") in text
-    assert why_not_the_fastest(res.best, replace(faster, schedule="bpipe")).endswith("chosen for no BPipe")
-    split = why_not_the_fastest(res.best, replace(faster, schedule="zbv"))  # search.SPLIT_MARGIN, not a rounding
+    bpipe = replace(faster, shape=replace(faster.shape, schedule="bpipe"))
+    assert why_not_the_fastest(res.best, bpipe).endswith("chosen for no BPipe")
+    zbv = replace(faster, shape=replace(faster.shape, schedule="zbv"))
+    split = why_not_the_fastest(res.best, zbv)  # search.SPLIT_MARGIN, not a rounding
     assert split.startswith("within 1% of the fastest (") and "split backward" in split, split
 
 

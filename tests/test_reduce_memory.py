@@ -21,7 +21,7 @@ PLANS = {  # name -> (block plan, root plan, microbatches)
     "zero3-accumulated": (BlockPlan(zero=3), BlockPlan(zero=3), 2),
     "zero2": (BlockPlan(zero=2), BlockPlan(zero=1), 1),
     "zero0": (BlockPlan(zero=0), BlockPlan(zero=0), 1),
-    "offload-optimizer": (BlockPlan(zero=2, offload_optimizer=True), BlockPlan(zero=2), 1),
+    "offload-optimizer": (BlockPlan(zero=2, placement="host_step"), BlockPlan(zero=2), 1),
 }
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from dataclasses import replace
 
 import pytest
 import torch
@@ -48,10 +47,10 @@ def make_plan(dp: int, block: BlockPlan = B0, root: BlockPlan | None = None, blo
 
 def mixed(dp: int) -> Plan:
     """Every technique in one model, activation recomputation included."""
-    return make_plan(dp, root=BlockPlan(zero=2, offload_optimizer=True), blocks=[
+    return make_plan(dp, root=BlockPlan(zero=2, placement="host_step"), blocks=[
         BlockPlan(zero=0, activations="recompute"),
-        BlockPlan(zero=3, offload_optimizer=True, activations="selective_half"),
-        BlockPlan(zero=3, offload_params=True),
+        BlockPlan(zero=3, placement="host_step", activations="selective_half"),
+        BlockPlan(zero=3, placement="params_on_host"),
     ])
 
 
@@ -188,8 +187,9 @@ def one_rank():
 
 
 def test_one_rank_plans_match_reference(one_rank):
-    plans = [make_plan(1), make_plan(1, BlockPlan(zero=3, offload_optimizer=True)),
-             make_plan(1, BlockPlan(zero=3, offload_params=True)), make_plan(1, BlockPlan(activations="recompute_offload"))]
+    plans = [make_plan(1), make_plan(1, BlockPlan(zero=3, placement="host_step")),
+             make_plan(1, BlockPlan(zero=3, placement="params_on_host")),
+             make_plan(1, BlockPlan(activations="recompute_offload"))]
     for plan, (out, params, _) in zip(plans, run_plans(one_rank, plans)):
         assert_matches(plan, out, params)
 
@@ -200,16 +200,16 @@ def test_one_rank_searched_plan_runs_under_its_budget(one_rank):
 
 # -- two ranks --
 TWO = [make_plan(2, BlockPlan(zero=z)) for z in (0, 1, 2, 3)] + [
-    make_plan(2, BlockPlan(zero=3, offload_params=True)),
-    make_plan(2, BlockPlan(zero=0, offload_optimizer=True)),
-    make_plan(2, BlockPlan(zero=3, offload_optimizer=True)),
+    make_plan(2, BlockPlan(zero=3, placement="params_on_host")),
+    make_plan(2, BlockPlan(zero=0, placement="host_step")),
+    make_plan(2, BlockPlan(zero=3, placement="host_step")),
     mixed(2),
     make_plan(1, BlockPlan(zero=3), tp=2),
     make_plan(1, BlockPlan(zero=0, activations="recompute"), tp=2),
     make_plan(2, BlockPlan(zero=3, activations="recompute_offload")),
 ]
 BF16 = [make_plan(2, BlockPlan(zero=3), compute_dtype="bfloat16"),
-        make_plan(2, BlockPlan(zero=1, offload_optimizer=True), compute_dtype="bfloat16")]
+        make_plan(2, BlockPlan(zero=1, placement="host_step"), compute_dtype="bfloat16")]
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +259,7 @@ def test_memory_split_by_place(two_ranks):
 
 # -- four ranks --
 FOUR = [make_plan(4, BlockPlan(zero=3)), make_plan(4, BlockPlan(zero=1)),
-        make_plan(4, BlockPlan(zero=3, offload_optimizer=True)), mixed(4),
+        make_plan(4, BlockPlan(zero=3, placement="host_step")), mixed(4),
         make_plan(2, BlockPlan(zero=3), tp=2), make_plan(2, BlockPlan(zero=0, activations="selective"), tp=2),
         make_plan(1, BlockPlan(zero=0), tp=4), make_plan(1, BlockPlan(zero=3), tp=2, pp=2)]
 
@@ -296,10 +296,9 @@ def test_sharded_state_is_a_quarter_per_rank(four_ranks):
 # -- refused before the first step --
 @pytest.mark.parametrize("plan, launched, message", [
     (make_plan(4), 2, "plan is for 4 ranks but 2 were launched"),
-    (replace(make_plan(2), dp=1), 2, "dp (1) x tp (1) x pp (1) must equal"),
-    (make_plan(1, tp=3), 3, "tp 3 does not divide attn.q's 4 heads"),
-    (make_plan(1, BlockPlan(zero=3, offload_params=True), tp=2), 2, "does not combine with host offload"),
-    (make_plan(2, BlockPlan(zero=2, offload_params=True)), 2, "offload_params needs zero 3"),
+    (make_plan(1, tp=3), 3, "tp 3 does not divide the model's heads (4), key/value heads (4)"),
+    (make_plan(1, BlockPlan(zero=3, placement="params_on_host"), tp=2), 2, "does not combine with host offload"),
+    (make_plan(2, BlockPlan(zero=2, placement="params_on_host")), 2, "(--offload-params) needs zero 3"),
     (make_plan(2, compute_dtype="float16", reduce_dtype="float16"), 2, "reduce in float32"),
     (make_plan(2, seq_len=64), 2, "exceeds the model's max_seq_len"),
 ])
@@ -310,7 +309,7 @@ def test_mismatched_plan_is_refused(plan, launched, message):
 
 
 def test_non_finite_step_is_skipped_on_device_and_host(one_rank):
-    plan = make_plan(1, BlockPlan(zero=3, offload_optimizer=True), root=BlockPlan(zero=3))
+    plan = make_plan(1, BlockPlan(zero=3, placement="host_step"), root=BlockPlan(zero=3))
     engine = build_engine(fresh_model(), plan, OPT, one_rank)
     before = {k: v.clone() for k, v in full(engine.state_dict()["model"]).items()}
     with torch.no_grad():
@@ -326,7 +325,7 @@ def test_non_finite_step_is_skipped_on_device_and_host(one_rank):
 def test_host_steps_run_behind_the_next_forward_where_a_device_computes(one_rank):
     """On a CPU device they run in place (nothing to overlap); on an accelerator, queued on the worker thread, each
     unit's forward waits for its own update. The worker computes what the in-place steps compute."""
-    plan = make_plan(1, BlockPlan(zero=0, offload_optimizer=True))
+    plan = make_plan(1, BlockPlan(zero=0, placement="host_step"))
     in_place, queued = (build_engine(fresh_model(), plan, OPT, one_rank) for _ in range(2))
     assert not in_place.host.overlap
     queued.host.overlap = True  # as on a GPU
@@ -342,7 +341,7 @@ def test_host_steps_run_behind_the_next_forward_where_a_device_computes(one_rank
 
 def test_queued_host_steps_keep_the_rate_of_their_own_step(one_rank):
     """The loop sets step 2's rate while step 1's host updates may still wait on the worker thread."""
-    plan = make_plan(1, BlockPlan(zero=0, offload_optimizer=True))
+    plan = make_plan(1, BlockPlan(zero=0, placement="host_step"))
     engine = build_engine(fresh_model(), plan, OPT, one_rank)
     engine.host.overlap = True  # the worker thread, as on a GPU
     used: list[float] = []

@@ -114,7 +114,7 @@ def test_reported_need_is_what_that_plan_evaluates_to(model, spec, pp):
     for cand in model.candidates():
         need, _, option = model.need(cand)
         plan = Plan.uniform(len(prof.blocks), dp=cand.dp, pp=pp, block=option, schedule=cand.schedule,
-                            root=BlockPlan(zero=0, offload_optimizer=True), micro_batch_size=cand.micro_batch_size,
+                            root=BlockPlan(zero=0, placement="host_step"), micro_batch_size=cand.micro_batch_size,
                             num_microbatches=cand.num_microbatches, seq_len=prof.seq_len, compute_dtype=prof.dtype,
                             grad_reduce=cand.grad_reduce)
         exact = estimate(plan, prof, cluster).peak_memory_bytes
@@ -289,10 +289,10 @@ def test_candidates_more_room_could_make_the_fastest_get_it(monkeypatch):
 
     from snugfit.plan import verify
     from snugfit.plan.candidates import Candidate
+    from snugfit.plan.shape import Shape
 
     def cand(lower: float, score: float, step_s: float) -> Candidate:
-        c = Candidate(dp=1, pp=1, micro_batch_size=1, num_microbatches=1, schedule="none", lower=lower, score=score,
-                      solved=True)
+        c = Candidate(Shape(), lower=lower, score=score, solved=True)
         c.plan = SimpleNamespace(predicted=SimpleNamespace(step_time_s=step_s))
         return c
 

@@ -23,8 +23,8 @@ OPT = OptimConfig(lr=1e-2, grad_clip=0.5)
 SMALL = {"dim": 32, "n_layers": 4, "n_heads": 4, "vocab_size": 64, "max_seq_len": SEQ, "seq_len": SEQ, "seed": 3}
 PLANS = {  # every plan for 2 ranks
     "zero3": dict(dp=2, block=BlockPlan(zero=3), root=BlockPlan(zero=3)),
-    "zero2-offload-optimizer": dict(dp=2, block=BlockPlan(zero=2, offload_optimizer=True), root=BlockPlan(zero=2)),
-    "zero3-offload-params": dict(dp=2, block=BlockPlan(zero=3, offload_params=True), root=BlockPlan(zero=3)),
+    "zero2-offload-optimizer": dict(dp=2, block=BlockPlan(zero=2, placement="host_step"), root=BlockPlan(zero=2)),
+    "zero3-offload-params": dict(dp=2, block=BlockPlan(zero=3, placement="params_on_host"), root=BlockPlan(zero=3)),
     "tp2": dict(tp=2),
     "pp2": dict(pp=2, schedule="1f1b"),
 }

@@ -29,12 +29,12 @@ SEQ, BATCH, STEPS = 16, 4, 3
 IN_BACKWARD = OptimizerPlan(in_backward=True)
 # name -> (block decision, root decision, optimizer setup); "host" is the reference
 UPDATES = {
-    "host": (BlockPlan(offload_optimizer=True), BlockPlan(offload_optimizer=True), OptimizerPlan()),
+    "host": (BlockPlan(placement="host_step"), BlockPlan(placement="host_step"), OptimizerPlan()),
     "device": (BlockPlan(), BlockPlan(), OptimizerPlan()),
-    "streamed": (BlockPlan(stream_states=True), BlockPlan(stream_states=True), OptimizerPlan()),
+    "streamed": (BlockPlan(placement="streamed"), BlockPlan(placement="streamed"), OptimizerPlan()),
     "in_backward": (BlockPlan(), BlockPlan(), IN_BACKWARD),
-    "streamed_in_backward": (BlockPlan(stream_states=True), BlockPlan(stream_states=True), IN_BACKWARD),
-    "host_in_backward": (BlockPlan(offload_optimizer=True), BlockPlan(stream_states=True), IN_BACKWARD),
+    "streamed_in_backward": (BlockPlan(placement="streamed"), BlockPlan(placement="streamed"), IN_BACKWARD),
+    "host_in_backward": (BlockPlan(placement="host_step"), BlockPlan(placement="streamed"), IN_BACKWARD),
 }
 
 

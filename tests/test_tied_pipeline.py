@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from snugfit.hardware import parse_cluster
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.hf import FolderWeights, load_hf
-from snugfit.plan import BlockPlan, OptimizerPlan, Plan, PlanError
+from snugfit.plan import BlockPlan, OptimizerPlan, Placement, Plan, PlanError
 from snugfit.plan.estimate import estimate
 from snugfit.plan.options import Constraints
 from snugfit.plan.search import search
@@ -48,9 +48,9 @@ PLANS = {
     "pp4": dict(pp=4, schedule="1f1b"),  # ranks 1 and 2 hold no copy
     # the copies sharded over dp (their local shards pair), on host between uses (their gradients too)
     "pp2xdp2-zero3-offload_params": dict(pp=2, dp=2, schedule="1f1b", block=BlockPlan(zero=3),
-                                         root=BlockPlan(zero=3, offload_params=True)),
+                                         root=BlockPlan(zero=3, placement=Placement.PARAMS_ON_HOST)),
     # the root's masters and AdamW on host: the copies' gradients are host offload's
-    "pp2-offload_optimizer": dict(pp=2, schedule="1f1b", root=BlockPlan(offload_optimizer=True)),
+    "pp2-offload_optimizer": dict(pp=2, schedule="1f1b", root=BlockPlan(placement=Placement.HOST_STEP)),
 }
 # which model trains under which plans, at 2 and 4 ranks
 RUNS = {2: [("decoder", "pp2"), ("decoder", "pp2-zbv"), ("hf", "pp2"), ("hf", "pp2-zbv"),
@@ -256,7 +256,7 @@ def test_checkpoint_resumes_under_another_pipeline_split(tmp_path, saved, resume
     for loss in after:
         assert loss == pytest.approx(continued, rel=1e-5)
     assert continued[0] == pytest.approx(reference(None, PP1, 3)[0][2], rel=1e-5)  # as the uninterrupted run
-    whole = replace(PP1, micro_batch_size=8, num_microbatches=1)
+    whole = replace(PP1, shape=replace(PP1.shape, micro_batch_size=8, num_microbatches=1))
     with torch.no_grad():  # guards the comparison: untrained weights give another loss on that batch (by 1e-3)
         untrained = reference_model(None)(*split_batch(batches(3)[2], whole)[0]).item()
     assert untrained != pytest.approx(continued[0], rel=1e-4)

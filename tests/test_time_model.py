@@ -93,7 +93,7 @@ def test_host_optimizer_and_faster_gpus():
     prof = synthetic_profile()
     cl = parse_cluster("RTX4090")
     dev = estimate(_plan(), prof, cl)
-    host = estimate(_plan(block=BlockPlan(offload_optimizer=True), root=BlockPlan(offload_optimizer=True)), prof, cl)
+    host = estimate(_plan(block=BlockPlan(placement="host_step"), root=BlockPlan(placement="host_step")), prof, cl)
     assert host.time_by_phase["optimizer"] < dev.time_by_phase["optimizer"]
     assert host.step_time_s >= dev.step_time_s - dev.time_by_phase["optimizer"]
     assert estimate(_plan(), prof, parse_cluster("H100")).step_time_s < estimate(_plan(), prof, parse_cluster("T4")).step_time_s
@@ -107,7 +107,7 @@ def test_the_host_optimizer_hides_behind_a_gpus_backward_but_not_a_cpus():
     from snugfit.plan.piece_memory import rank_stages
     from snugfit.plan.timing import optimizer_time
 
-    plan = _plan(block=BlockPlan(offload_optimizer=True), root=BlockPlan(offload_optimizer=True))
+    plan = _plan(block=BlockPlan(placement="host_step"), root=BlockPlan(placement="host_step"))
     pieces = [sp for sps in rank_stages(plan, synthetic_profile(), 0).values() for sp in sps]
     host, link = Host(adam_params_per_s=1e9), get_link("pcie4")
     kw = dict(host=host, dp=1, dtype="float32", reduce_dtype="float32", pcie=link, ranks_on_host=1)

@@ -9,6 +9,7 @@ import pytest
 
 from snugfit.config import build_config
 from snugfit.data.dataset import BatchSampler
+from snugfit.plan import Plan
 from snugfit.train.loop import train
 
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32, "max_seq_len": 32, "batch_size": 4,
@@ -114,7 +115,7 @@ def test_auto_plan_reports_predictions_and_draws_a_traced_step(tmp_path):
 
     train(tiny(tmp_path, steps=4, log_every=2, plan="auto", trace_step=3))
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert (plan["world_size"], plan["dp"], plan["pp"]) == (1, 1, 1) and plan["predicted"]["fits"]
+    assert Plan.from_dict(plan).world_size == 1 and plan["predicted"]["fits"]
     record = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"train"' in x][-1]
     measured, predicted = record["peak_memory_bytes"][0], record["predicted_peak_memory_bytes"][0]
     assert record["predicted_step_time_s"] > 0
@@ -145,8 +146,9 @@ def test_train_takes_the_fixed_parts_of_a_plan_as_options(tmp_path):
     plan_tp, tp2 = _cli_losses(tmp_path, "tp2", "--steps", "4", "--nproc", "2", "--tp", "2")
     plan_v, zbv = _cli_losses(tmp_path, "zbv", "--steps", "4", "--nproc", "2", "--pp", "2", "--schedule", "zbv")
     assert {b["zero"] for b in [plan2["root"], *plan2["blocks"]]} == {3}
-    assert (plan4["pp"], plan4["schedule"]) == (4, "bpipe") and (plan_tp["tp"], plan_tp["dp"]) == (2, 1)
-    assert (plan_v["schedule"], plan_v["virtual_stages"]) == ("zbv", 2)
+    bpipe_shape, tp_shape, v_shape = plan4["shape"], plan_tp["shape"], plan_v["shape"]
+    assert (bpipe_shape["pp"], bpipe_shape["schedule"]) == (4, "bpipe") and (tp_shape["tp"], tp_shape["dp"]) == (2, 1)
+    assert (v_shape["schedule"], v_shape["virtual_stages"]) == ("zbv", 2)
     for losses in (zero3, bpipe, tp2, zbv):
         assert losses == pytest.approx(alone, rel=1e-5)
     proc = run_cli("train", *FIXED, "--steps", "2", "--zero", "3", "--plan", "dp", cwd=tmp_path)

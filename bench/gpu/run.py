@@ -100,8 +100,9 @@ def techniques(on_gpu: bool) -> list[Technique]:
     other = "float32" if on_gpu else "bfloat16"  # the float dtype the rest of the table does not use
     return [
         Technique("replicated", BlockPlan(), BlockPlan()),
-        Technique("optimizer offload", BlockPlan(offload_optimizer=True), BlockPlan(offload_optimizer=True)),
-        Technique("parameter offload", BlockPlan(zero=3, offload_params=True), BlockPlan(zero=3, offload_params=True)),
+        Technique("optimizer offload", BlockPlan(placement="host_step"), BlockPlan(placement="host_step")),
+        Technique("parameter offload", BlockPlan(zero=3, placement="params_on_host"),
+                  BlockPlan(zero=3, placement="params_on_host")),
         Technique("recompute", BlockPlan(activations="recompute"), BlockPlan()),
         Technique("selective", BlockPlan(activations="selective"), BlockPlan()),
         Technique("selective, half the matmuls", BlockPlan(activations="selective_half"), BlockPlan()),
@@ -119,9 +120,9 @@ def techniques(on_gpu: bool) -> list[Technique]:
         Technique("bf16 master weights", BlockPlan(), BlockPlan(), optimizer=OptimizerPlan(master_weights="bf16")),
         Technique("step in backward", BlockPlan(zero=3), BlockPlan(zero=3), grad_reduce="microbatch",
                   optimizer=OptimizerPlan(in_backward=True)),
-        Technique("states streamed", BlockPlan(zero=3, stream_states=True), BlockPlan(zero=3, stream_states=True)),
-        Technique("8-bit streamed in backward, bf16 weights", BlockPlan(zero=3, stream_states=True),
-                  BlockPlan(zero=3, stream_states=True), grad_reduce="microbatch",
+        Technique("states streamed", BlockPlan(zero=3, placement="streamed"), BlockPlan(zero=3, placement="streamed")),
+        Technique("8-bit streamed in backward, bf16 weights", BlockPlan(zero=3, placement="streamed"),
+                  BlockPlan(zero=3, placement="streamed"), grad_reduce="microbatch",
                   optimizer=OptimizerPlan(master_weights="bf16", states="8bit", in_backward=True)),
     ] + ([  # compiled blocks: fused kernels, the partitioner's saved tensors (profile.compiled); NF4's dequantization
         # fuses too (eager QLoRA dispatches ~25 operators more per linear and pass). GPU only: on CPU each compiles

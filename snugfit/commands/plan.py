@@ -31,6 +31,7 @@ from snugfit.plan.explain import (
     advise, describe_model, explain_bpipe, format_result, memory_lines, phases_line, switches, verdict_line,
 )
 from snugfit.plan.options import Constraints, fixed_parts_of, refuse_fixed_parts_beside
+from snugfit.plan.placement import Placement
 from snugfit.plan.optimizer import describe as describe_optimizer
 from snugfit.plan.plan import DTYPES, BlockPlan, OptimizerPlan, Plan, PlanError, Prediction
 from snugfit.plan.policies import ACTIVATION_POLICIES
@@ -87,18 +88,18 @@ def plan_from_options(c: Constraints, *, seq: int, global_batch: int | None, dty
     else:
         raise SnugfitError(f"--offload-optimizer takes 'all' or a number of blocks <= {n_blocks}, "
                            f"got {c.offload_optimizer!r}")
-    params = bool(c.offload_params)
+    base = Placement.PARAMS_ON_HOST if c.offload_params else Placement.DEVICE
+    offloaded = Placement.PARAMS_ON_HOST if c.offload_params else Placement.HOST_STEP  # the first n_off blocks'
     try:
         plan = Plan.uniform(
             n_blocks, dp=dp, tp=tp, pp=pp, schedule=c.schedule, virtual_stages=c.virtual_stages,
-            block=BlockPlan(zero=c.zero, offload_params=params, activations=policy),
-            root=BlockPlan(zero=c.zero, offload_params=params, offload_optimizer=n_off == n_blocks > 0 and not params),
+            block=BlockPlan(zero=c.zero, placement=base, activations=policy),
+            root=BlockPlan(zero=c.zero, placement=offloaded if n_off == n_blocks > 0 else base),
             micro_batch_size=micro, num_microbatches=m, seq_len=seq, compute_dtype=dtype, reduce_dtype=reduce_dtype,
             evict_bound=c.evict_bound, grad_reduce=c.grad_reduce or "step",
             optimizer=optimizer or OptimizerPlan(),
         )
-        for b in plan.blocks[:n_off]:
-            b.offload_optimizer = not params
+        plan.blocks[:n_off] = [replace(b, placement=offloaded) for b in plan.blocks[:n_off]]
         plan.validate(n_blocks=n_blocks)
     except PlanError as e:
         raise SnugfitError(str(e)) from None
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     if par.plan not in ("auto", "dp"):
         plan = _read_plan(par.plan)
         if t.compile is not None:  # as train runs a plan file
-            plan.compile = t.compile
+            plan.shape = replace(plan.shape, compile=t.compile)
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, [])
         return 0
     notes = [f"dtype {dtype}: {why}"]
@@ -226,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_from_options(replace(par, micro_batch=micro), seq=seq, global_batch=gb, dtype=dtype,
                                  reduce_dtype=args.reduce_dtype, n_blocks=n_blocks, world_size=cluster.world_size,
                                  optimizer=optimizer_plan(t))
-        plan.compile = bool(t.compile)  # a plan given whole is not searched: eager unless --compile
+        # a plan given whole is not searched: eager unless --compile
+        plan.shape = replace(plan.shape, compile=bool(t.compile))
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
     if par.plan == "dp":  # plain data parallelism, as `snugfit train --plan dp` runs it; the micro-batch searched

@@ -146,9 +146,15 @@ class HFBlock(nn.Module):
         self._config = hf_config  # read by the mask functions: attention implementation, window
 
     def mask(self, h: torch.Tensor, pos: torch.Tensor):
+        """None where SDPA's causal kernel is exact (full attention, or a window the sequence fits in), asked of no
+        mask function: theirs read tensors' values (torch.compile could not trace the block); else theirs."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        make = create_sliding_window_causal_mask if self.layer_type == "sliding_attention" else create_causal_mask
+        slides = self.layer_type == "sliding_attention"
+        window = getattr(self._config, "sliding_window", None) or 0
+        if self._config._attn_implementation == "sdpa" and (not slides or h.shape[1] <= window):
+            return None
+        make = create_sliding_window_causal_mask if slides else create_causal_mask
         return make(config=self._config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
 
     def forward(self, h: torch.Tensor, rope: nn.Module | None = None) -> torch.Tensor:

@@ -13,50 +13,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from snugfit.hardware.cluster import Cluster
-from snugfit.plan.estimate import tensor_parallel_problem
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.knapsack import INF
 from snugfit.plan.options import Constraints, block_options
-from snugfit.plan.rules import Parts, allows, allows_unit
+from snugfit.plan.rules import allows, allows_unit, parts_of
 from snugfit.plan.plan import Plan
-from snugfit.plan.policies import ACTIVATION_POLICIES
-from snugfit.plan.schedules import SCHEDULES, Schedule
+from snugfit.plan.schedules import SCHEDULES
+from snugfit.plan.shape import RankLayout, Shape, exposes_shape
 from snugfit.profile.types import ModelProfile
 
 MAX_MICRO_BATCH = 8
 
 
+@exposes_shape  # cand.dp, cand.schedule, ...: cand.shape's, read-only
 @dataclass
 class Candidate:
-    dp: int
-    pp: int
-    micro_batch_size: int
-    num_microbatches: int
-    schedule: str
-    virtual_stages: int = 1
+    shape: Shape  # what the candidate is (the rest is what the search found for it); the cost caches key on it
     lower: float = 0.0  # seconds no plan of this candidate can beat
     score: float = INF  # the knapsack's step time of its solution
     plan: Plan | None = None
     solved: bool = False
     fits: bool | None = None  # estimate()'s verdict once verified
     polished: bool = False  # given back the room the knapsack could not see (verify.polish)
-    tp: int = 1
-    grad_reduce: str = "step"  # plan.GRAD_REDUCE
     estimated_need: int | None = None  # estimate()'s device peak of its leanest plan, where verify.rescue took one
-
-    @property
-    def key(self) -> tuple:
-        """What the candidate is (the rest of its fields are what the search found for it): its stages' costs and
-        views are cached by it (cost_model.CostModel)."""
-        return (self.dp, self.tp, self.pp, self.micro_batch_size, self.num_microbatches, self.schedule,
-                self.virtual_stages, self.grad_reduce)
 
     @property
     def family(self) -> str:
         return f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}"
-
-    def first_rank(self, s: int) -> int:
-        """The first rank of pipeline rank s (its dp x tp ranks follow it: plan.RankLayout)."""
-        return s * self.dp * self.tp
 
 
 def nearest_to_fitting(members: list[Candidate], need: Callable[[Candidate], float]) -> Candidate:
@@ -80,23 +63,18 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
     if all(n.gpu.name == "cpu" for n in cluster.nodes):
         return [1]
     per_node = math.gcd(*(n.count for n in cluster.nodes))
-    fixed_out = (c.schedule and not SCHEDULES[c.schedule].tensor_parallel) or c.offload_optimizer or \
-        c.offload_params or (c.activations and ACTIVATION_POLICIES[c.activations].on_host)
-    return [1] + [t for t in (2, 4, 8) if per_node % t == 0 and not fixed_out
-                  and tensor_parallel_problem(prof, t) is None]
+    facts = ModelFacts.of_profile(prof)
+    return [1] + [t for t in (2, 4, 8)
+                  if per_node % t == 0 and allows(c.parts(tp=t, seq_len=prof.seq_len, model=facts))]
 
 
-def grad_reduce_modes(dp: int, m: int, c: Constraints, sched: Schedule, in_backward: bool = False,
-                      compiled: bool = False) -> list[str]:
+def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False) -> list[str]:
     """When gradients may be reduced: per microbatch only where it can differ from once a step (accumulation
-    over data-parallel ranks, or the step in backward, which needs it where there are several microbatches) and
-    no rule forbids it beside the schedule (plan.rules: a split backward makes gradients in a later weight pass,
-    and takes no compiled blocks); the same math but for summation order, so searched freely unless fixed."""
+    over data-parallel ranks, or the step in backward, which needs it where there are several microbatches); the
+    same math but for summation order, so searched freely unless fixed. The rules then drop what the schedule
+    forbids (a split backward makes gradients in a later weight pass, and takes no compiled blocks)."""
     every = (dp > 1 or in_backward) and m > 1
-    modes = [c.grad_reduce] if c.grad_reduce else ["step", "microbatch"] if every else ["step"]
-    return [g for g in modes
-            if allows(Parts(schedule=sched.name, num_microbatches=m, grad_reduce=g, in_backward=in_backward,
-                            compile=compiled))]
+    return [c.grad_reduce] if c.grad_reduce else ["step", "microbatch"] if every else ["step"]
 
 
 def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
@@ -108,8 +86,10 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
         dp = w // (pp * tp)
         if w % (pp * tp) or (c.dp and c.dp != dp) or pp > n or gb % dp:
             continue
-        if any(len({cluster.gpu_of(r).name for r in range(s * dp * tp, (s + 1) * dp * tp)}) > 1 for s in range(pp)):
+        layout = RankLayout(pp=pp, dp=dp, tp=tp)
+        if any(len({cluster.gpu_of(r).name for r in layout.stage_ranks(s)}) > 1 for s in range(pp)):
             continue  # data- and tensor-parallel groups only of like GPUs
+        options = block_options(c, dp)
         mbss = [c.micro_batch] if c.micro_batch else [d for d in divisors(gb // dp) if d <= MAX_MICRO_BATCH]
         for mbs in mbss:
             m = gb // (dp * mbs)
@@ -117,14 +97,19 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                 continue
             for sched in SCHEDULES.values():
                 v = sched.stages_per_rank or c.virtual_stages or sched.search_stages_per_rank
-                if (c.schedule and sched.name != c.schedule) or (tp > 1 and not sched.tensor_parallel):
+                if c.schedule and sched.name != c.schedule:
                     continue
                 if sched.problem(pp, v, m) or n < pp * v:
                     continue
-                if not any(allows_unit(o, tp=tp, schedule=sched.name) for o in block_options(c, dp)):
-                    continue  # no option the fixed parts leave runs beside this schedule (plan.rules)
-                out += [Candidate(dp, pp, mbs, m, sched.name, v, tp=tp, grad_reduce=g)
-                        for g in grad_reduce_modes(dp, m, c, sched, in_backward, prof.compiled)]
+                for g in grad_reduce_modes(dp, m, c, in_backward):
+                    shape = Shape(dp=dp, tp=tp, pp=pp, schedule=sched.name, virtual_stages=v, micro_batch_size=mbs,
+                                  num_microbatches=m, grad_reduce=g, compile=prof.compiled,
+                                  evict_bound=c.evict_bound if sched.evicts else None)
+                    # no rule forbids it beside the optimizer setup, and some option the fixed parts leave runs
+                    # beside it (plan.rules)
+                    if allows(parts_of(shape, in_backward=in_backward)) and any(allows_unit(o, shape)
+                                                                               for o in options):
+                        out.append(Candidate(shape))
     return out
 
 

@@ -30,8 +30,8 @@ from snugfit.profile.types import ModelProfile, PieceProfile
 
 
 def _per_stage(cache: dict, cand: Candidate, s: int, make):
-    """cache[(cand.key, s)], made by make(cand, s) the first time."""
-    at = (cand.key, s)
+    """cache[(cand.shape, s)], made by make(cand, s) the first time."""
+    at = (cand.shape, s)
     found = cache.get(at)
     if found is None:
         found = cache[at] = make(cand, s)
@@ -90,7 +90,8 @@ class CostModel:
         return _per_stage(self._costs_of, cand, s, self._stage_costs)
 
     def _stage_costs(self, cand: Candidate, s: int) -> StageCosts:
-        first = cand.first_rank(s)
+        layout = cand.shape.layout
+        first = layout.rank(s)
         node = self.cluster.nodes[self.cluster.node_of(first)]
         busy = 1.0
         if cand.pp > 1 and node.gpu.name == "cpu" and node.count > node.host.cores:
@@ -104,8 +105,8 @@ class CostModel:
             return self._costs_at[at]
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
         # is named by all its fields (one across nodes has the bandwidth and node count of the group it serves)
-        dp_link = astuple(self.cluster.link_for(list(range(first, first + cand.dp * cand.tp, cand.tp))))
-        tp_link = astuple(self.cluster.link_for(list(range(first, first + cand.tp))))
+        dp_group, tp_group = layout.dp_group(first), layout.tp_group(first)
+        dp_link, tp_link = astuple(self.cluster.link_for(dp_group)), astuple(self.cluster.link_for(tp_group))
         alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp,
                  cand.micro_batch_size, busy, gathers, rdtype)  # the stage's costs share their parts (SharedCosts)
         key = alike + (cand.grad_reduce, replays)
@@ -113,10 +114,10 @@ class CostModel:
             prof = self.profile_at(cand)
             tensor = None
             if cand.tp > 1:
-                tensor = TensorParallel(cand.tp, self.cluster.link_for(list(range(first, first + cand.tp))),
+                tensor = TensorParallel(cand.tp, self.cluster.link_for(tp_group),
                                         prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
             shared = self._shared.setdefault(alike, SharedCosts())
-            self._costs[key] = StageCosts(prof, self.cluster, first, cand.dp, rdtype, busy, tensor,
+            self._costs[key] = StageCosts(prof, self.cluster, dp_group, rdtype, busy, tensor,
                                           gathers, cand.grad_reduce, replays, self.optimizer, shared)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
@@ -151,23 +152,23 @@ class CostModel:
         key = (cand.dp, cand.tp, cand.schedule, cand.grad_reduce, root)
         if key not in self._options:
             opts = [o for o in block_options(self.constraints, cand.dp, root)
-                    if allows_unit(o, root, tp=cand.tp, schedule=cand.schedule, grad_reduce=cand.grad_reduce)]
+                    if allows_unit(o, cand.shape, root)]
             if not self.optimizer.needs_torchao:
                 # fp32 weights with fp32 states: streaming holds the fp32 weight and gradient on the device where host
                 # offload holds a compute copy, and moves 16 bytes a parameter a step where host offload moves about
                 # 6 and the host's fused AdamW takes about as long (RTX 4090 with a 1.5e9/s host: 0.14 s a block
                 # each); left out, it only cost search time (llama-2-7b on 4 RTX 4090s: 0.28 s -> 0.47 s)
-                opts = [o for o in opts if not o.stream_states]
+                opts = [o for o in opts if not o.placement.streams_states]
             if self.cpu_only:  # nothing to stream states to either: the host is the device
-                lean = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
-                opts = lean or [o for o in opts if not o.stream_states]
+                lean = [o for o in opts if not (o.placement.states_on_host or o.offloads_activations)]
+                opts = lean or [o for o in opts if not o.placement.streams_states]
             self._options[key] = opts
         return self._options[key]
 
     def lower_bound(self, cand: Candidate) -> float:
         """Every block at its fastest option, perfectly balanced over the fastest GPU kind."""
         best = INF
-        for s in {self.cluster.node_of(cand.first_rank(s)): s for s in range(cand.pp)}.values():
+        for s in {self.cluster.node_of(cand.shape.layout.rank(s)): s for s in range(cand.pp)}.values():
             block, root, block_mb = self._fastest(cand, s)
             pipe = cpu_stage_time(self.costs(cand, s).node) * cand.virtual_stages if cand.pp > 1 else 0.0
             best = min(best, (self.n_blocks * block + root) / cand.pp + cand.num_microbatches * pipe
@@ -216,8 +217,8 @@ class CostModel:
             view = self.stage(cand, s)
             opts, ropts = view.options, view.root_options
             if not offload:
-                opts = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
-                ropts = [o for o in ropts if not o.states_on_host] or ropts
+                opts = [o for o in opts if not (o.placement.states_on_host or o.offloads_activations)]
+                ropts = [o for o in ropts if not o.placement.states_on_host] or ropts
             if not opts:
                 return worst
             st, blk, roots = view.costs, view.block, view.roots

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.corrections import corrected
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.cpu_ranks import cpu_tp_time
 from snugfit.plan.footprint import largest_tensor_bytes
 from snugfit.plan.memory import RankMemory, device_bytes, host_bytes, rank_memory
@@ -24,31 +25,8 @@ from snugfit.profile.types import ModelProfile
 HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
 
 
-def tensor_parallel_problem(prof: ModelProfile, tp: int) -> str | None:
-    """Why `tp` cannot split this model (runtime.tensor_parallel's conditions), or None."""
-    if tp == 1:
-        return None
-    c = prof.config
-    sizes = {"heads": c.get("n_heads") or c.get("num_attention_heads"),
-             "key/value heads": c.get("n_kv_heads") or c.get("num_key_value_heads") or c.get("n_heads")
-             or c.get("num_attention_heads"),
-             "MLP hidden size": c.get("ffn_dim") or c.get("intermediate_size"), "vocabulary": c.get("vocab_size"),
-             "sequence length": prof.seq_len}
-    bad = [f"{name} ({n})" for name, n in sizes.items() if n and n % tp]
-    if bad:
-        return f"tp {tp} does not divide the model's {', '.join(bad)}"
-    if prof.tied_params:
-        return "tensor parallelism cannot split tied embedding and head weights"
-    if any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces):
-        return "tensor parallelism does not split LoRA adapters"
-    return None
-
-
 def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
-    plan.validate(n_blocks=len(prof.blocks))
-    problem = tensor_parallel_problem(prof, plan.tp)
-    if problem:
-        raise PlanError(f"{problem}; plan with another tp")
+    plan.validate(n_blocks=len(prof.blocks), facts=ModelFacts.of_profile(prof))
     if plan.world_size != cluster.world_size:
         raise PlanError(
             f"plan uses {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) but the cluster has "
@@ -61,19 +39,15 @@ def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
 
 
 def _dp_group(plan: Plan, pp_rank: int) -> list[int]:
-    return [plan.layout.rank(pp_rank, i) for i in range(plan.dp)]
-
-
-def _tp_group(plan: Plan, rank: int) -> list[int]:
-    pp_rank, dp_rank, _ = plan.layout.coords(rank)
-    return [plan.layout.rank(pp_rank, dp_rank, t) for t in range(plan.tp)]
+    """The data-parallel group of pipeline rank pp_rank's first rank (its peers talk alike)."""
+    return plan.layout.dp_group(plan.layout.rank(pp_rank))
 
 
 def _tensor_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int) -> TensorParallel | None:
     if plan.tp == 1:
         return None
     node = cluster.nodes[cluster.node_of(rank)]
-    return TensorParallel(plan.tp, cluster.link_for(_tp_group(plan, rank)), prof.micro_batch_size * prof.seq_len,
+    return TensorParallel(plan.tp, cluster.link_for(plan.layout.tp_group(rank)), prof.micro_batch_size * prof.seq_len,
                           cpu_tp_time(node))
 
 
@@ -91,7 +65,7 @@ def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
     for rank in range(plan.world_size):
         pp_rank, dp_rank, _ = layout.coords(rank)
         if (pp_rank, dp_rank) not in tp_links:
-            tp_links[pp_rank, dp_rank] = repr(cluster.link_for(_tp_group(plan, rank)))
+            tp_links[pp_rank, dp_rank] = repr(cluster.link_for(plan.layout.tp_group(rank)))
         key = (pp_rank, nodes[cluster.node_of(rank)], dp_links[pp_rank], tp_links[pp_rank, dp_rank])
         out[rank] = first.setdefault(key, rank)
     return out

@@ -228,11 +228,11 @@ def _stronger(opt: OptimizerPlan, than: OptimizerPlan) -> bool:
 
 
 def _offloads(plan: Plan) -> bool:
-    return any(b.states_on_host for b in [plan.root, *plan.blocks])
+    return any(b.placement.states_on_host for b in [plan.root, *plan.blocks])
 
 
 def _switch_effect(before: Plan, after: Plan) -> str:
-    held = lambda p: sum(not b.offload_params for b in p.blocks)  # noqa: E731 - blocks whose weights stay
+    held = lambda p: sum(not b.placement.params_on_host for b in p.blocks)  # noqa: E731 - blocks whose weights stay
     if held(after) > held(before):
         where = ("every block's parameters stay on the card" if held(after) == len(after.blocks)
                  else f"{held(after)} of {len(after.blocks)} blocks' parameters stay on the card")

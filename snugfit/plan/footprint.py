@@ -60,7 +60,7 @@ class StageBuffers:
     def needs(o: BlockPlan, root: bool = False) -> frozenset[str]:
         """The buffers an option needs (the root unit's: the ZeRO-3 copies only)."""
         return _needs(o.zero == 3, o.policy.on_host and not root, bool(o.policy.recomputes),
-                      o.stream_states and not root)
+                      o.placement.streams_states and not root)
 
     def bytes_of(self, names: frozenset[str]) -> float:
         return sum(getattr(self, name) for name in names)

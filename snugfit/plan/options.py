@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from snugfit.errors import SnugfitError
-from snugfit.plan.rules import Parts, problem
-from snugfit.plan.plan import GRAD_REDUCE, ZERO_STAGES, BlockPlan
+from snugfit.plan.placement import Placement
+from snugfit.plan.rules import Parts, allows, parts_of, problem
+from snugfit.plan.plan import ZERO_STAGES, BlockPlan
 from snugfit.plan.policies import ACTIVATION_POLICIES, ALIASES, POLICY_NAMES
 from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES
+from snugfit.plan.shape import GRAD_REDUCE
 
 
 @dataclass
@@ -45,6 +47,27 @@ class Constraints:
         """Whether every unit offloads its optimizer (True), none does (False), or it is searched (None)."""
         return {None: None, "all": True, "none": False, "0": False}.get(self.offload_optimizer, self.offload_optimizer)
 
+    @property
+    def placement(self) -> Placement | None:
+        """The placement every unit takes where the offload options fix one (None: searched, or only narrowed)."""
+        if self.offload_params:
+            return Placement.PARAMS_ON_HOST
+        return Placement.HOST_STEP if self.offloads_optimizer else None
+
+    def placements(self) -> list[Placement]:
+        """The placements a unit may take under the offload options, in the search's order: --offload-params
+        false leaves out parameters on host, --offload-optimizer none every placement stepping or keeping the
+        states on host but parameter offload (which --offload-params alone decides)."""
+        if self.placement is not None:
+            return [self.placement]
+        return [p for p in Placement if not (p.params_on_host and self.offload_params is False)
+                and not (self.offloads_optimizer is False and p.states_on_host and not p.params_on_host)]
+
+    def parts(self, **rest) -> Parts:
+        """What the rules read of these fixed parts (plan.rules.parts_of), with `rest` over them."""
+        return parts_of(self, **{"zero": self.zero, "placement": self.placement, "activations": self.activations,
+                                 **rest})
+
     def fixed(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(Constraints) if getattr(self, f.name) is not None}
 
@@ -71,13 +94,11 @@ class Constraints:
         if self.offloads_optimizer not in (None, True, False):
             raise SnugfitError("--offload-optimizer in a search takes 'all' or 'none'; to offload the first N blocks, "
                                "give the whole plan (--pp, --micro-batch, --zero, --recompute)")
+        if self.offload_params and self.offloads_optimizer:
+            raise SnugfitError("--offload-params already keeps optimizer states on host; drop --offload-optimizer")
         if pp > 1 and self.num_microbatches and self.num_microbatches < pp:
             raise SnugfitError(f"--num-microbatches {self.num_microbatches} must be >= --pp {pp}")
-        broken = problem(Parts(
-            tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
-            schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound, zero=self.zero,
-            offload_optimizer=self.offloads_optimizer, offload_params=self.offload_params or None,
-            activations=self.activations))
+        broken = problem(self.parts())
         if broken:
             raise SnugfitError(broken)
         return self
@@ -101,22 +122,17 @@ def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan
     differs in memory only: FSDP2 gathers a unit's compute copy even on one rank, which ZeRO 3 frees after forward
     (the copy is the whole model again where the weights are stored in the compute dtype: bf16 masters)."""
     acts = ["keep"] if root else ([c.activations] if c.activations else list(ACTIVATION_POLICIES))
-    offload_optimizer = c.offloads_optimizer
     out = []
     for z in [c.zero] if c.zero is not None else [0, 1, 2, 3]:
-        for mode in ("none", "optimizer", "params", "stream"):
-            params = mode == "params"
-            if (params and z != 3) or (c.offload_params is not None and params != c.offload_params):
-                continue
-            if (offload_optimizer is not None and (mode == "optimizer") != offload_optimizer) or \
-                    (dp == 1 and c.zero is None and z not in ((3,) if mode == "params" else (0, 3))):
+        for placement in c.placements():
+            if not allows(Parts(zero=z, placement=placement)) or \
+                    (dp == 1 and c.zero is None and z not in ((3,) if placement.params_on_host else (0, 3))):
                 continue
             # streaming states pays where the device is short of memory, where ZeRO-3 holds the least too (and at
-            # dp 1 costs no communication); "none": every unit's states on the device
-            if mode == "stream" and (offload_optimizer is False or z != 3):
+            # dp 1 costs no communication)
+            if placement.streams_states and z != 3:
                 continue
-            out += [BlockPlan(z, mode == "optimizer", mode == "params", a, stream_states=mode == "stream")
-                    for a in acts]
+            out += [BlockPlan(z, placement, a) for a in acts]
     return out
 
 
@@ -126,9 +142,8 @@ def describe(o: BlockPlan, root: bool = False, dp: int | None = None) -> str:
     if dp is None or dp > 1 or o.zero == 0:
         parts = [f"ZeRO-{o.zero}" if o.zero else "replicated"]
     else:
-        parts = [] if o.offload_params else ["copies freed after forward" if o.zero == 3 else "replicated"]
-    parts += ["optimizer offload"] * o.offload_optimizer + ["parameter offload"] * o.offload_params
-    parts += ["states streamed"] * o.stream_states
+        parts = [] if o.placement.params_on_host else ["copies freed after forward" if o.zero == 3 else "replicated"]
+    parts += [o.placement.words] if o.placement.words else []
     return " + ".join(parts + ([] if root else [o.policy.words]))
 
 
@@ -137,6 +152,5 @@ def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
     (copies over PCIe, the optimizer on the host), so where the constraints allow options that offload nothing,
     the fastest of them is as fast as any (tests/test_search.py checks it). Recomputation is not left out: it
     lengthens the backward that hides a block's gradient reduction."""
-    lean = [o for o in opts if not (o.states_on_host or o.offloads_activations)]
+    lean = [o for o in opts if not (o.placement.states_on_host or o.offloads_activations)]
     return lean or opts
-

@@ -135,7 +135,7 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
     t, d, dp = sp.n_trainable, sp.decision, plan.dp
     div = dp if d.zero >= 1 else 1
     mb, states = master_bytes(plan.optimizer), optimizer_state_bytes(plan, sp)
-    if d.offload_params:  # host shards serve as master weights; the device only gathers
+    if d.placement.params_on_host:  # host shards serve as master weights; the device only gathers
         host = {**_sharded(stored_params(plan, sp, mb), dp), "gradients": _ceil_div(t * mb, dp),
                 "optimizer_states": states}
         if dp == 1 and sp.piece.quantized:  # NF4 weights FSDP2 leaves out (wrapped_params) stay on the device
@@ -144,7 +144,7 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
             return {"frozen_parameters": nf4}, host
         return {}, host
     dev = {"comm_buffers": gathered_bytes(plan, sp) if d.zero < 3 else 0}
-    if d.offload_optimizer:  # trainable shards are stored in the compute dtype; masters, gradients, states on host
+    if d.placement.steps_on_host:  # trainable shards stored in the compute dtype; masters, gradients, states on host
         cbytes = DTYPE_BYTES[plan.compute_dtype]
         dev.update(_sharded(stored_params(plan, sp, cbytes), div))
         host = {"master_weights": _ceil_div(t * mb, div), "gradients": _ceil_div(t * mb, div),
@@ -153,7 +153,7 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
             host["staging"] = _ceil_div(t * cbytes, div)
         return dev, host
     dev.update(_sharded(stored_params(plan, sp, mb), div), gradients=_ceil_div(t * mb, div))
-    if d.stream_states:
+    if d.placement.streams_states:
         return dev, {"optimizer_states": states}
     dev["optimizer_states"] = states
     return dev, {}
@@ -173,7 +173,8 @@ def stream_windows(plan: Plan, pieces: list[StagePiece]) -> tuple[dict[str, int]
     head) come in only for their own step."""
     units = unit_pieces(pieces)
     order = [u for u in units if u[0].is_block][::-1] + [u for u in units if not u[0].is_block]
-    states = [sum(optimizer_state_bytes(plan, sp) for sp in u) if u[0].decision.stream_states else 0 for u in order]
+    states = [sum(optimizer_state_bytes(plan, sp) for sp in u) if u[0].decision.placement.streams_states else 0
+              for u in order]
     at_reduce, at_step = {}, {}
     prefetched = 0
     for k, u in enumerate(order):

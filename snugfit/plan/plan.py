@@ -11,38 +11,53 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from snugfit.errors import PlanError
-from snugfit.plan.rules import Parts, problem
+from snugfit.plan.facts import ModelFacts
+from snugfit.plan.placement import Placement
+from snugfit.plan.rules import Parts, parts_of, problem
 from snugfit.plan.policies import ACTIVATION_POLICIES, POLICY_NAMES, ActivationPolicy
-from snugfit.plan.schedules import SCHEDULE_NAMES, SCHEDULES, Action, Schedule, bpipe_bound
+from snugfit.plan.schedules import SCHEDULES, Action, Schedule, bpipe_bound
+from snugfit.plan.shape import SHAPE_FIELDS, RankLayout, Shape, exposes_shape
 
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicate, 1 shard optimizer states, 2 + gradients, 3 + parameters
 DTYPES = ("float32", "bfloat16", "float16")
-# When FSDP2 reduces gradients over data-parallel ranks: once a step, after the last microbatch (the unsharded
-# gradient accumulates through the step), or after every microbatch (only the fp32 shard accumulates)
-GRAD_REDUCE = ("step", "microbatch")
 # How trainable parameters are stored and updated (OptimizerPlan): the dtype of the weights the optimizer updates
 # (bf16: no fp32 copy, updated with stochastic rounding), and of AdamW's two states (8bit, 4bit: torchao's blockwise
 # quantized states)
 MASTER_WEIGHTS = ("fp32", "bf16")
 OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "4bit")
+PLACEMENTS = tuple(p.value for p in Placement)
+# The plan's layout: 1 (no version field) held the shape's fields flat and three booleans per unit, where 2 holds
+# its shape (plan.shape) and each unit's placement
+PLAN_VERSION = 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class BlockPlan:
-    """Decisions for one block (or for the root piece: embedding + final norm + head)."""
+    """Decisions for one block (or for the root piece: embedding + final norm + head). Frozen and hashable: the
+    cost caches key on (piece, option)."""
 
     zero: int = 0
-    offload_optimizer: bool = False  # fp32 master weights + optimizer states on host, compute params on device
-    offload_params: bool = False  # parameters on host between uses (FSDP2 CPUOffloadPolicy); needs zero 3
+    placement: Placement = Placement.DEVICE  # where its trainable state lives and is updated (plan.placement)
     activations: str = "keep"  # what happens to the block's saved activations
-    # optimizer states on host, copied to the device for the unit's update and back (runtime.stream_states); the
-    # weights and their gradients stay on the device: the alternative to offload_optimizer's update on the host
-    stream_states: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.placement, Placement):  # a name, as plan JSON and configs write it
+            if self.placement not in PLACEMENTS:
+                raise PlanError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+            object.__setattr__(self, "placement", Placement(self.placement))
+
+    # what the runtime's readers ask by the names plans had before their placement (read-only)
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.placement is Placement.HOST_STEP
 
     @property
-    def states_on_host(self) -> bool:
-        """Whether the unit's optimizer states live on host between steps (updated there or on the device)."""
-        return self.offload_optimizer or self.offload_params or self.stream_states
+    def offload_params(self) -> bool:
+        return self.placement.params_on_host
+
+    @property
+    def stream_states(self) -> bool:
+        return self.placement.streams_states
 
     @property
     def policy(self) -> ActivationPolicy:
@@ -86,29 +101,6 @@ class OptimizerPlan:
         return (self.master_weights, self.states) != ("fp32", "fp32")
 
 
-@dataclass(frozen=True)
-class RankLayout:
-    """Where each rank sits on the pp x dp x tp grid. tp is innermost, so a rank's tensor-parallel peers are
-    its neighbours (one node: NVLink), then its data-parallel peers, then the pipeline stages:
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank. The one place this formula is written."""
-
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank."""
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
-
-    def rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
-
-    def stage_ranks(self, pp_rank: int) -> list[int]:
-        """Every rank that holds pipeline rank pp_rank's stages."""
-        per = self.dp * self.tp
-        return list(range(pp_rank * per, (pp_rank + 1) * per))
-
-
 @dataclass
 class Prediction:
     """What the memory and time models said about this plan (filled by plan/)."""
@@ -134,26 +126,16 @@ class Prediction:
     compile_s: float = 0.0
 
 
+@exposes_shape  # plan.dp, plan.schedule, plan.world_size, ...: plan.shape's, read-only
 @dataclass
 class Plan:
-    world_size: int = 1  # dp x tp x pp
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1  # tensor-parallel degree: each block's linears split over tp ranks of one node
-    micro_batch_size: int = 1
-    num_microbatches: int = 1  # per data-parallel rank per optimizer step
+    version: int = PLAN_VERSION  # of the layout (plan JSON); `migrated` reads every earlier one
+    shape: Shape = field(default_factory=Shape)  # the degrees, schedule, microbatching, reduction, compile
     seq_len: int = 128
-    schedule: str = "none"
-    virtual_stages: int = 1  # stages per pipeline rank (interleaved 1F1B)
     stage_blocks: list[int] = field(default_factory=list)  # blocks per stage, in order; len = pp * virtual_stages
-    evict_bound: int | None = None  # BPipe: most microbatches' activations resident on one stage
     compute_dtype: str = "float32"  # dtype of parameters in forward/backward
     reduce_dtype: str = "float32"  # dtype of gradient reduction
-    grad_reduce: str = "step"  # GRAD_REDUCE: reduce once a step, or every microbatch (ZeRO-2/3 then hold shards)
     optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
-    # each block compiled once (torch.compile, runtime.compile): fused kernels, what the partitioner saves; the math
-    # is the same up to float order, so the search weighs it as any other choice (its profile: profile.compiled)
-    compile: bool = False
     root: BlockPlan = field(default_factory=BlockPlan)  # embedding, final norm, head
     blocks: list[BlockPlan] = field(default_factory=list)
     predicted: Prediction | None = None
@@ -169,8 +151,8 @@ class Plan:
         return self.global_batch * self.seq_len
 
     @property
-    def layout(self) -> "RankLayout":
-        return RankLayout(pp=self.pp, dp=self.dp, tp=self.tp)
+    def layout(self) -> RankLayout:
+        return self.shape.layout
 
     def stage_ranges(self) -> list[range]:
         """Block indices of each stage, in stage order (stage k runs on pipeline rank `stage_rank(k)`)."""
@@ -187,7 +169,7 @@ class Plan:
         twice a plain loop's time on an H200 (docs/gpu.md); below fp32, runtime.precision casts the compute copies
         once a step."""
         units = [self.root, *self.blocks]
-        plain = all(u.zero == 0 and not u.states_on_host for u in units)
+        plain = all(u.zero == 0 and not u.placement.states_on_host for u in units)
         return self.world_size == 1 and plain and self.optimizer.master_weights == "fp32"
 
     @property
@@ -223,54 +205,29 @@ class Plan:
 
     # -- construction --
     @classmethod
-    def uniform(
-        cls,
-        n_blocks: int,
-        *,
-        dp: int = 1,
-        pp: int = 1,
-        tp: int = 1,
-        block: BlockPlan | None = None,
-        root: BlockPlan | None = None,
-        schedule: str | None = None,
-        virtual_stages: int | None = None,
-        **kw,
-    ) -> "Plan":
-        """Every block decided alike; stages split as evenly as possible (earlier stages get fewer). The schedule
-        defaults to 'none' without a pipeline and '1f1b' with one, virtual_stages to what the schedule runs."""
-        block = block or BlockPlan()
-        schedule = schedule or ("none" if pp == 1 else "1f1b")
+    def uniform(cls, n_blocks: int, *, block: BlockPlan | None = None, root: BlockPlan | None = None, **kw) -> "Plan":
+        """Every block decided alike; stages split as evenly as possible (earlier stages get fewer). kw: Shape's
+        fields and Plan's. The schedule defaults to 'none' without a pipeline and '1f1b' with one, virtual_stages to
+        what the schedule runs."""
+        wide = {name: value for name in SHAPE_FIELDS if (value := kw.pop(name, None)) is not None}
+        pp = wide.get("pp", 1)
+        schedule = wide.setdefault("schedule", "none" if pp == 1 else "1f1b")
         fixed = SCHEDULES[schedule].stages_per_rank if schedule in SCHEDULES else None
-        virtual_stages = virtual_stages or fixed or 1
+        virtual_stages = wide.setdefault("virtual_stages", fixed or 1)
         n_stages = pp * virtual_stages
         base, extra = divmod(n_blocks, n_stages)
         stage_blocks = [base + (1 if i >= n_stages - extra else 0) for i in range(n_stages)]
-        return cls(
-            world_size=dp * tp * pp,
-            dp=dp,
-            pp=pp,
-            tp=tp,
-            schedule=schedule,
-            virtual_stages=virtual_stages,
-            stage_blocks=stage_blocks,
-            root=root or BlockPlan(**asdict(block)),
-            blocks=[BlockPlan(**asdict(block)) for _ in range(n_blocks)],
-            **kw,
-        )
+        block = block or BlockPlan()
+        return cls(shape=Shape(**wide), stage_blocks=stage_blocks, root=root or block, blocks=[block] * n_blocks, **kw)
 
     # -- checks --
-    def validate(self, n_blocks: int | None = None, world_size: int | None = None) -> None:
-        """Refuse a plan that contradicts itself (its fields, then every rule of plan.rules), the model or the
-        launch."""
-        for name in ("world_size", "dp", "pp", "tp", "micro_batch_size", "num_microbatches", "seq_len", "virtual_stages"):
-            if getattr(self, name) < 1:
-                raise PlanError(f"plan.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dp * self.tp * self.pp != self.world_size:
-            raise PlanError(
-                f"plan: dp ({self.dp}) x tp ({self.tp}) x pp ({self.pp}) must equal world_size ({self.world_size})"
-            )
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"plan.schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
+    def validate(self, n_blocks: int | None = None, world_size: int | None = None,
+                 facts: ModelFacts | None = None) -> None:
+        """Refuse a plan that contradicts itself (its fields, then every rule of plan.rules), the model (its
+        blocks; its facts, which the rules read) or the launch."""
+        self.shape.check("plan.shape")
+        if self.seq_len < 1:
+            raise PlanError(f"plan.seq_len must be >= 1, got {self.seq_len}")
         if len(self.stage_blocks) != self.pp * self.virtual_stages:
             raise PlanError(
                 f"plan.stage_blocks has {len(self.stage_blocks)} stages, expected pp x virtual_stages = "
@@ -280,8 +237,6 @@ class Plan:
             raise PlanError(
                 f"plan.stage_blocks {self.stage_blocks} must be positive and sum to the {len(self.blocks)} blocks"
             )
-        if self.grad_reduce not in GRAD_REDUCE:
-            raise PlanError(f"plan.grad_reduce must be one of {GRAD_REDUCE}, got {self.grad_reduce!r}")
         for name in ("compute_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"plan.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
@@ -289,7 +244,7 @@ class Plan:
         for i, b in enumerate(self.blocks):
             b.check(f"plan.blocks[{i}]")
         self.optimizer.check()
-        broken = self.rule_broken()
+        broken = self.rule_broken(facts)
         if broken:
             raise PlanError(broken)
         if world_size is not None and world_size != self.world_size:
@@ -300,27 +255,26 @@ class Plan:
         if n_blocks is not None and len(self.blocks) != n_blocks:
             raise PlanError(f"plan has {len(self.blocks)} block decisions but the model has {n_blocks} blocks; re-plan")
 
-    def rule_broken(self) -> str | None:
-        """The first compatibility rule (plan.rules) the plan breaks, naming where, or None."""
-        for where, parts in self.rule_parts():
+    def rule_broken(self, facts: ModelFacts | None = None) -> str | None:
+        """The first compatibility rule (plan.rules) the plan breaks beside the model's facts, naming where, or
+        None."""
+        for where, parts in self.rule_parts(facts):
             found = problem(parts)
             if found:
                 return f"{where}: {found}"
         return None
 
-    def rule_parts(self) -> Iterator[tuple[str, Parts]]:
+    def rule_parts(self, facts: ModelFacts | None = None) -> Iterator[tuple[str, Parts]]:
         """What the rules read of this plan: its plan-wide parts, then each distinct unit's beside them."""
-        wide = dict(tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages, num_microbatches=self.num_microbatches,
-                    schedule=self.schedule, grad_reduce=self.grad_reduce, evict_bound=self.evict_bound,
-                    compute_dtype=self.compute_dtype, in_backward=self.optimizer.in_backward, compile=self.compile)
-        yield "plan", Parts(**wide)
+        wide = dict(seq_len=self.seq_len, compute_dtype=self.compute_dtype, in_backward=self.optimizer.in_backward,
+                    model=facts)
+        yield "plan", parts_of(self.shape, **wide)
         units = {}  # each distinct unit once, where it first appears
         for where, u in (("plan.root", replace(self.root, activations="keep")),  # the root pieces keep theirs
                          *((f"plan.blocks[{i}]", b) for i, b in enumerate(self.blocks))):
-            units.setdefault((u.zero, u.offload_optimizer, u.offload_params, u.activations, u.stream_states), where)
-        for (zero, opt, params, acts, stream), where in units.items():
-            yield where, Parts(**wide, zero=zero, offload_optimizer=opt, offload_params=params, activations=acts,
-                               stream_states=stream)
+            units.setdefault(u, where)
+        for u, where in units.items():
+            yield where, parts_of(self.shape, **wide, zero=u.zero, placement=u.placement, activations=u.activations)
 
     # -- serialisation --
     def to_dict(self) -> dict:
@@ -331,11 +285,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        d = migrated(d)
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown fields {sorted(unknown)}; allowed: {sorted(known)}")
-        d = dict(d)
+        unknown = set(d.get("shape", {})) - set(SHAPE_FIELDS)
+        if unknown:
+            raise PlanError(f"plan.shape has unknown fields {sorted(unknown)}; allowed: {sorted(SHAPE_FIELDS)}")
+        d["shape"] = Shape(**d.get("shape", {}))
         d["root"] = BlockPlan(**d.get("root", {}))
         d["blocks"] = [BlockPlan(**b) for b in d.get("blocks", [])]
         d["optimizer"] = OptimizerPlan(**d.get("optimizer", {}))
@@ -346,3 +304,41 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+# version 1's unit booleans, each the placement it said (at most one of them was allowed)
+_V1_PLACEMENTS = {"offload_optimizer": Placement.HOST_STEP, "offload_params": Placement.PARAMS_ON_HOST,
+                  "stream_states": Placement.STREAMED}
+
+
+def migrated(d: dict) -> dict:
+    """A plan dict in the current layout (PLAN_VERSION), from one written in any earlier layout (a copy). Version 1
+    (no version field) held the shape's fields flat, with the world size they multiply to, and said a unit's
+    placement by three booleans, of which the rules allowed at most one."""
+    version = d.get("version", 1)
+    if version == PLAN_VERSION:
+        return dict(d)
+    if version != 1:
+        raise PlanError(f"plan version {version!r} is not one this snugfit reads (1 to {PLAN_VERSION}); re-plan or "
+                        "upgrade snugfit")
+    out = {name: value for name, value in d.items() if name not in (*SHAPE_FIELDS, "world_size")}
+    out.update(version=PLAN_VERSION, shape={name: d[name] for name in SHAPE_FIELDS if name in d})
+    shape = Shape(**out["shape"])
+    if "world_size" in d and d["world_size"] != shape.world_size:
+        raise PlanError(f"plan: dp ({shape.dp}) x tp ({shape.tp}) x pp ({shape.pp}) must equal world_size "
+                        f"({d['world_size']})")
+    if "root" in d:
+        out["root"] = _v1_unit(d["root"], "root")
+    out["blocks"] = [_v1_unit(b, f"blocks[{i}]") for i, b in enumerate(d.get("blocks", []))]
+    return out
+
+
+def _v1_unit(unit: dict, where: str) -> dict:
+    """A version-1 unit with its placement in place of its booleans."""
+    unit = dict(unit)
+    said = [name for name in _V1_PLACEMENTS if unit.pop(name, False)]
+    if len(said) > 1:
+        raise PlanError(f"plan.{where} sets {' and '.join(said)}, which place its states apart; keep one")
+    if said:
+        unit["placement"] = _V1_PLACEMENTS[said[0]].value
+    return unit

@@ -63,7 +63,7 @@ def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[Redu
 
     def shard(i: int) -> int:
         d = units[i][0].decision
-        if d.offload_optimizer or d.offload_params:
+        if d.placement.steps_on_host:
             return 0
         return -(-master_bytes(plan.optimizer) * trainable[i] // (plan.dp if d.zero >= 1 else 1))
 

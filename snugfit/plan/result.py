@@ -88,7 +88,7 @@ def explain_losses(model: CostModel, cands: list[Candidate], found: list[Candida
             reason = (f"slower: at best {t:.3g} s/step (knapsack) vs {best_time:.3g}" if best_time <= t < INF else
                       "no assignment the knapsack found passed the full estimate()")
         res.rejected.append(Rejection(fam, reason, least_bytes))
-    if res.best is not None and any(b.offload_optimizer or b.offload_params or b.offloads_activations
+    if res.best is not None and any(b.placement.steps_on_host or b.offloads_activations
                                     for b in res.best.blocks):
         plain_need = model.need(found[0], offload=False)[0]
         if plain_need > budget:

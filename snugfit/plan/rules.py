@@ -1,8 +1,8 @@
 """The compatibility rules: which parts of a plan cannot go together, each written once, with its fix.
 
-A rule reads named parts of a plan: plan-wide ones (tp, pp, schedule, virtual stages, microbatches, gradient
-reduction, evict bound, compute dtype, the step in backward, compiled blocks) and one unit's (ZeRO stage,
-offloads, activation policy, streamed states). `Plan.validate` checks every
+A rule reads named parts of a plan: plan-wide ones (the Shape's: degrees, schedule, virtual stages, microbatches,
+gradient reduction, evict bound, compiled blocks; the compute dtype, the step in backward) and one unit's (ZeRO
+stage, state placement, activation policy). `Plan.validate` checks every
 unit of a plan against the table, so the planner, `snugfit plan --plan-file` and `snugfit train` refuse a plan
 with the same line. The parts a user fixes for a search (plan.options.Constraints) are checked against the same
 rules wherever every part a rule reads is fixed, and the search offers a unit option only where no rule forbids
@@ -11,32 +11,38 @@ it beside the candidate's degrees and schedule (`allows`). Pure: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Callable
 
+from snugfit.plan.facts import ModelFacts
+from snugfit.plan.placement import Placement
 from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.schedules import SCHEDULES
+from snugfit.plan.shape import SHAPE_FIELDS, Shape
 
 
-@dataclass(frozen=True)
-class Parts:
-    """What the rules read; None where a part is not fixed (yet)."""
+def _optional(annotation: str) -> str:
+    return annotation if "None" in annotation else f"{annotation} | None"
 
-    tp: int | None = None
-    pp: int | None = None
-    virtual_stages: int | None = None
-    num_microbatches: int | None = None
-    schedule: str | None = None
-    grad_reduce: str | None = None
-    evict_bound: int | None = None
-    compute_dtype: str | None = None
-    in_backward: bool | None = None  # each unit steps in backward (plan.OptimizerPlan)
-    compile: bool | None = None  # blocks compiled (Plan.compile)
-    zero: int | None = None  # the unit's
-    offload_optimizer: bool | None = None
-    offload_params: bool | None = None
-    activations: str | None = None  # a block's policy (the root's pieces always keep theirs)
-    stream_states: bool | None = None
+
+# What the rules read; None where a part is not fixed (yet): Shape's fields, all optional (derived from Shape, so
+# a new plan-wide part is one field there), then the plan-wide numerics and one unit's parts.
+Parts = make_dataclass("Parts", [
+    *((f.name, _optional(f.type), field(default=None)) for f in fields(Shape)),
+    ("seq_len", int | None, field(default=None)),
+    ("compute_dtype", str | None, field(default=None)),
+    ("in_backward", bool | None, field(default=None)),  # each unit steps in backward (plan.OptimizerPlan)
+    ("zero", int | None, field(default=None)),  # the unit's
+    ("placement", Placement | None, field(default=None)),  # the unit's (plan.placement)
+    ("activations", str | None, field(default=None)),  # a block's policy (the root's pieces always keep theirs)
+    ("model", ModelFacts | None, field(default=None)),  # what the rules need to know of the model (plan.facts)
+], frozen=True)
+
+
+def parts_of(fixed: object, **rest) -> Parts:
+    """The parts `fixed` gives (a Shape, a candidate, the user's Constraints: each of Shape's fields it has, None
+    where it has none), and `rest` (the numerics, one unit's parts) over them."""
+    return Parts(**{**{name: getattr(fixed, name, None) for name in SHAPE_FIELDS}, **rest})
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,16 @@ def _splits(p: Parts) -> bool:
     return SCHEDULES[p.schedule].splits_backward
 
 
+def _undivided(p: Parts) -> list[str]:
+    """The model's sizes (and the sequence, which sequence parallelism splits) that tp does not divide."""
+    sizes = {**p.model.split_sizes(), "sequence length": p.seq_len}
+    return [f"{name} ({n})" for name, n in sizes.items() if n and n % p.tp]
+
+
 RULES: tuple[Rule, ...] = (
+    Rule(("cp", "ep"), lambda p: p.cp > 1 or p.ep > 1,
+         lambda p: f"context parallelism (cp {p.cp}) and expert parallelism (ep {p.ep}) are not built yet; use cp 1 "
+                   "and ep 1"),
     Rule(("schedule", "pp", "virtual_stages", "num_microbatches"),
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches) is not None,
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches)),
@@ -60,24 +75,15 @@ RULES: tuple[Rule, ...] = (
     Rule(("tp", "schedule"), lambda p: p.tp > 1 and not SCHEDULES[p.schedule].tensor_parallel,
          lambda p: f"tp {p.tp} does not combine with schedule {p.schedule!r} yet (its activation moves are not "
                    "tensor-parallel); use tp 1 or another schedule"),
-    Rule(("tp", "offload_optimizer"), lambda p: p.tp > 1 and p.offload_optimizer,
-         lambda p: f"tp {p.tp} does not combine with host offload (optimizer states) yet; offload nothing or use tp 1"),
-    Rule(("tp", "offload_params"), lambda p: p.tp > 1 and p.offload_params,
-         lambda p: f"tp {p.tp} does not combine with host offload (parameters) yet; offload nothing or use tp 1"),
-    Rule(("tp", "stream_states"), lambda p: p.tp > 1 and p.stream_states,
-         lambda p: f"tp {p.tp} does not combine with host offload (streamed optimizer states) yet; keep the states "
-                   "on the device or use tp 1"),
+    Rule(("tp", "placement"), lambda p: p.tp > 1 and p.placement.states_on_host,
+         lambda p: f"tp {p.tp} does not combine with host offload ({p.placement.words}: placement "
+                   f"{p.placement.value!r}) yet; keep the unit's states on the device or use tp 1"),
     Rule(("tp", "activations"), lambda p: p.tp > 1 and ACTIVATION_POLICIES[p.activations].on_host,
          lambda p: f"tp {p.tp} does not combine with host offload (activations: {p.activations}) yet; choose a "
                    "policy that keeps them on the device or use tp 1"),
-    Rule(("offload_params", "zero"), lambda p: p.offload_params and p.zero != 3,
-         lambda p: "offload_params needs zero 3 (parameters are offloaded as shards); set zero 3"),
-    Rule(("offload_params", "offload_optimizer"), lambda p: p.offload_params and p.offload_optimizer,
-         lambda p: "offload_params already keeps optimizer states on host; drop offload_optimizer"),
-    Rule(("stream_states", "offload_optimizer", "offload_params"),
-         lambda p: p.stream_states and (p.offload_optimizer or p.offload_params),
-         lambda p: "stream_states updates on the device what offload_optimizer and offload_params update on the "
-                   "host; keep one of them"),
+    Rule(("placement", "zero"), lambda p: p.placement.params_on_host and p.zero != 3,
+         lambda p: f"placement {p.placement.value!r} (--offload-params) needs zero 3 (parameters are offloaded as "
+                   "shards); set zero 3"),
     Rule(("schedule", "zero"), lambda p: _splits(p) and p.zero == 3,
          lambda p: f"schedule {p.schedule!r} splits each backward into an input and a weight pass, which needs "
                    "units gathered from forward to backward (torch finds the weights to differentiate by the "
@@ -109,6 +115,19 @@ RULES: tuple[Rule, ...] = (
     Rule(("in_backward", "compute_dtype"), lambda p: p.in_backward and p.compute_dtype == "float16",
          lambda p: "the step in backward cannot run under float16's loss scaling (an overflow must be found before "
                    "any unit steps); compute in bfloat16 or step after backward"),
+    # what the model allows (plan.facts), read by the planner from its profile and by the runtime from the module
+    Rule(("tp", "model", "seq_len"), lambda p: p.tp > 1 and bool(_undivided(p)),
+         lambda p: f"tp {p.tp} does not divide the model's {', '.join(_undivided(p))}; choose a tp that divides them"),
+    Rule(("tp", "model"), lambda p: p.tp > 1 and p.model.tied_embeddings,
+         lambda p: "tensor parallelism cannot split tied embedding and head weights; plan with tp 1 or untie them "
+                   "(model.tie_embeddings = false)"),
+    Rule(("tp", "model"), lambda p: p.tp > 1 and p.model.adapters,
+         lambda p: "tensor parallelism does not split LoRA adapters yet; plan LoRA with tp 1"),
+    Rule(("tp", "model"), lambda p: p.tp > 1 and p.model.unsplittable_block is not None,
+         lambda p: f"tensor parallelism splits the built-in decoder's and Llama-family (Llama, Mistral, Qwen2) "
+                   f"blocks, not {p.model.unsplittable_block}; plan with tp 1"),
+    Rule(("seq_len", "model"), lambda p: p.model.max_seq_len is not None and p.seq_len > p.model.max_seq_len,
+         lambda p: f"plan.seq_len ({p.seq_len}) exceeds the model's max_seq_len ({p.model.max_seq_len}); re-plan"),
 )
 PART_NAMES = tuple(f.name for f in fields(Parts))
 
@@ -125,9 +144,8 @@ def allows(parts: Parts) -> bool:
     return problem(parts) is None
 
 
-def allows_unit(unit, root: bool = False, **wide) -> bool:
+def allows_unit(unit, fixed: object, root: bool = False) -> bool:
     """Whether no rule forbids `unit` (a BlockPlan; `root`: the embedding/norm/head unit, whose pieces keep their
-    activations) beside the plan-wide parts given (Parts' names)."""
-    return allows(Parts(**wide, zero=unit.zero, offload_optimizer=unit.offload_optimizer,
-                        offload_params=unit.offload_params, activations="keep" if root else unit.activations,
-                        stream_states=unit.stream_states))
+    activations) beside the plan-wide parts `fixed` gives (`parts_of`)."""
+    return allows(parts_of(fixed, zero=unit.zero, placement=unit.placement,
+                           activations="keep" if root else unit.activations))

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import next_splittable_batch, ranks_word
 from snugfit.plan.cost_model import CostModel
-from snugfit.plan.estimate import tensor_parallel_problem
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.options import Constraints
 from snugfit.plan import rules
 from snugfit.plan.plan import OptimizerPlan
@@ -90,13 +90,10 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
             reduce_dtype: str, alternatives: int, compare_bpipe: bool,
             optimizer: OptimizerPlan | None) -> SearchResult:
     budget = budget_for(cluster, memory_budget)
-    if c.tp and (problem := tensor_parallel_problem(profile, c.tp)):
-        raise NoPlanError(f"{problem}; choose another --tp", SearchResult(None, budget_bytes=budget, candidates=0))
-    # the optimizer setup is fixed by the user as the fixed parts are (Constraints.checked): the same rules
+    # the optimizer setup and the model are fixed as the fixed parts are (Constraints.checked): the same rules
     in_backward = optimizer is not None and optimizer.in_backward
-    if broken := rules.problem(rules.Parts(schedule=c.schedule, grad_reduce=c.grad_reduce, in_backward=in_backward,
-                                           num_microbatches=c.num_microbatches, compute_dtype=profile.dtype,
-                                           compile=profile.compiled)):
+    if broken := rules.problem(c.parts(in_backward=in_backward, compute_dtype=profile.dtype, compile=profile.compiled,
+                                       seq_len=profile.seq_len, model=ModelFacts.of_profile(profile))):
         raise NoPlanError(broken, SearchResult(None, budget_bytes=budget, candidates=0))
     model = CostModel(profile, cluster, global_batch, c, budget, reduce_dtype, optimizer)
     log = SearchLog()

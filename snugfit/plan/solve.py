@@ -112,11 +112,9 @@ def _solve_uniform(model: CostModel, cand: Candidate, slack: float, opts: list[B
     if best is None:
         return None
     prof = model.profile
-    return Solution(Plan(world_size=cand.dp * cand.tp, dp=cand.dp, tp=cand.tp, micro_batch_size=cand.micro_batch_size,
-                         num_microbatches=m, seq_len=prof.seq_len, stage_blocks=[n], compute_dtype=prof.dtype,
-                         reduce_dtype=model.reduce_dtype_of(cand), grad_reduce=cand.grad_reduce,
-                         compile=prof.compiled, optimizer=replace(model.optimizer), root=replace(best[2]),
-                         blocks=[replace(best[1]) for _ in range(n)]), best[0])
+    return Solution(Plan(shape=cand.shape, seq_len=prof.seq_len, stage_blocks=[n], compute_dtype=prof.dtype,
+                         reduce_dtype=model.reduce_dtype_of(cand), optimizer=replace(model.optimizer), root=best[2],
+                         blocks=[best[1]] * n), best[0])
 
 
 def leanest_plan(model: CostModel, cand: Candidate) -> Plan | None:
@@ -157,14 +155,10 @@ def layout(model: CostModel, cand: Candidate, choices, sizes: list[int], opts_of
     for k, nb in enumerate(stage_blocks):
         r = rank_of[k]
         take, per_rank[r] = per_rank[r][:nb], per_rank[r][nb:]
-        blocks += [replace(opts_of[r][i]) for i in take]
+        blocks += [opts_of[r][i] for i in take]
     roots = [ropts_of[s][choices[s][0]] for s in range(pp) if choices[s][0] is not None]
-    root = min(roots, key=lambda o: (not o.offload_params, not o.offload_optimizer, -o.zero))  # the leaner
+    # the leaner
+    root = min(roots, key=lambda o: (not o.placement.params_on_host, not o.placement.steps_on_host, -o.zero))
     prof = model.profile
-    return Plan(world_size=cand.dp * cand.tp * pp, dp=cand.dp, tp=cand.tp, pp=pp,
-                micro_batch_size=cand.micro_batch_size, num_microbatches=cand.num_microbatches, seq_len=prof.seq_len,
-                schedule=cand.schedule, virtual_stages=v,
-                stage_blocks=stage_blocks,
-                evict_bound=model.constraints.evict_bound if SCHEDULES[cand.schedule].evicts else None,
-                compute_dtype=prof.dtype, reduce_dtype=model.reduce_dtype_of(cand), grad_reduce=cand.grad_reduce,
-                compile=prof.compiled, optimizer=replace(model.optimizer), root=replace(root), blocks=blocks)
+    return Plan(shape=cand.shape, seq_len=prof.seq_len, stage_blocks=stage_blocks, compute_dtype=prof.dtype,
+                reduce_dtype=model.reduce_dtype_of(cand), optimizer=replace(model.optimizer), root=root, blocks=blocks)

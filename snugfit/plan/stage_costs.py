@@ -18,6 +18,7 @@ from snugfit.plan.piece_memory import (
     StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, param_state,
 )
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
+from snugfit.plan.shape import Shape
 from snugfit.plan.step_terms import step_terms
 from snugfit.plan.timing import (
     StageTime, TensorParallel, grad_reduce_exposed, optimizer_time, reduce_time, stage_time,
@@ -101,22 +102,22 @@ class SharedCosts:
 class StageCosts:
     """Option costs on one kind of rank (its node's GPU, dp, micro-batch), cached per piece and option."""
 
-    def __init__(self, prof: ModelProfile, cluster: Cluster, rank: int, dp: int, reduce_dtype: str,
+    def __init__(self, prof: ModelProfile, cluster: Cluster, dp_group: list[int], reduce_dtype: str,
                  busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1,
                  grad_reduce: str = "step", replays: int = 1, optimizer: OptimizerPlan | None = None,
                  shared: SharedCosts | None = None):
-        self.node = cluster.nodes[cluster.node_of(rank)]
+        self.node = cluster.nodes[cluster.node_of(dp_group[0])]  # dp_group: the stage's first (RankLayout)
         self.gpu = self.node.gpu
+        dp = len(dp_group)
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
         self.busy = busy  # the share of the node's ranks working at once (cpu_ranks.local_ranks)
         self.tensor = tensor  # prof is then one tensor-parallel rank's (ModelProfile.split)
         self.gathers = gathers  # microbatches one gather of a ZeRO-1/2 unit serves (timing.gather_every)
         self.grad_reduce = grad_reduce  # plan.GRAD_REDUCE: when gradients are reduced
         self.replays = replays  # times a backward recomputes what the policy dropped (2 where the schedule splits it)
-        tp = tensor.size if tensor else 1
-        self.dp_link = cluster.link_for(list(range(rank, rank + dp * tp, tp)))  # plan.RankLayout: tp innermost
-        self.stub = Plan(world_size=cluster.world_size, dp=dp, compute_dtype=prof.dtype, reduce_dtype=reduce_dtype,
-                         grad_reduce=grad_reduce, optimizer=optimizer or OptimizerPlan())
+        self.dp_link = cluster.link_for(dp_group)
+        self.stub = Plan(shape=Shape(dp=dp, grad_reduce=grad_reduce), compute_dtype=prof.dtype,
+                         reduce_dtype=reduce_dtype, optimizer=optimizer or OptimizerPlan())
         # one process whose blocks shard and offload nothing runs the model unwrapped (Plan.runs_unwrapped)
         self.unwrapped = cluster.world_size == 1 and self.stub.optimizer.master_weights == "fp32"
         self._cache: dict[tuple, Cost] = {}
@@ -156,7 +157,7 @@ class StageCosts:
         if self.unwrapped:
             return 0.0
         stepped = self.stub.optimizer.in_backward  # its shard is freed once it steps
-        shard = 0 if root.offload_optimizer or root.offload_params or stepped else (
+        shard = 0 if root.placement.steps_on_host or stepped else (
             master_bytes(self.stub.optimizer) / (self.dp if root.zero >= 1 else 1))
         return sum(p.num_trainable for p in roots if p.name == "head") * max(0.0, DTYPE_BYTES[self.dtype] - shard)
 
@@ -178,7 +179,7 @@ class StageCosts:
     def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
         """A block under option o (what one more such block adds to the stage). Called in the search's inner
         loops: the cache lookup is kept to one tuple."""
-        key = (p.name, o.zero, o.offload_optimizer, o.offload_params, o.activations, o.stream_states)
+        key = (p.name, o)
         found = self._cache.get(key)
         if found is None:
             found = self._cache[key] = self._cost(key, (p,), o)
@@ -186,8 +187,7 @@ class StageCosts:
 
     def root(self, pieces: list[PieceProfile], o: BlockPlan) -> Cost:
         """The stage's root pieces (embedding, final norm, head) under option o: one FSDP2 unit."""
-        key = ("+".join(p.name for p in pieces), o.zero, o.offload_optimizer, o.offload_params, o.activations,
-               o.stream_states)
+        key = ("+".join(p.name for p in pieces), o)
         if key not in self._cache:
             self._cache[key] = self._cost(key, tuple(pieces), o)
         return self._cache[key]
@@ -221,12 +221,13 @@ class StageCosts:
             if not block and o.zero == 3:  # the root's gathered copy stays from forward through backward
                 static += gathered_bytes(self.stub, sp)
             if not block:  # at its reduce FSDP2 has freed its gathered copy; its streamed states come for its step
-                at_root += host.get("optimizer_states", 0) * o.stream_states - gathered_bytes(self.stub, sp)
+                at_root += host.get("optimizer_states", 0) * o.placement.streams_states - gathered_bytes(self.stub, sp)
             grads += accumulating_grad_bytes(self.stub, sp)
             host_bytes += sum(host.values())
             act += device_saved(sp)
             host_act += host_saved(sp)
-        unwrapped = replace(self.stub, root=o, blocks=[o]).runs_unwrapped  # a lone process, nothing sharded
+        # a lone process, nothing sharded (the stub's one rank is the cluster's only one where self.unwrapped)
+        unwrapped = self.unwrapped and replace(self.stub, root=o, blocks=[o]).runs_unwrapped
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
                   computed=self.shared.computed, gathers=self.gathers)

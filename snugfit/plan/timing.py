@@ -294,7 +294,7 @@ def stage_time(
             st.tp_fwd, st.tp_bwd = st.tp_fwd + tf, st.tp_bwd + tb
         if d.zero >= 1 and dp > 1 and not on_cpu:  # CPU ranks: FSDP2's measured costs below
             gather = collective_time("all_gather", sp.n_params * c, dp, dp_link)
-            if d.offload_params:
+            if d.placement.params_on_host:
                 gather += transfer_time(sp.n_params * c / dp, pcie)
             if d.zero < 3:
                 gather /= gathers
@@ -368,18 +368,18 @@ def optimizer_time(
     up there).
 
     The update's cost follows the optimizer setup (plan.optimizer): on a GPU the bytes it moves, on a CPU the fused
-    AdamW rate profile-hardware measured, slowed for torchao's updates. Streamed states (stream_states) cross PCIe
+    AdamW rate profile-hardware measured, slowed for torchao's updates. Streamed states (Placement.STREAMED) cross PCIe
     both ways; they hide behind the backward when each unit steps in it, else behind the device's other updates."""
     opt = optimizer or OptimizerPlan()
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     dev_params = host_params = streamed = streamed_root = 0.0
     for sp in pieces:
         n = sp.n_trainable / (dp if sp.decision.zero >= 1 else 1)
-        if sp.decision.offload_optimizer or sp.decision.offload_params:
+        if sp.decision.placement.steps_on_host:
             host_params += n
         else:
             dev_params += n
-        if sp.decision.stream_states:
+        if sp.decision.placement.streams_states:
             nbytes = state_bytes(opt, sp.piece.matrices, sp.n_trainable, dp if sp.decision.zero >= 1 else 1)
             if sp.is_block:
                 streamed += nbytes

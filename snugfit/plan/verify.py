@@ -14,6 +14,7 @@ from snugfit.plan.knapsack import BUCKETS, INF
 from snugfit.plan.memory import device_bytes
 from snugfit.plan.plan import Plan, Prediction
 from snugfit.plan.result import SearchLog
+from snugfit.plan.shape import Shape
 from snugfit.plan.solve import leanest_plan, solve
 
 RETRIES = 2  # re-solves of a candidate whose estimate() overshoots the budget
@@ -143,11 +144,11 @@ def rescue(model: CostModel, log: SearchLog, cands: list[Candidate], found: list
     return rescued
 
 
-def _shape(cand: Candidate) -> tuple:
+def _shape(cand: Candidate) -> Shape:
     """What a candidate is apart from its schedule: the schedules of one shape share most of their plan (only
     the bubble and what each rank holds differ), so they fill one of the verified places `best_first` wants, and
     a new schedule does not crowd out the shapes it was verified against."""
-    return cand.dp, cand.tp, cand.pp, cand.micro_batch_size, cand.num_microbatches, cand.grad_reduce
+    return replace(cand.shape, schedule="none", virtual_stages=1, evict_bound=None)
 
 
 def _could_beat(cand: Candidate, fastest: float) -> bool:

@@ -22,7 +22,7 @@ from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
 from snugfit.runtime.sharding import DTYPES, apply_fsdp, store_frozen_in_compute_dtype, store_masters
-from snugfit.runtime.tensor_parallel import apply_tp, check_tp
+from snugfit.runtime.tensor_parallel import apply_tp, model_facts
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +39,12 @@ class Weights(Protocol):
 
 
 def check_launch(model: nn.Module, plan: Plan, env: DistEnv) -> None:
-    """Refuse, before the first step, a plan this model and this launch cannot run as written."""
-    plan.validate(n_blocks=len(model.blocks), world_size=env.world_size)
+    """Refuse, before the first step, a plan this model and this launch cannot run as written: every rule of the
+    plan's (plan.rules) beside the module's facts."""
+    plan.validate(n_blocks=len(model.blocks), world_size=env.world_size, facts=model_facts(model))
+    # the runtime's limit, not the plan's: the planner models float16 reductions (bench/plan_choices compares them)
     if plan.reduce_dtype == "float16":
         raise PlanError("plan: reduce_dtype float16 would overflow summing scaled gradients; reduce in float32")
-    max_seq = getattr(getattr(model, "cfg", None), "max_seq_len", None)
-    if max_seq is not None and plan.seq_len > max_seq:
-        raise PlanError(f"plan.seq_len ({plan.seq_len}) exceeds the model's max_seq_len ({max_seq}); re-plan")
-    if plan.pp == 1 and plan.stage_blocks and plan.stage_blocks != [len(model.blocks)]:
-        raise PlanError(f"plan.stage_blocks {plan.stage_blocks} splits blocks but pp is 1")
-    check_tp(model, plan)
 
 
 def offload_units(model: nn.Module, plan: Plan) -> list[tuple[nn.Module, list[str]]]:

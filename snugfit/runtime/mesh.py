@@ -72,22 +72,20 @@ class ParallelDims:
 
     def pipeline_groups(self, timeout_s: float, bpipe: bool):
         """This rank's pipeline group and BPipe eviction group (None without BPipe): the pp ranks that share its
-        dp and tp coordinates.
+        other coordinates (plan.RankLayout.pipeline_group).
 
         Built with new_group (every rank creates every group, in the same order) so they carry their own timeout:
         a dead peer then fails the step within timeout_s.
         """
         layout, timeout = self.plan.layout, timedelta(seconds=timeout_s)
-        _, my_dp, my_tp = layout.coords(self.rank)
         mine = (None, None)
-        for d in range(self.dp):
-            for t in range(self.tp):
-                ranks = [layout.rank(s, d, t) for s in range(self.plan.pp)]
-                g = cached_group(("pipeline", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
-                e = (cached_group(("evict", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
-                     if bpipe else None)
-                if (d, t) == (my_dp, my_tp):
-                    mine = (g, e)
+        for first in layout.stage_ranks(0):
+            ranks = layout.pipeline_group(first)
+            g = cached_group(("pipeline", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
+            e = (cached_group(("evict", *ranks, timeout_s), lambda: dist.new_group(ranks, timeout=timeout))
+                 if bpipe else None)
+            if self.rank in ranks:
+                mine = (g, e)
         return mine
 
 

@@ -40,7 +40,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from snugfit.plan import Plan, PlanError
+from snugfit.plan import Plan
+from snugfit.plan.facts import ModelFacts
 
 log = logging.getLogger(__name__)
 
@@ -92,43 +93,37 @@ LAYOUTS = (
 )
 
 
-def block_layout(block: nn.Module) -> BlockLayout:
-    """The layout `block` has, or a PlanError naming the block type."""
-    for layout in LAYOUTS:
-        if not layout.missing(block):
-            return layout
-    inner = getattr(block, "layer", block)
-    raise PlanError(f"tensor parallelism splits the built-in decoder's and Llama-family (Llama, Mistral, Qwen2) "
-                    f"blocks, not {type(inner).__name__}; plan with tp 1")
+def block_layout(block: nn.Module) -> BlockLayout | None:
+    """The layout `block` has, or None where tensor parallelism has none for it."""
+    return next((layout for layout in LAYOUTS if not layout.missing(block)), None)
 
 
-def check_tp(model: nn.Module, plan: Plan) -> None:
-    """Refuse, before anything is split, a tp the model or the plan cannot run."""
-    if plan.tp == 1:
-        return
-    tp, cfg = plan.tp, model.cfg
-    if getattr(cfg, "tie_embeddings", False):
-        raise PlanError("tensor parallelism cannot split tied embedding and head weights; plan with tp 1 "
-                        "or untie them (model.tie_embeddings = false)")
-    if any(type(m).__name__.startswith("LoRA") for m in model.modules()):
-        raise PlanError("tensor parallelism does not split LoRA adapters yet; plan LoRA with tp 1")
-    block = next(iter(model.blocks.values()))  # every block has the same shape
+def _out_features(linear: nn.Module) -> int | None:
+    """A linear's output width, through the wrappers that keep it as `base` (LoRA adapters)."""
+    while not hasattr(linear, "out_features") and hasattr(linear, "base"):
+        linear = linear.base
+    return getattr(linear, "out_features", None)
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """What the rules (plan.rules) need to know of the module: the sizes tensor parallelism splits, read off its
+    first block (every block has the same shape), its length limit, and what no split handles yet."""
+    cfg = getattr(model, "cfg", None)
+    block = next(iter(model.blocks.values()))
     layout = block_layout(block)
-    attn = block.get_submodule(layout.attn)
-    head_dim = attn.head_dim if hasattr(attn, "head_dim") else attn.cfg.head_dim
-    for name in layout.attn_columns:
-        heads = block.get_submodule(f"{layout.attn}.{name}").out_features // head_dim
-        if heads % tp:
-            raise PlanError(f"tp {tp} does not divide {layout.attn}.{name}'s {heads} heads; choose a tp that "
-                            "divides the model's heads and key/value heads")
-    hidden = block.get_submodule(f"{layout.mlp}.{layout.mlp_columns[-1]}").out_features
-    if hidden % tp:
-        raise PlanError(f"tp {tp} does not divide the MLP hidden size ({hidden}); choose a tp that divides it")
-    if cfg.vocab_size % tp:
-        raise PlanError(f"tp {tp} does not divide the vocabulary ({cfg.vocab_size}); choose a tp that divides it")
-    if plan.seq_len % tp:
-        raise PlanError(f"plan.seq_len ({plan.seq_len}) must divide by tp ({tp}): sequence parallelism gives each "
-                        "rank an equal slice; choose another --seq or --tp")
+    sizes = {}
+    if layout is not None:
+        attn = block.get_submodule(layout.attn)
+        head_dim = getattr(attn, "head_dim", None) or getattr(getattr(attn, "cfg", None), "head_dim", None)
+        q, k = (_out_features(block.get_submodule(f"{layout.attn}.{name}")) for name in layout.attn_columns[:2])
+        if head_dim and q and k:
+            sizes = dict(heads=q // head_dim, kv_heads=k // head_dim)
+        sizes["mlp_hidden"] = _out_features(block.get_submodule(f"{layout.mlp}.{layout.mlp_columns[-1]}"))
+    return ModelFacts(**sizes, vocabulary=getattr(cfg, "vocab_size", None),
+                      max_seq_len=getattr(cfg, "max_seq_len", None),
+                      tied_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
+                      adapters=any(type(m).__name__.startswith("LoRA") for m in model.modules()),
+                      unsplittable_block=None if layout else type(getattr(block, "layer", block)).__name__)
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:

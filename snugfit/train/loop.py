@@ -9,6 +9,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -99,7 +100,7 @@ def _checked_plan_file(path: str, what: str, cfg: RunConfig, model_cfg, env: Dis
             f"{o.master_weights} --optimizer-states {o.states} "
             f"--optimizer-in-backward {str(o.in_backward).lower()}")
     if t.compile is not None:  # --compile true|false overrides a plan file
-        plan.compile = t.compile
+        plan.shape = replace(plan.shape, compile=t.compile)
     return plan
 
 

@@ -107,7 +107,7 @@ class Run:
         if self.engine.scaler is not None and "loss_scale" in trainer_state:  # a float16 run goes on at its scale
             self.engine.scaler.load_state_dict(trainer_state["loss_scale"])
         self.sampler.load_state_dict(trainer_state["sampler"])
-        saved = trainer_state.get("plan", {}).get("world_size")
+        saved = Plan.from_dict(trainer_state["plan"]).world_size if "plan" in trainer_state else None
         if saved and saved != self.plan.world_size and self.env.is_main:
             log.info("the checkpoint was written by %d ranks; %s for the %d launched", saved,
                      "re-planned" if self.cfg.parallel.plan == "auto" else "resuming under the given plan",
