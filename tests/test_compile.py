@@ -173,8 +173,8 @@ def test_train_cli_compiled_loss_matches_eager(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "compiled the blocks in" in run.stderr + run.stdout
-    assert json.loads((out / "plan.json").read_text())["compile"] is True
-    assert json.loads((tmp_path / "eager" / "plan.json").read_text())["compile"] is False
+    assert json.loads((out / "plan.json").read_text())["shape"]["compile"] is True
+    assert json.loads((tmp_path / "eager" / "plan.json").read_text())["shape"]["compile"] is False
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     compiled = next(r["loss"] for r in rows if r.get("kind") == "train" and r["step"] == 8)
     assert compiled == pytest.approx(eager.losses[8], rel=0.02)

@@ -91,8 +91,10 @@ def test_nf4_without_a_frozen_base_is_one_clear_error(tmp_path):
     from snugfit.train.build import build_model
 
     save_llama(tmp_path)
-    cfg = build_config(None, {"model.name": str(tmp_path), "quantize_base": "nf4"})
-    with pytest.raises(SnugfitError, match="--lora-rank"):
+    with pytest.raises(SnugfitError, match="nothing is frozen; add --lora-rank"):  # refused with the options
+        build_config(None, {"model.name": str(tmp_path), "quantize_base": "nf4"})
+    cfg = build_config(None, {"model.name": str(tmp_path), "quantize_base": "nf4", "freeze": "embed"})
+    with pytest.raises(SnugfitError, match="--lora-rank"):  # frozen, but no block linear: the model says so
         build_model(cfg)
 
 
