@@ -57,6 +57,7 @@ class StageBuffers:
         return self.zero3_copies / 2
 
     @staticmethod
+    @functools.lru_cache(maxsize=1 << 12)  # asked for every option of every stage the search weighs
     def needs(o: BlockPlan, root: bool = False) -> frozenset[str]:
         """The buffers an option needs (the root unit's: the ZeRO-3 copies only)."""
         return _needs(o.zero == 3, o.policy.on_host and not root, bool(o.policy.recomputes),

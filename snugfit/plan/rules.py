@@ -11,6 +11,7 @@ it beside the candidate's degrees and schedule (`allows`). Pure: no torch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Callable
 
@@ -132,6 +133,7 @@ RULES: tuple[Rule, ...] = (
 PART_NAMES = tuple(f.name for f in fields(Parts))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the search asks the same parts again for every candidate alike
 def problem(parts: Parts) -> str | None:
     """The first rule the parts break (only rules whose parts are all fixed are read), or None."""
     for rule in RULES:
