@@ -62,7 +62,7 @@ def main() -> int:
         (tmp / "corrections.json").unlink(missing_ok=True)
         out = tmp / name.split()[0]
         _snugfit("train", "--steps", str(args.steps), "--replan", "off", "--out-dir", str(out), "--progress",
-                 "false", "--plot", "false", "--eval-every", "0", env=env)
+                 "false", "--plot", "false", "--eval-every", "0", "--log-every", "1", env=env)
         predicted, measured = _ratio(out)
         print(f"{name}: predicted {predicted:.3f} s, measured median {measured:.3f} s "
               f"({predicted / measured - 1:+.0%})")
