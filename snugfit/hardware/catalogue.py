@@ -260,8 +260,7 @@ def default_cpu() -> GPU:
 
 
 def _known(cls, d: dict):
-    """cls from the fields it has: a measurement cached by an older snugfit still loads (what it lacks
-    stays at the default, and `snugfit profile-hardware` measures it)."""
+    """cls from the fields it has: an older snugfit's cached measurement loads, what it lacks at the default."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -280,13 +279,12 @@ class LocalHardware:
     device: GPU
     host: Host
     links: dict[str, Link] = field(default_factory=dict)
-    # what was measured how; older measurements are taken again. 2: op_overhead_s per operator of a real model's
-    # step (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate and
-    # selective checkpointing's cost per operator; 4: the one-thread slowdown timed past the thread pool's start;
-    # 5: the pipeline stage cost without saved-tensor accounting, FSDP2's costs timed interleaved; 6: attention's
-    # rate on GPUs too, and the host's optimizer step as the runtime runs it, past the CPU's caches; 7: a CPU's
-    # matmul and memory efficiencies, what a decoder's training step reaches of its measured rates; 8: a CPU's page-in
-    # rate for a step's fresh tensors
+    # what was measured how; older measurements are taken again. 2: op_overhead_s per operator of a real model's step
+    # (it was a chain of multiplies, per forward + backward pair); 3: CPU attention's rate and selective checkpointing's
+    # cost per operator; 4: the one-thread slowdown timed past the thread pool's start; 5: the pipeline stage cost
+    # without saved-tensor accounting, FSDP2's costs timed interleaved; 6: attention's rate on GPUs too, and the host's
+    # optimizer step as the runtime runs it, past the CPU's caches; 7: a CPU's matmul and memory efficiencies, what a
+    # decoder's training step reaches of its measured rates; 8: a CPU's page-in rate for a step's fresh tensors
     version: int = MEASUREMENT_VERSION
     compiled: bool = False  # device.compiled_launch_s was measured here (taken where compiled blocks are planned)
     measured_at: float = 0.0  # unix time
@@ -298,8 +296,7 @@ class LocalHardware:
     @classmethod
     def from_dict(cls, d: dict) -> "LocalHardware":
         links = {k: Link(**v) for k, v in d.get("links", {}).items()}
-        # a compiled block measured before its compile time was (GPU.compile_kernel_s) is measured again
-        compiled = d.get("compiled", False) and "compile_kernel_s" in d["device"]
+        compiled = d.get("compiled", False) and "compile_kernel_s" in d["device"]  # else measured again
         return cls(_known(GPU, d["device"]), _known(Host, d["host"]), links, d.get("version", 1), compiled,
                    d.get("measured_at", 0.0), d.get("other_load"))
 
@@ -309,20 +306,16 @@ class LocalHardware:
 
 
 def load_local(path: str | Path | None = None) -> LocalHardware | None:
-    """The cached measurement of this machine, or None when it was never measured, an older snugfit measured less
-    than the time model uses, or it was taken under other jobs' load the machine no longer has (then it is
-    measured again)."""
+    """This machine's cached measurement; None (measure it again): none, an older snugfit's, or a load's since gone."""
     p = Path(path) if path else hardware_cache_path()
     if not p.exists():
         return None
     local = LocalHardware.from_dict(json.loads(p.read_text()))
-    complete = local.version == MEASUREMENT_VERSION
-    complete = complete and all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values())
-    if local.device.name == "cpu" and local.host.thread_slowdown is None:
-        complete = False  # measured before one-thread ranks were
-    # measured while other jobs ran: kept only while the machine is still that busy, else measured again
-    if is_busy(local.other_load) and not is_busy(other_load_now()):
-        complete = False
+    # what the time model uses all measured, one-thread ranks included, and not under other jobs' load that has gone
+    complete = (local.version == MEASUREMENT_VERSION
+                and all(set(FSDP_COSTS) <= set(c) for c in local.host.fsdp.values())
+                and not (local.device.name == "cpu" and local.host.thread_slowdown is None)
+                and not (is_busy(local.other_load) and not is_busy(other_load_now())))
     return local if complete else None
 
 
