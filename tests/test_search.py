@@ -381,3 +381,24 @@ def test_a_sharded_root_on_one_gpu_costs_its_fsdp2_overhead():
     gpu = parse_cluster("1xH100-80GB").gpu_of(0)
     assert sharded.t_mb >= plain.t_mb + 0.9 * gpu.unit_overhead_s
     assert search(prof, parse_cluster("1xH100-80GB"), global_batch=1).best.root.zero == 0
+
+
+def test_zero_on_several_ranks_shards_over_data_parallel_ranks_where_a_layout_fits():
+    # unrestricted, this short-sequence wide model is fastest as pp 2 (RTX 4090s talk over PCIe): ZeRO-3 on one
+    # data-parallel rank would shard nothing, which is not what `--nproc 2 --zero 3` asks for
+    prof, cluster = synth(8, 4096, seq=128), parse_cluster("2xRTX4090")
+    plain = search(prof, cluster, global_batch=8, constraints=Constraints(zero=0)).best
+    assert plain.dp == 1
+    res = search(prof, cluster, global_batch=8, constraints=Constraints(zero=3))
+    assert res.best.dp == 2 and all(b.zero == 3 for b in res.best.blocks) and not res.note
+    assert "note:" not in format_result(res, cluster)
+
+
+def test_zero_says_why_it_shards_nothing_where_no_data_parallel_layout_can():
+    prof, cluster = synth(8, 1024), parse_cluster("2xRTX4090")
+    res = search(prof, cluster, global_batch=1, constraints=Constraints(zero=3))  # one sample: dp 1 only
+    assert res.best.dp == 1
+    assert "--zero 3 shards nothing here" in res.note and "global batch 1" in res.note
+    assert f"note: {res.note}" in format_result(res, cluster)
+    fixed = search(prof, cluster, global_batch=1, constraints=Constraints(zero=3, pp=1, tp=2))
+    assert not fixed.note  # a layout the user fixed is taken as asked

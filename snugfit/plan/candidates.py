@@ -84,7 +84,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
     w, n, gb, out = cluster.world_size, len(prof.blocks), global_batch, []
     for tp, pp in [(tp, pp) for tp in tp_degrees(prof, cluster, c) for pp in ([c.pp] if c.pp else divisors(w))]:
         dp = w // (pp * tp)
-        if w % (pp * tp) or (c.dp and c.dp != dp) or pp > n or gb % dp:
+        if w % (pp * tp) or (c.dp and c.dp != dp) or dp < (c.min_dp or 1) or pp > n or gb % dp:
             continue
         layout = RankLayout(pp=pp, dp=dp, tp=tp)
         if any(len({cluster.gpu_of(r).name for r in layout.stage_ranks(s)}) > 1 for s in range(pp)):

@@ -66,6 +66,7 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
     lines = [describe_model(best.model)] if best.model else []
     lines += [f"chosen: {summary(best)}", f"  predicted {_figures(best)} (MFU {pred.mfu:.1%})",
               f"  optimizer: {describe_optimizer(best.optimizer)}"]
+    lines += [f"  note: {res.note}"] if res.note else []
     faster = [p for p in res.alternatives if p.predicted.step_time_s < pred.step_time_s]
     if faster:  # the search's preference (search._preference) breaks ties at the time model's resolution
         lines.append("  " + why_not_the_fastest(best, min(faster, key=lambda p: p.predicted.step_time_s)))

@@ -36,6 +36,14 @@ class Constraints:
     grad_reduce: str | None = None  # step: once a step | microbatch: every microbatch (holds shards)
     # from the run config's train.micro_batch_size (0 there: searched), not a [parallel] key
     micro_batch: int | None = field(default=None, metadata={"config": False})
+    # the fewest data-parallel ranks a candidate may have (search.search sets it: --zero N shards over dp)
+    min_dp: int | None = field(default=None, metadata={"config": False})
+
+    @property
+    def shards_over_data(self) -> bool:
+        """--zero 1-3 with no layout fixed: what a user means is states sharded over data-parallel ranks, so the
+        search looks among layouts with dp > 1 first (search.search)."""
+        return bool(self.zero) and self.dp is None and self.tp is None and self.pp is None
 
     @property
     def activations(self) -> str | None:

@@ -45,6 +45,7 @@ class SearchResult:
     bpipe: Plan | None = None  # the best fitting BPipe plan (chosen or not), for --explain-bpipe
     best_without_bpipe: Plan | None = None
     best_v: Plan | None = None  # the best fitting plan of a V schedule (zbv), which --explain-bpipe names too
+    note: str = ""  # what the search did other than the user asked (search.search), printed under the choice
 
 
 class NoPlanError(PlanError):

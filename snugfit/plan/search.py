@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
+from dataclasses import replace
 
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import next_splittable_batch, ranks_word
@@ -81,9 +82,22 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     optimizer: how weights are stored and updated (the user's choice, never searched: it changes the numerics).
     Raises NoPlanError (its .result has the rejections) when nothing fits; explain.advise() says what would.
     """
+    c = constraints or Constraints()
     with _without_cyclic_gc():
-        return _search(profile, cluster, global_batch, constraints or Constraints(), memory_budget, reduce_dtype,
-                       alternatives, compare_bpipe, optimizer)
+        if not (c.shards_over_data and cluster.world_size > 1):
+            return _search(profile, cluster, global_batch, c, memory_budget, reduce_dtype, alternatives,
+                           compare_bpipe, optimizer)
+        # --zero N on several ranks: sharded over data-parallel ranks where any such layout fits, else say why not
+        try:
+            return _search(profile, cluster, global_batch, replace(c, min_dp=2), memory_budget, reduce_dtype,
+                           alternatives, compare_bpipe, optimizer)
+        except NoPlanError as e:
+            why = str(e)
+        res = _search(profile, cluster, global_batch, c, memory_budget, reduce_dtype, alternatives, compare_bpipe,
+                      optimizer)
+        res.note = (f"--zero {c.zero} shards nothing here: no plan with data-parallel ranks fits ({why}), so it "
+                    f"runs on dp {res.best.dp}; fix --dp and --pp to choose the layout")
+        return res
 
 
 def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, memory_budget: int | None,
