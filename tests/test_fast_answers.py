@@ -1,11 +1,11 @@
 """A first `snugfit plan` answers fast without answering differently: the optimizer switches' advice searches only
-where its lower bounds say a switch could pay (plan.explain._could_pay)."""
+where its lower bounds say a switch could pay (plan.advice._could_pay)."""
 
 from __future__ import annotations
 
 import pytest
 
-import snugfit.plan.explain as explain
+import snugfit.plan.advice as explain
 from snugfit.hardware import parse_cluster
 from snugfit.model.catalogue import resolve_model
 from snugfit.plan.cost_model import CostModel

@@ -189,19 +189,24 @@ def test_plan_says_what_it_planned_with_transformers_exact_count(tmp_path, capsy
     assert "seq 256: the model's maximum length" in out
 
 
-def test_infeasible_plan_names_host_ram_when_it_binds(tmp_path, capsys):
-    """Offload needs the host: with too little RAM the answer is more RAM, not a larger GPU."""
+def test_infeasible_plan_names_host_ram_when_it_binds_and_every_advised_change_fits(tmp_path, capsys):
+    """Offload needs the host: with too little RAM the answer is more RAM, not only a larger GPU; and each
+    change the advice names is a plan when planned with it."""
     path = tmp_path / "big.json"
     path.write_text(json.dumps(ModelConfig(dim=2048, n_layers=24, n_heads=16, vocab_size=32000,
                                            max_seq_len=256).to_dict()))
     args = ["plan", "--model", str(path), "--cluster", "1xRTX3080", "--seq", "256", "--global-batch", "1",
             "--compile", "false", "--profile-cache", str(tmp_path)]  # eager: the compiled side is test_compile_choice's
     rc, out = _run([*args, "--host-ram", "8GiB"], capsys)
-    assert rc == 2 and "host RAM is the binding limit (8 GiB per node): with --host-ram" in out, out
-    suggested = out.split("with --host-ram ")[1].split()[0]
+    advice = [a.strip() for a in out.split("smallest changes that fit:\n")[1].splitlines()]
+    assert rc == 2 and advice[0].startswith("--host-ram ") and "(host RAM is the binding limit, 8 GiB per node)" in out
+    suggested = advice[0].split()[1]
     assert 8 < int(suggested.removesuffix("GiB")) <= 32 and "GiB of host memory per node" in out
-    rc, out = _run([*args, "--host-ram", suggested], capsys)
-    assert rc == 0, out  # the advice is checked: the RAM it names is enough
+    assert len(advice) >= 3 and all("tokens/s" in a for a in advice), out
+    for line in advice:  # the options a line names, then what it says of them
+        flags = line.split(": fits as")[0].split(" (")[0].split()
+        rc, out = _run([*args, "--host-ram", "8GiB", *flags], capsys)
+        assert rc == 0 and "chosen:" in out, (line, out)
     rc, out = _run([*args, "--host-ram", "64GiB"], capsys)
     assert rc == 0 and ("parameter offload" in out or "optimizer offload" in out), out
 

@@ -2,6 +2,7 @@
 where it pays, and hands the trainer plans that validate. Synthetic profiles keep it torch-free and fast."""
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ import pytest
 from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate
 from snugfit.plan.footprint import StageBuffers
-from snugfit.plan.explain import advise, explain_bpipe, format_result
+from snugfit.plan.advice import Variant, advise
+from snugfit.plan.explain import explain_bpipe, format_result
 from snugfit.plan.knapsack import BUCKETS, fine_resolution, knapsack, split
 from snugfit.plan.stage_costs import Cost
 from snugfit.plan.plan import BlockPlan, Plan
@@ -94,12 +96,35 @@ def test_infeasible_request_gives_smallest_change_advice():
     prof, cluster = MODELS["wide"], parse_cluster("2xRTX4090")
     c = Constraints(zero=0)
     with pytest.raises(NoPlanError) as e:
-        search(prof, cluster, global_batch=4, constraints=c, memory_budget=12 * GiB)
+        search(prof, cluster, global_batch=4, constraints=c, memory_budget=8 * GiB)
     res = e.value.result
-    assert any("needs" in r.reason and "has 12.0" in r.reason for r in res.rejected)
-    advice = advise(prof, cluster, global_batch=4, constraints=c, memory_budget=12 * GiB, result=res)
-    assert any(a.startswith("drop --zero 0") for a in advice)
-    assert any("GPUs" in a or "LoRA" in a or "sequence" in a for a in advice)
+    assert any("needs" in r.reason and "has 8.0" in r.reason for r in res.rejected)
+
+    def reprofile(v: Variant) -> ModelProfile:
+        p = synth(16, 4096, seq=v.seq_len or 2048)
+        return replace(p, blocks=[replace(b, trainable=b.num_params // 100) for b in p.blocks],
+                       embed=replace(p.embed, trainable=0), head=replace(p.head, trainable=0)) if v.lora_rank else p
+
+    advice = advise(prof, cluster, global_batch=4, constraints=c, memory_budget=8 * GiB, reprofile=reprofile)
+    assert advice[0].startswith("drop --zero 0: fits as") and "tokens/s" in advice[0]
+    assert any(a.startswith("--lora-rank 16 (LoRA") for a in advice)
+
+
+def test_the_advised_sequence_limit_is_the_searched_boundary():
+    cluster, budget = parse_cluster("1xRTX4090"), 2 * GiB
+    reprofile = lambda v: synth(8, 1024, seq=v.seq_len or 4096)  # noqa: E731
+    with pytest.raises(NoPlanError):
+        search(reprofile(Variant()), cluster, global_batch=1, memory_budget=budget)
+    advice = advise(reprofile(Variant()), cluster, global_batch=1, constraints=None, memory_budget=budget,
+                    reprofile=reprofile)
+    seq = int(next(a for a in advice if a.startswith("--seq ")).split()[1])
+    assert seq % 256 == 0 and 1024 <= seq < 4096  # it fits, and 256 tokens more do not
+    for s, fits in ((seq, True), (seq + 256, False)):
+        try:
+            search(reprofile(Variant(seq_len=s)), cluster, global_batch=1, memory_budget=budget)
+            assert fits, s
+        except NoPlanError:
+            assert not fits, s
 
 
 @pytest.mark.parametrize("model,spec,pp", [("wide", "2xRTX4090", 1), ("mid", "4xA10", 2)])

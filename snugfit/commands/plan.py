@@ -27,9 +27,8 @@ from snugfit.model.decoder import ModelConfig
 from snugfit.plan.compile_choice import search_compiled_or_eager
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import canonical_dtype, dtype_for_cluster
-from snugfit.plan.explain import (
-    advise, describe_model, explain_bpipe, format_result, memory_lines, phases_line, switches, verdict_line,
-)
+from snugfit.plan.advice import Variant, advise, switches
+from snugfit.plan.explain import describe_model, explain_bpipe, format_result, memory_lines, phases_line, verdict_line
 from snugfit.plan.options import Constraints, fixed_parts_of, refuse_fixed_parts_beside
 from snugfit.plan.placement import Placement
 from snugfit.plan.optimizer import describe as describe_optimizer
@@ -118,6 +117,13 @@ class Target:
     cache_dir: str | None = None
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
     lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
+
+    def varied(self, v: Variant) -> "Target":
+        """This target under the advice's change (plan.advice.Variant): LoRA on the default targets, QLoRA."""
+        if not v.lora_rank:
+            return self
+        return replace(self, lora_rank=v.lora_rank, lora_targets="", frozen="",
+                       quantize_base="nf4" if v.nf4 else self.quantize_base)
 
     def profile(self, micro_batch: int, seq: int, dtype: str, compile: bool) -> ModelProfile:
         """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches),
@@ -251,8 +257,11 @@ def run(args: argparse.Namespace) -> int:
     except NoPlanError as e:
         if not e.result.candidates:
             raise SnugfitError(str(e)) from None
-        advice = advise(target.profile(micro or 1, seq, dtype, bool(t.compile)), cluster, global_batch=gb,
-                        constraints=c, memory_budget=budget, result=e.result, optimizer=optimizer_plan(t))
+        compiled = t.compile is not False  # where compiling is weighed, its leaner blocks are what may fit
+        print("nothing fits; searching what would (shorter sequences, LoRA, more RAM or GPUs) ...", file=sys.stderr)
+        advice = advise(target.profile(micro or 1, seq, dtype, compiled), cluster, global_batch=gb, constraints=c,
+                        memory_budget=budget, optimizer=optimizer_plan(t),
+                        reprofile=lambda v: target.varied(v).profile(micro or 1, v.seq_len or seq, dtype, compiled))
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "advice": advice,
                               "rejected": [vars(r) for r in e.result.rejected]}, indent=2))

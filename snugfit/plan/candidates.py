@@ -68,12 +68,14 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
                   if per_node % t == 0 and allows(c.parts(tp=t, seq_len=prof.seq_len, model=facts))]
 
 
-def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False) -> list[str]:
+def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False,
+                      to_host: bool = False) -> list[str]:
     """When gradients may be reduced: per microbatch only where it can differ from once a step (accumulation
-    over data-parallel ranks, or the step in backward, which needs it where there are several microbatches); the
+    over data-parallel ranks; gradients moved to the host, `to_host`, which then never accumulate whole on the
+    device, even on one rank; or the step in backward, which needs it where there are several microbatches); the
     same math but for summation order, so searched freely unless fixed. The rules then drop what the schedule
     forbids (a split backward makes gradients in a later weight pass, and takes no compiled blocks)."""
-    every = (dp > 1 or in_backward) and m > 1
+    every = (dp > 1 or in_backward or to_host) and m > 1
     return [c.grad_reduce] if c.grad_reduce else ["step", "microbatch"] if every else ["step"]
 
 
@@ -90,6 +92,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
         if any(len({cluster.gpu_of(r).name for r in layout.stage_ranks(s)}) > 1 for s in range(pp)):
             continue  # data- and tensor-parallel groups only of like GPUs
         options = block_options(c, dp)
+        to_host = any(o.placement.states_on_host for o in options)
         mbss = [c.micro_batch] if c.micro_batch else [d for d in divisors(gb // dp) if d <= MAX_MICRO_BATCH]
         for mbs in mbss:
             m = gb // (dp * mbs)
@@ -101,7 +104,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                     continue
                 if sched.problem(pp, v, m) or n < pp * v:
                     continue
-                for g in grad_reduce_modes(dp, m, c, in_backward):
+                for g in grad_reduce_modes(dp, m, c, in_backward, to_host):
                     shape = Shape(dp=dp, tp=tp, pp=pp, schedule=sched.name, virtual_stages=v, micro_batch_size=mbs,
                                   num_microbatches=m, grad_reduce=g, compile=prof.compiled,
                                   evict_bound=c.evict_bound if sched.evicts else None)

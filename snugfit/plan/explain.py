@@ -1,24 +1,20 @@
 """Say what the search chose and why: the plan, its runners-up, why other families lost, what BPipe
-would buy, and, when nothing fits, the smallest change that would. Pure: no torch."""
+would buy (plan.advice says what would make a plan fit, or pay). Pure: no torch."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import replace
 
-from snugfit.hardware.cluster import Cluster, with_host_ram
-from snugfit.plan.estimate import HOST_USABLE, node_host_need
+from snugfit.hardware.cluster import Cluster
+from snugfit.plan.estimate import HOST_USABLE
 from snugfit.plan.memory import FRAGMENTATION, device_bytes
 from snugfit.plan.optimizer import describe as describe_optimizer
 from snugfit.plan.plan import OptimizerPlan, Plan, Prediction
-from snugfit.plan.options import Constraints, describe
-from snugfit.plan.cost_model import CostModel
-from snugfit.plan.search import SPLIT_MARGIN, NoPlanError, SearchResult, budget_for, search
-from snugfit.profile.types import ModelProfile
+from snugfit.plan.options import describe
+from snugfit.plan.search import SPLIT_MARGIN, SearchResult
 
 GIB = 2**30
-LORA_TRAINABLE = 0.01  # adapters of rank ~16 train about 1% of a block's parameters
 
 
 def summary(plan: Plan) -> str:
@@ -194,159 +190,3 @@ def _v_schedule(res: SearchResult) -> str:
     bp = res.bpipe
     than = f", {speed_words(bp.predicted.step_time_s / v.predicted.step_time_s)} than BPipe" if bp else ""
     return f"V schedule:   {_figures(v)}{than}: {summary(v)}"
-
-
-def _fits(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints,
-          budget: int | None, optimizer: OptimizerPlan | None = None) -> Plan | None:
-    try:
-        return search(profile, cluster, global_batch=global_batch, constraints=c, memory_budget=budget,
-                      alternatives=0, optimizer=optimizer).best
-    except NoPlanError:
-        return None
-
-
-# The optimizer setups a user may switch to, from the mildest change of the numerics to the strongest: 8-bit states
-# (the default of popular fine-tuning tools), bf16 weights, both, then the step in backward (per-unit clipping), then
-# 4-bit states. The search never picks them (plan.OptimizerPlan); the advice names the first that pays.
-SWITCHES = (OptimizerPlan(states="8bit"), OptimizerPlan(master_weights="bf16"),
-            OptimizerPlan(master_weights="bf16", states="8bit"),
-            OptimizerPlan(master_weights="bf16", states="8bit", in_backward=True),
-            OptimizerPlan(master_weights="bf16", states="4bit", in_backward=True))
-PAYS = 1.2  # a switch worth naming is at least this much faster
-
-
-def _switch_flags(opt: OptimizerPlan) -> str:
-    flags = [f"--optimizer-states {opt.states}"] * (opt.states != "fp32")
-    flags += [f"--master-weights {opt.master_weights}"] * (opt.master_weights != "fp32")
-    return " ".join(flags + ["--optimizer-in-backward"] * opt.in_backward)
-
-
-def _stronger(opt: OptimizerPlan, than: OptimizerPlan) -> bool:
-    """Whether `opt` goes at least as far as `than` in every respect, and further in one."""
-    bits = {"fp32": 32, "bf16": 16, "8bit": 8, "4bit": 4}
-    return opt != than and bits[opt.states] <= bits[than.states] and (
-        bits[opt.master_weights] <= bits[than.master_weights]) and opt.in_backward >= than.in_backward
-
-
-def _offloads(plan: Plan) -> bool:
-    return any(b.placement.states_on_host for b in [plan.root, *plan.blocks])
-
-
-def _switch_effect(before: Plan, after: Plan) -> str:
-    held = lambda p: sum(not b.placement.params_on_host for b in p.blocks)  # noqa: E731 - blocks whose weights stay
-    if held(after) > held(before):
-        where = ("every block's parameters stay on the card" if held(after) == len(after.blocks)
-                 else f"{held(after)} of {len(after.blocks)} blocks' parameters stay on the card")
-    elif not _offloads(after):
-        where = "nothing offloaded"
-    else:
-        where = summary(after)
-    ratio = before.predicted.step_time_s / after.predicted.step_time_s
-    return f"{where}, {ratio:.1f}x faster ({_figures(after)})"
-
-
-def _could_pay(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, budget: int | None,
-               opt: OptimizerPlan, step_s: float) -> bool:
-    """Whether some plan under `opt` could be PAYS times faster than `step_s`, by the search's lower bounds (every
-    block at its fastest option, memory aside): a quarter of a search, where a compute-bound step's switches need
-    none (Llama-2-70B on 8x8 A100s: their five searches were two thirds of its `snugfit plan`). The plans the
-    search finds ran 1.7% and more above them (six catalogue rows, five switches each), so no switch that pays is
-    left out."""
-    model = CostModel(profile, cluster, global_batch, c, budget_for(cluster, budget), optimizer=opt)
-    return any(PAYS * model.lower_bound(x) <= step_s for x in model.candidates())
-
-
-def switches(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None,
-             memory_budget: int | None, result: SearchResult) -> list[str]:
-    """Where the fastest plan offloads, the mildest optimizer switch (SWITCHES) that makes it at least PAYS times
-    faster, checked by a search: the advice's line, or none."""
-    best = result.best
-    if best is None or not _offloads(best) or cluster.gpu_of(0).name == "cpu":
-        return []
-    c = constraints or Constraints()
-    for opt in SWITCHES:
-        if not _stronger(opt, best.optimizer) or not _could_pay(profile, cluster, global_batch, c, memory_budget,
-                                                                   opt, best.predicted.step_time_s):
-            continue
-        plan = _fits(profile, cluster, global_batch, c, memory_budget, opt)
-        if plan is not None and best.predicted.step_time_s >= PAYS * plan.predicted.step_time_s:
-            return [f"advice: with {_switch_flags(opt)}: {_switch_effect(best, plan)}; it changes the numerics "
-                    f"({describe_optimizer(opt)}), so only you can choose it"]
-    return []
-
-
-def _bigger(cluster: Cluster, factor: int) -> Cluster:
-    nodes = [replace(n, count=n.count * factor) for n in cluster.nodes]
-    return replace(cluster, nodes=nodes, spec=f"{factor}x the GPUs of {cluster.spec or 'the cluster'}")
-
-
-def _lora(profile: ModelProfile) -> ModelProfile:
-    blocks = [replace(b, trainable=int(LORA_TRAINABLE * b.num_params)) for b in profile.blocks]
-    return replace(profile, blocks=blocks, embed=replace(profile.embed, trainable=0),
-                   head=replace(profile.head, trainable=0))
-
-
-def advise(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None,
-           memory_budget: int | None, result: SearchResult, optimizer: OptimizerPlan | None = None) -> list[str]:
-    """The smallest changes that make a plan fit, each checked by a search (so never a plan that won't)."""
-    c = constraints or Constraints()
-    opt = optimizer or OptimizerPlan()
-    out: list[str] = []
-    for switch in (s for s in SWITCHES if _stronger(s, opt)):  # the mildest optimizer switch that fits
-        plan = _fits(profile, cluster, global_batch, c, memory_budget, switch)
-        if plan:
-            out.append(f"with {_switch_flags(switch)} (changes the numerics: {describe_optimizer(switch)}): fits "
-                       f"as {summary(plan)} ({_figures(plan)})")
-            break
-    if cluster.gpu_of(0).name != "cpu":  # CPU ranks: host and device are one memory, the budget covers it
-        has = max(n.host.ram_bytes for n in cluster.nodes)
-        for factor in (2, 4, 8):
-            plan = _fits(profile, with_host_ram(cluster, has * factor), global_batch, c, memory_budget, opt)
-            if plan:
-                # The least RAM the search finds a plan in, from what this one needs (the search's host cap is
-                # coarser than the estimate's, so a little more may be needed) up to what it was found with.
-                mem = plan.predicted.memory_by_rank
-                need = max(max(node_host_need(plan, profile, cluster, mem, i)) for i in range(len(cluster.nodes)))
-                least = math.ceil(need / HOST_USABLE / GIB)
-                for ram in sorted({least, math.ceil(least * 1.25), math.ceil(least * 1.5), round(has * factor / GIB)}):
-                    found = ram * GIB <= has * factor and _fits(profile, with_host_ram(cluster, ram * GIB),
-                                                               global_batch, c, memory_budget, opt)
-                    if found:
-                        plan = found
-                        break
-                need = max(max(node_host_need(plan, profile, cluster, plan.predicted.memory_by_rank, i))
-                           for i in range(len(cluster.nodes)))
-                out.append(f"host RAM is the binding limit ({has / GIB:.0f} GiB per node): with --host-ram {ram}GiB "
-                           f"it fits as {summary(plan)} ({_figures(plan)}; {need / GIB:.1f} GiB of host memory per "
-                           f"node, {HOST_USABLE:.0%} of RAM usable)")
-                break
-    for key, value in c.fixed().items():
-        plan = _fits(profile, cluster, global_batch, replace(c, **{key: None}), memory_budget, opt)
-        if plan:
-            out.append(f"drop --{key.replace('_', '-')} {value}: fits as {summary(plan)} ({_figures(plan)})")
-    if c.micro_batch != 1 and global_batch > 1:
-        plan = _fits(profile, cluster, global_batch, replace(c, micro_batch=1, num_microbatches=None), memory_budget,
-                     opt)
-        if plan and not any(a.startswith("drop --micro-batch") for a in out):
-            out.append(f"micro-batch 1: fits as {summary(plan)}")
-    for factor in (2, 4, 8):
-        plan = _fits(profile, _bigger(cluster, factor), global_batch, replace(c, dp=None, pp=None), memory_budget,
-                     opt)
-        if plan:
-            out.append(f"{cluster.world_size * factor} GPUs ({factor}x): fits as {summary(plan)}")
-            break
-    need, static = result.least_need
-    if need > result.budget_bytes > static:
-        gpu = cluster.gpu_of(0)
-        room = result.budget_bytes if gpu.name == "cpu" else (result.budget_bytes - gpu.context_bytes) / (
-            1 + FRAGMENTATION)
-        used = need if gpu.name == "cpu" else (need - gpu.context_bytes) / (1 + FRAGMENTATION)
-        seq = int(profile.seq_len * (room - static) / max(used - static, 1)) // 64 * 64
-        if seq >= 64:
-            out.append(f"sequence length <= about {seq} (activations scale with it; re-run snugfit plan --seq {seq} "
-                       f"to check)")
-    plan = _fits(_lora(profile), cluster, global_batch, c, memory_budget, opt)
-    if plan:
-        out.append(f"LoRA fine-tuning (frozen base weights, ~{LORA_TRAINABLE:.0%} trainable): fits as {summary(plan)}")
-    return out or ["GPU memory is the binding limit: nothing short of a larger GPU fits, even every block sharded, "
-                   "offloaded and recomputed"]

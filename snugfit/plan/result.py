@@ -2,7 +2,7 @@
 (slower, or the least memory they need against the budget).
 
 The report's half of the search (search.py finds the plan): what `snugfit plan` prints under "other
-families", and what explain.advise() reads when nothing fits.
+families", and what advice.advise() reads when nothing fits.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     profile: for the run's seq_len and dtype, at any micro-batch size (rescaled per candidate).
     compare_bpipe: also verify the best BPipe, non-BPipe and V-schedule plans (for --explain-bpipe).
     optimizer: how weights are stored and updated (the user's choice, never searched: it changes the numerics).
-    Raises NoPlanError (its .result has the rejections) when nothing fits; explain.advise() says what would.
+    Raises NoPlanError (its .result has the rejections) when nothing fits; advice.advise() says what would.
     """
     c = constraints or Constraints()
     with _without_cyclic_gc():

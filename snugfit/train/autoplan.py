@@ -225,7 +225,8 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
 def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Plan:
     from snugfit.calibrate.corrections import with_stored_corrections
     from snugfit.plan.compile_choice import search_compiled_or_eager
-    from snugfit.plan.explain import advise, format_result
+    from snugfit.plan.advice import advise
+    from snugfit.plan.explain import format_result
     from snugfit.plan.search import NoPlanError
 
     t = cfg.train
@@ -242,7 +243,7 @@ def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Pl
         if not e.result.candidates:
             raise SnugfitError(f"--plan auto: {e}") from None
         advice = advise(_profile(cfg, 1, device, bool(t.compile)), cluster, global_batch=t.batch_size,
-                        constraints=fixed, memory_budget=None, result=e.result, optimizer=optimizer_plan(t))  # the
+                        constraints=fixed, memory_budget=None, optimizer=optimizer_plan(t))  # the
         # binding limit and the smallest change that lifts it, first
         raise SnugfitError(f"--plan auto: {e}; {advice[0]}") from None
     best = chosen.result.best
