@@ -37,11 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 class _StdoutHandler(logging.StreamHandler):
     """Writes to sys.stdout as it is when a message is logged, not as it was when main() first ran: a caller that
-    swaps it (pytest's capture, between two main() calls in one process) never leaves the logger a closed file."""
+    swaps it (pytest's capture, between two main() calls in one process) never leaves the logger a closed file.
+    To sys.stderr where a command's stdout is a JSON document (`to_stderr`)."""
+
+    to_stderr = False
 
     @property
     def stream(self):
-        return sys.stdout
+        return sys.stderr if self.to_stderr else sys.stdout
 
     @stream.setter
     def stream(self, _):
@@ -55,8 +58,6 @@ def _setup_logging(rank: int) -> None:
         handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("snugfit: %(message)s"))
         logger.addHandler(handler)
-    else:  # called again in one process (tests): to this call's stdout, not a closed earlier one
-        logger.handlers[0].stream = sys.stdout
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(rank)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    # a command whose stdout is JSON (plan --json, profile-hardware) says everything else on stderr
+    for handler in logging.getLogger("snugfit").handlers:
+        if isinstance(handler, _StdoutHandler):
+            handler.to_stderr = bool(getattr(args, "json", False) or getattr(args, "prints_json", False))
     try:
         if unknown:
             _refuse_unknown(parser, unknown, args.command)

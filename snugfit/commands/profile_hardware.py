@@ -19,6 +19,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                              "to a minute on a CPU)")
     p.add_argument("--toml", help="also write this machine as a cluster file `snugfit plan --cluster` takes, e.g. "
                                   "on a GPU machine to plan for it elsewhere (its GPU as a [[gpu]] table)")
+    p.set_defaults(prints_json=True)  # its stdout is the profile; messages go to stderr (cli.main)
     return p
 
 
