@@ -96,7 +96,7 @@ def op_cost(func, args, kwargs, out) -> OpCost:
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     makes = bool(outs) and name not in _NO_TRAFFIC and not any(r.alias_info is not None for r in func._schema.returns)
     fresh = sum(n for n in map(_tensor_bytes, outs) if n >= MMAP_THRESHOLD_BYTES) if makes else 0
-    if name == "snugfit.grouped_mm":  # model.moe's experts: 2*M*N*K, and at balanced routing G GEMMs of M/G rows
+    if name in ("snugfit.grouped_mm", "aten._grouped_mm"):  # model.moe's experts: 2*M*N*K, and at balanced routing G GEMMs of M/G rows
         a, b, offs = args[:3]
         groups = offs.shape[0]
         if b.dim() == 3:  # (M, K) x (G, K, N)
