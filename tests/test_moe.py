@@ -184,3 +184,31 @@ def test_memory_model_charges_the_experts(runs):
     for rank, r in enumerate(runs["dp2-zero3"]):
         want, got = pred.tracked_by_rank[rank]["device.total"], r["peak"]["device.total"]
         assert got == pytest.approx(want, rel=0.05), f"rank {rank}: {got} vs {want}"
+
+
+# -- the planner: total against active parameters --
+
+@pytest.mark.parametrize("name, total, active", [
+    ("mixtral-8x7b", 46.7e9, 12.9e9), ("olmoe-1b-7b", 6.9e9, 1.3e9)])
+def test_catalogue_moe_sizes(name, total, active):
+    from snugfit.model.catalogue import MODELS
+
+    cfg = MODELS[name]
+    assert cfg.num_params() == pytest.approx(total, rel=0.02)
+    assert cfg.num_params(active=True) == pytest.approx(active, rel=0.02)
+
+
+def test_profile_counts_every_expert_and_computes_the_active_ones():
+    """Memory counts all experts' parameters; the profiled FLOPs are those of the top_k experts (and the router):
+    an MoE model's blocks compute about what a dense model of the active width does."""
+    moe = ModelConfig(**{**CFG, "max_seq_len": SEQ})
+    dense = ModelConfig(**{k: v for k, v in CFG.items() if k not in ("n_experts", "top_k", "moe_ffn_dim", "max_seq_len")},
+                        max_seq_len=SEQ, ffn_dim=2 * 16)  # top_k experts' width
+    p_moe, p_dense = (profile_model(c, micro_batch_size=2, seq_len=SEQ, use_cache=False) for c in (moe, dense))
+    assert p_moe.num_params() == moe.num_params() == sum(p.numel() for p in Decoder(moe).parameters())
+    block_moe, block_dense = p_moe.blocks[0], p_dense.blocks[0]
+    matmuls = lambda p: sum(2 * m * n * k for m, n, k in p.gemms)  # noqa: E731
+    assert matmuls(block_moe) == pytest.approx(matmuls(block_dense) + 2 * 2 * SEQ * 32 * 4, rel=1e-6)  # + router
+    assert len(block_moe.gemms) == len(block_dense.gemms) + 1 + 2 * 4 - 3  # q k v o, router, E x (gate_up, down)
+    assert block_moe.fwd_flops == pytest.approx(block_dense.fwd_flops, rel=0.05)
+    assert moe.flops_per_token(SEQ) == pytest.approx(dense.flops_per_token(SEQ), rel=0.05)
