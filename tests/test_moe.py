@@ -212,3 +212,9 @@ def test_profile_counts_every_expert_and_computes_the_active_ones():
     assert len(block_moe.gemms) == len(block_dense.gemms) + 1 + 2 * 4 - 3  # q k v o, router, E x (gate_up, down)
     assert block_moe.fwd_flops == pytest.approx(block_dense.fwd_flops, rel=0.05)
     assert moe.flops_per_token(SEQ) == pytest.approx(dense.flops_per_token(SEQ), rel=0.05)
+
+
+def test_plan_summary_gives_active_parameters():
+    cfg = ModelConfig(**{**CFG, "max_seq_len": SEQ})
+    summary = profile_model(cfg, micro_batch_size=1, seq_len=SEQ, use_cache=False).summary()
+    assert summary["parameters"] == cfg.num_params() and summary["active"] == cfg.num_params(active=True)
