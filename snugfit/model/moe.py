@@ -5,6 +5,9 @@ included, where only the last stage has the loss)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,13 +67,15 @@ class _AddAuxGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, owner: "MoEMLP") -> torch.Tensor:
         ctx.owner, ctx.aux, ctx.weight, ctx.scale = owner, aux.detach(), owner._aux_weight, owner._grad_scale
+        ctx.recorded = owner._recorded
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         owner = ctx.owner
         value = ctx.aux * ctx.weight
-        owner._aux_sum = value if owner._aux_sum is None else owner._aux_sum + value
+        if ctx.recorded:
+            owner._aux_sum = value if owner._aux_sum is None else owner._aux_sum + value
         return grad, torch.full_like(ctx.aux, ctx.weight * ctx.scale), None
 
 
@@ -93,6 +98,7 @@ class MoEMLP(nn.Module):
         self.balanced = False
         self._aux_weight, self._grad_scale = 1.0, 1.0  # set per step by the engine (`begin_step`)
         self._aux_sum: torch.Tensor | None = None  # this step's aux loss so far (weighted), detached
+        self._recorded = True  # False in forwards that are no microbatch (`unrecorded`)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, d) -> (router probabilities T x E in fp32, chosen experts T x k, their renormalised weights)."""
@@ -143,6 +149,20 @@ def step_aux_loss(model: nn.Module) -> torch.Tensor | None:
     """The aux loss this rank's layers added in the step (summed over its layers, weighted over microbatches)."""
     sums = [m._aux_sum for m in moe_layers(model) if m._aux_sum is not None]
     return torch.stack(sums).sum() if sums else None
+
+
+@contextmanager
+def unrecorded(module: nn.Module) -> Iterator[None]:
+    """Forwards of `module` that are no microbatch: torch's pipeline stages infer their shapes with one, and
+    backpropagate it for the gradients' shapes; its aux loss stays out of the step's report."""
+    layers = moe_layers(module)
+    for m in layers:
+        m._recorded = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._recorded = True
 
 
 def set_balanced(model: nn.Module, balanced: bool = True) -> None:
