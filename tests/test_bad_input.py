@@ -71,6 +71,8 @@ CASES = [
     ("plan-optimizer-mismatch", ["--plan", "{t}/plan_8bit.json"], "--optimizer-states 8bit"),
     ("seq-too-long", ["--seq-len", "64"], "exceeds model.max_seq_len"),
     ("heads-not-dividing", ["--n-heads", "3"], "divisible by model.n_heads"),
+    ("top-k-above-experts", ["--n-experts", "4", "--top-k", "5"], "model.top_k (5) must be between 1 and model.n_exp"),
+    ("one-expert", ["--n-experts", "1"], "model.n_experts must be 0 (dense) or at least 2"),
     ("micro-batch", ["--micro-batch-size", "3"], "multiple of train.micro_batch_size"),
     ("missing-data", ["--path", "{t}/nothing.txt"], "does not exist"),
     ("empty-corpus", ["--path", "{t}/empty.txt"], "too few for one training sequence"),

@@ -66,6 +66,13 @@ def _phi3(dim, layers, heads, kv, ffn, vocab, seq) -> dict:
             "max_position_embeddings": seq, "original_max_position_embeddings": seq, "pad_token_id": 0}
 
 
+def _moe(vocab, dim, layers, heads, kv, experts, top_k, width, seq, theta) -> ModelConfig:
+    """A Mixture-of-Experts decoder the built-in one expresses (Mixtral exactly; OLMoE but for its q/k norms' 4k
+    weights a layer)."""
+    return ModelConfig(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
+                       n_experts=experts, top_k=top_k, moe_ffn_dim=width, max_seq_len=seq, rope_theta=theta)
+
+
 MODELS: dict[str, ModelConfig | dict] = {
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
@@ -111,6 +118,18 @@ MODELS: dict[str, ModelConfig | dict] = {
     "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, 128, 262208, 131072, 1024),
     "phi-3-mini": _phi3(3072, 32, 32, 32, 8192, 32064, 4096),
     "phi-4": _phi3(5120, 40, 40, 10, 17920, 100352, 16384),
+    "mixtral-8x7b": _moe(32000, 4096, 32, 32, 8, 8, 2, 14336, 32768, 1e6),
+    "olmoe-1b-7b": _moe(50304, 2048, 16, 16, 16, 64, 8, 1024, 4096, 10000.0),
+    # head_dim 128 at 32 heads (q wider than the hidden size), q/k norms: transformers' own modules
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                      "tie_word_embeddings": False},
+    "gpt-oss-20b": {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 24,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+                    "num_local_experts": 32, "num_experts_per_tok": 4, "max_position_embeddings": 131072,
+                    "sliding_window": 128, "tie_word_embeddings": False},
 }
 
 ALIASES = {"gpt2-124m": "gpt2", "gpt2-355m": "gpt2-medium", "gpt2-774m": "gpt2-large", "gpt2-1.5b": "gpt2-xl",

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from snugfit.model.moe import MoEMLP
 from snugfit.model.shards import write_whole
 
 ARCHS = ("llama", "gpt2")
@@ -43,6 +44,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     attention: str = "sdpa"  # "eager" materialises the s*s scores (profiling, tests)
+    n_experts: int = 0  # Mixture-of-Experts MLPs (model.moe) with this many experts; 0: dense
+    top_k: int = 2  # experts each token is routed to
+    n_shared_experts: int = 0  # dense experts every token runs through, beside the routed ones
+    moe_ffn_dim: int | None = None  # each expert's width; default ffn_dim
+    router_aux_coef: float = 0.01  # the load-balancing loss's coefficient (mean over layers)
     name: str = ""  # a Hugging Face model folder, hub id (from the local cache) or config.json to train instead
 
     def __post_init__(self) -> None:
@@ -53,6 +59,8 @@ class ModelConfig:
                 self.ffn_dim = 32 * math.ceil(int(8 * self.dim / 3) / 32)
             else:
                 self.ffn_dim = 4 * self.dim
+        if self.moe_ffn_dim is None:
+            self.moe_ffn_dim = self.ffn_dim
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and what is allowed."""
@@ -69,6 +77,21 @@ class ModelConfig:
             raise ValueError(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
         if self.arch == "llama" and (self.dim // self.n_heads) % 2:
             raise ValueError("model.dim / model.n_heads must be even for rotary embeddings")
+        if self.n_experts:
+            self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        if self.n_experts < 2:
+            raise ValueError(f"model.n_experts must be 0 (dense) or at least 2, got {self.n_experts}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"model.top_k ({self.top_k}) must be between 1 and model.n_experts ({self.n_experts})")
+        if self.arch != "llama":
+            raise ValueError("model.n_experts needs arch 'llama' (SwiGLU experts); set model.arch = 'llama'")
+        if self.n_shared_experts < 0 or self.router_aux_coef < 0:
+            raise ValueError("model.n_shared_experts and model.router_aux_coef must not be negative")
+        if self.dim % 8 or self.moe_ffn_dim % 8:  # torch's grouped GEMM wants rows of 16-byte multiples
+            raise ValueError(f"model.dim ({self.dim}) and model.moe_ffn_dim ({self.moe_ffn_dim}) must be multiples "
+                             "of 8 for the experts' grouped GEMM")
 
     @property
     def head_dim(self) -> int:
@@ -83,9 +106,14 @@ class ModelConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     # -- analytic counts, used by the profiler and checked against the instantiated model --
-    def block_params(self) -> int:
+    def block_params(self, active: bool = False) -> int:
+        """A block's parameters; active: those a token runs through (an MoE block's top_k experts of all)."""
         d, kv = self.dim, self.n_kv_heads * self.head_dim
         attn = d * d + 2 * d * kv + d * d  # q, k, v, o
+        if self.n_experts:
+            experts = self.top_k if active else self.n_experts
+            mlp = d * self.n_experts + 3 * d * self.moe_ffn_dim * (experts + self.n_shared_experts)
+            return attn + mlp + 2 * d
         if self.arch == "llama":
             return attn + 3 * d * self.ffn_dim + 2 * d  # gate/up/down, two RMSNorm weights
         biases = 2 * d + 2 * kv + self.ffn_dim + d
@@ -99,14 +127,17 @@ class ModelConfig:
         norm = self.dim if self.arch == "llama" else 2 * self.dim
         return norm + (0 if self.tie_embeddings else self.vocab_size * self.dim)
 
-    def num_params(self) -> int:
-        return self.embed_params() + self.n_layers * self.block_params() + self.head_params()
+    def num_params(self, active: bool = False) -> int:
+        return self.embed_params() + self.n_layers * self.block_params(active) + self.head_params()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention."""
         d, kv = self.dim, self.n_kv_heads * self.head_dim
         per_block = 2 * (2 * d * d + 2 * d * kv) + 2 * (2 * seq_len * d) / 2  # projections + causal attention
-        per_block += 2 * (3 if self.arch == "llama" else 2) * d * self.ffn_dim
+        if self.n_experts:  # the active experts and the router
+            per_block += 2 * 3 * d * self.moe_ffn_dim * (self.top_k + self.n_shared_experts) + 2 * d * self.n_experts
+        else:
+            per_block += 2 * (3 if self.arch == "llama" else 2) * d * self.ffn_dim
         forward = self.n_layers * per_block + 2 * d * self.vocab_size
         return 3 * forward
 
@@ -117,7 +148,7 @@ def initial_value(name: str, shape: tuple[int, ...], n_layers: int,
     projections scaled by depth."""
     if len(shape) == 1:
         return torch.full(shape, 1.0 if name.endswith("weight") else 0.0)
-    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("o.weight", "down.weight", "down_proj")) else 0.02
     return torch.randn(shape, generator=generator) * std
 
 
@@ -201,18 +232,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
         self.swiglu = cfg.arch == "llama"
         bias = not self.swiglu
-        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=bias)
-        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=bias)
-        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False) if self.swiglu else None
+        width = width or cfg.ffn_dim
+        self.up = nn.Linear(cfg.dim, width, bias=bias)
+        self.down = nn.Linear(width, cfg.dim, bias=bias)
+        self.gate = nn.Linear(cfg.dim, width, bias=False) if self.swiglu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.down(F.silu(self.gate(x)) * self.up(x))
         return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+def make_mlp(cfg: ModelConfig) -> nn.Module:
+    """A block's MLP: dense, or Mixture-of-Experts (model.moe) where cfg.n_experts."""
+    if not cfg.n_experts:
+        return MLP(cfg)
+    shared = MLP(cfg, cfg.n_shared_experts * cfg.moe_ffn_dim) if cfg.n_shared_experts else None
+    return MoEMLP(cfg.dim, cfg.n_experts, cfg.top_k, cfg.moe_ffn_dim, cfg.router_aux_coef / cfg.n_layers, shared)
 
 
 class Block(nn.Module):
@@ -223,7 +263,7 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from snugfit.model.moe import grouped_mm
 from snugfit.plan.policies import ACTIVATION_POLICIES, RECOMPUTED, SELECTIVE
 
 aten = torch.ops.aten
@@ -29,6 +30,7 @@ SAVED_OPS = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
+    grouped_mm._opoverload,  # model.moe's experts
 }
 # The linear layers' GEMMs (3-D inputs folded to 2-D), which "selective_half" keeps only every second one of.
 GEMM_OPS = {aten.mm.default, aten.addmm.default}

@@ -39,6 +39,7 @@ def _figures(plan: Plan) -> str:
 def describe_model(m: dict) -> str:
     """'model llama-2-7b: 6,738,415,616 parameters (4,194,304 trainable), 32 blocks, hidden 4096, vocabulary 32000'."""
     parts = [f"{m['trainable']:,} trainable"] + ([f"{m['quantized_nf4']:,} in NF4"] if m.get("quantized_nf4") else [])
+    parts += [f"{m['active']:,} active a token"] if m.get("active") else []
     return (f"model {m['name']}: {m['parameters']:,} parameters ({', '.join(parts)}), {m['blocks']} blocks, "
             f"hidden {m['hidden']}, vocabulary {m['vocabulary']}")
 

@@ -24,13 +24,19 @@ class ModelFacts:
     adapters: bool = False  # LoRA adapters beside frozen weights
     # a block type tensor parallelism has no layout for (runtime.tensor_parallel.LAYOUTS); None where it has one
     unsplittable_block: str | None = None
+    n_experts: int = 0  # a Mixture-of-Experts block's experts (0: dense)
+    top_k: int = 0  # experts each token runs through
 
     @classmethod
     def of_profile(cls, prof: ModelProfile) -> "ModelFacts":
         """What the profile knows: its config's sizes (built-in or Hugging Face names), whether it ties, adapters."""
         c = prof.config
         heads = c.get("n_heads") or c.get("num_attention_heads")
-        return cls(heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
+        experts = c.get("n_experts") or c.get("num_local_experts") or c.get("num_experts") or 0
+        top_k = c.get("top_k") or c.get("num_experts_per_tok") or 0 if experts else 0
+        return cls(n_experts=experts, top_k=top_k,
+                   unsplittable_block="Mixture-of-Experts blocks" if experts else None,
+                   heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),
                    adapters=any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces))

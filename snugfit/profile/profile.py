@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.model.moe import set_balanced
 from snugfit.model.lora import apply_lora, freeze, parse_targets
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.profile.alike import stand_ins
@@ -246,6 +247,7 @@ def profile_model(
         with torch.device("meta"):
             net = Decoder(cfg)
     fine_tune(net, lora_rank, frozen, lora_targets)
+    set_balanced(net)  # experts priced at balanced routing: fake (or random) weights route by chance
     with gpu_kernels(net) if kernels == "gpu" else nullcontext():
         if compile:  # the eager profile's recording (cached on its own: `snugfit plan` weighs both), blocks traced
             eager = profile_model(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, name=name,
@@ -354,6 +356,7 @@ class _PieceTimer:
         torch.manual_seed(0)
         self.model = Decoder(cfg).to(device=device, dtype=getattr(torch, prof.dtype))
         fine_tune(self.model, *tune)
+        set_balanced(self.model)
         if policy in RECOMPUTE_POLICIES:
             for block in self.model.blocks.values():
                 recompute(block, policy)

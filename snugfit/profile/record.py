@@ -86,6 +86,7 @@ class OpCost:
     mem_bytes: float = 0.0
     gemm: list[int] | None = None
     fresh_bytes: float = 0.0
+    groups: int = 1  # a grouped GEMM's: `gemm` is each group's, at an equal share of the rows
 
 
 def op_cost(func, args, kwargs, out) -> OpCost:
@@ -95,6 +96,13 @@ def op_cost(func, args, kwargs, out) -> OpCost:
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     makes = bool(outs) and name not in _NO_TRAFFIC and not any(r.alias_info is not None for r in func._schema.returns)
     fresh = sum(n for n in map(_tensor_bytes, outs) if n >= MMAP_THRESHOLD_BYTES) if makes else 0
+    if name in ("snugfit.grouped_mm", "aten._grouped_mm"):  # model.moe's experts: 2*M*N*K, and at balanced routing G GEMMs of M/G rows
+        a, b, offs = args[:3]
+        groups = offs.shape[0]
+        if b.dim() == 3:  # (M, K) x (G, K, N)
+            m, k, n = a.shape[0], a.shape[1], b.shape[-1]
+            return OpCost("gemm", 2.0 * m * n * k, gemm=[-(-m // groups), n, k], groups=groups, fresh_bytes=fresh)
+        return OpCost("gemm", 2.0 * a.shape[0] * a.shape[1] * b.shape[1], fresh_bytes=fresh)  # the weights' gradient
     if func._overloadpacket in flop_registry:
         gemm = None
         if name in _GEMM_OPERANDS:
@@ -188,7 +196,7 @@ class StepRecorder(TorchDispatchMode):
         stats.mem_bytes += cost.mem_bytes
         stats.fresh_bytes += cost.fresh_bytes
         if cost.gemm is not None:
-            stats.gemms.append(cost.gemm)
+            stats.gemms.extend([cost.gemm] * cost.groups)
         if cost.kind == "attention":
             rec.head_dim = args[0].shape[-1]
         for t in outs:

@@ -130,7 +130,19 @@ class ModelProfile:
                 "trainable": sum(p.num_trainable for p in self.pieces),
                 "quantized_nf4": sum(p.quantized for p in self.pieces), "blocks": len(self.blocks),
                 "hidden": c.get("dim") or c.get("hidden_size") or c.get("n_embd") or c.get("d_model"),
-                "vocabulary": c.get("vocab_size")}
+                "vocabulary": c.get("vocab_size"), **self._active()}
+
+    def _active(self) -> dict:
+        """{"active": the parameters a token runs through} of a Mixture-of-Experts model (its top-k experts of all,
+        3 * hidden * width each: SwiGLU), nothing for a dense one."""
+        c = self.config
+        experts = c.get("n_experts") or c.get("num_experts") or c.get("num_local_experts") or 0
+        width = c.get("moe_ffn_dim") or c.get("moe_intermediate_size") or c.get("intermediate_size") or 0
+        hidden = c.get("dim") or c.get("hidden_size") or 0
+        if not experts:
+            return {}
+        idle = (experts - (c.get("top_k") or c.get("num_experts_per_tok") or 0)) * 3 * hidden * width
+        return {"active": self.num_params() - len(self.blocks) * idle}
 
     def train_flops(self) -> float:
         """FLOPs of one microbatch forward + backward (no recomputation)."""

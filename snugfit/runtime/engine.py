@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from snugfit.plan import Plan
 from snugfit.plan.optimizer import describe
 from snugfit.report.trace import StepTrace
+from snugfit.model.moe import begin_step, moe_layers, step_aux_loss
 from snugfit.runtime.grad_norm import global_grad_norm
 from snugfit.runtime.loss_scale import LossScale
 from snugfit.runtime.memory import MemoryTracker
@@ -46,6 +47,7 @@ class StepResult:
     grad_norm: float  # global, before clipping
     skipped: bool  # non-finite loss or gradient: no update was made
     overflow: bool = False  # of which: fp16 gradients overflowed the loss scale (expected now and then)
+    aux_loss: float | None = None  # Mixture-of-Experts routers' load-balancing loss (model.moe), apart from `loss`
 
 
 class Engine:
@@ -91,6 +93,7 @@ class Engine:
             updater.track(self.memory)
         if cast is not None:
             self.memory.add_source(cast.memory)
+        self.moe = bool(getattr(getattr(model, "cfg", None), "n_experts", 0)) or bool(moe_layers(model))
         self.in_backward = StepInBackward(self.updaters, plan.num_microbatches, optim.grad_clip, device,
                                           runner.stage_group) if plan.optimizer.in_backward else None
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -145,6 +148,8 @@ class Engine:
         self.memory.reset_peak()
         if self.in_backward is not None:
             self.in_backward.begin(self.lr)
+        if self.moe:  # each microbatch's aux loss weighs as the LM loss's on token streams
+            begin_step(self.model, 1.0 / len(micro), self.loss_scale)
         loss = self.runner.train(self._context(), micro, divisors)
         if self.tied is not None:  # after backward, before the update: a tied weight's copies in two stages joined
             self.tied.sum_grads()
@@ -172,7 +177,21 @@ class Engine:
         self.sample()  # the optimizer moment: gradients and states together
         self.model.zero_grad(set_to_none=True)
         self.sample()  # the next forward starts from here
-        return StepResult(loss=loss.item(), grad_norm=grad_norm, skipped=skipped, overflow=overflow)
+        return StepResult(loss=loss.item(), grad_norm=grad_norm, skipped=skipped, overflow=overflow,
+                          aux_loss=self._aux_loss())
+
+    def _aux_loss(self) -> float | None:
+        """The step's router aux loss: this rank's layers' sum, summed over the pipeline's stages and averaged over
+        data parallel, as the loss."""
+        if not self.moe:
+            return None
+        aux = step_aux_loss(self.model)
+        aux = torch.zeros((), device=self.device) if aux is None else aux.float()
+        if self.runner.stage_group is not None:
+            dist.all_reduce(aux, group=self.runner.stage_group)
+        if self.dp_group is not None:
+            dist.all_reduce(aux, op=dist.ReduceOp.AVG, group=self.dp_group)
+        return aux.item()
 
     def _clip_and_step(self, loss: torch.Tensor, ctx: StepContext) -> tuple[float, bool, bool]:
         """Every updater's step, its gradients clipped by the global norm (unscaled from float16's loss scale); that

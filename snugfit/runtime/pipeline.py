@@ -39,6 +39,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Shard
 
 from snugfit.model.decoder import cross_entropy
+from snugfit.model.moe import unrecorded
 from snugfit.plan import Plan
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.memory import local
@@ -75,7 +76,7 @@ class StageModule(nn.Module):
             key, self.microbatch = (self.index, self.microbatch), self.microbatch + 1
         elif grad:
             self.untracked -= 1
-        with self.acts.microbatch(key) if tracked else nullcontext():
+        with self.acts.microbatch(key) if tracked else unrecorded(self):
             h = self.embed(x) if self.embed is not None else x
             if self.embed is None and self.tp_mesh is not None:
                 h = DTensor.from_local(h, self.tp_mesh, [Shard(1)])

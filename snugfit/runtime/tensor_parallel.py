@@ -123,7 +123,9 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       max_seq_len=getattr(cfg, "max_seq_len", None),
                       tied_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
                       adapters=any(type(m).__name__.startswith("LoRA") for m in model.modules()),
-                      unsplittable_block=None if layout else type(getattr(block, "layer", block)).__name__)
+                      n_experts=getattr(cfg, "n_experts", 0) or 0, top_k=getattr(cfg, "top_k", 0) or 0,
+                      unsplittable_block="Mixture-of-Experts blocks" if getattr(cfg, "n_experts", 0)
+                      else None if layout else type(getattr(block, "layer", block)).__name__)
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:

@@ -177,7 +177,9 @@ def predicted_fields(plan) -> dict:
 def compare_line(r: dict) -> str:
     """'step 40: loss 2.310 | step 0.412 s (predicted 0.380) | peak MiB per rank 12.1 12.0 (predicted 12.3)'."""
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-    line = f"step {r['step']}: loss {r['loss']:.3f} | step {r['step_time_s']:.3f} s"
+    line = f"step {r['step']}: loss {r['loss']:.3f}"
+    line += f" (router aux {r['aux_loss']:.4f})" if r.get("aux_loss") is not None else ""
+    line += f" | step {r['step_time_s']:.3f} s"
     if "predicted_step_time_s" in r:
         line += f" (predicted {r['predicted_step_time_s']:.3f})"
     if any(r.get("peak_memory_bytes", [])):

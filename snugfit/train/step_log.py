@@ -47,6 +47,7 @@ class StepLog(Handler):
             "skipped": r.skipped, "skipped_total": self.bad_steps.skipped, "overflow_total": self.bad_steps.overflows,
             "step_time_s": step_time,
             "tokens_per_s": run.plan.tokens_per_step / step_time, **measured_memory(run.engine, step_time),
+            **({"aux_loss": r.aux_loss} if r.aux_loss is not None else {}),
         }
         record.update(predicted_fields(run.plan))
         run.metrics.write(record)
