@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from snugfit.errors import SnugfitError
-from snugfit.model.hf_layout import Source, checkpoint_layout, read_region, stored_shape
+from snugfit.model.hf_layout import Source, as_transformers_saves, checkpoint_layout, read_region, stored_shape
 from snugfit.model.hf_model import HFCausalLM
 from snugfit.model.hub import looks_like_hub_id, not_cached
 from snugfit.model.lora import init_adapters, merged_state_dict, plain_name, plain_named_tensors
@@ -308,7 +308,8 @@ def _read_into(source: Source, name: str, target: torch.Tensor, get_slice) -> No
 
 
 def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write config.json + model.safetensors that transformers' from_pretrained loads as-is.
+    """Write config.json + model.safetensors that transformers' from_pretrained loads as-is, in the layout its
+    save_pretrained writes (MoE experts one matrix each: model.hf_layout).
 
     LoRA adapters are merged into the base weights (W + alpha/rank * B A), so
     the folder is a plain HF model. `state_dict`: full tensors under the
@@ -324,6 +325,7 @@ def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Te
         if ours not in sd:
             raise SnugfitError(f"cannot save: {ours} is not in the state dict (a pruned model or partial state)")
         out[hf] = sd[ours].detach().to("cpu").contiguous()
+    out = as_transformers_saves(out, model.hf_config, model.hf_class)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(out, str(folder / SINGLE_FILE), metadata={"format": "pt"})

@@ -134,3 +134,27 @@ def stored_shape(source: Source, get_slice: Callable) -> tuple[int, ...]:
         size[source.cat_dim] = sum(get_slice(source.members[p][0]).get_shape()[source.cat_dim - (
             source.cat_dim > source.stack_dim)] for p in source.patterns)
     return tuple(size)
+
+
+def as_transformers_saves(state: dict[str, torch.Tensor], hf_config, hf_class: str) -> dict[str, torch.Tensor]:
+    """`state` (transformers' module names -> whole tensors) in the layout transformers' own save_pretrained writes:
+    for MoE architectures one matrix per expert under the hub's names, which transformers 5 converts back as it
+    loads and which tools that read hub checkpoints expect. Its own reversal (revert_weight_conversion) on a
+    meta-device model of the config; architectures with no conversion are returned as they are."""
+    if not _converts(hf_class, hf_config.model_type):
+        return state
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_config)
+    out = revert_weight_conversion(meta, dict(state))
+    # the reversal's chunks and unbinds are views of one tensor: safetensors stores each tensor on its own
+    kept = {id(t) for t in state.values()}
+    return {k: v if id(v) in kept else v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
+
+
+def _converts(hf_class: str, model_type: str) -> bool:
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return bool(get_checkpoint_conversion_mapping(hf_class) or get_checkpoint_conversion_mapping(model_type))
