@@ -193,3 +193,34 @@ def test_qwen3_moe_zero3_two_ranks_match_one_process(tmp_path):
                                    msg=name)
     trained = torch.from_numpy(results[0]["state"]["blocks.0.layer.mlp.experts.gate_up_proj"])
     assert not torch.equal(trained, hf_moe("qwen3_moe").model.layers[0].mlp.experts.gate_up_proj)
+
+
+# gpt-oss: attention sinks (eager attention), experts fused in the checkpoint too, with biases and a clamped
+# SwiGLU; DeepSeek-V3: multi-head latent attention, grouped top-k routing, a shared expert, a dense first layer
+OTHERS = {
+    "gpt_oss": {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "sliding_window": 8},
+    "deepseek_v3": {**LLAMA, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 8, "n_shared_experts": 1},
+}
+
+
+@pytest.mark.parametrize("arch", list(OTHERS))
+def test_gpt_oss_and_deepseek_v3_saved_by_transformers_load_equal(arch, tmp_path):
+    from snugfit.model.hf import attention_for
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(arch, **OTHERS[arch])
+    cfg._attn_implementation = attention_for(cfg)  # gpt-oss: eager, its sinks have no SDPA path
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    x = tokens()
+    targets = torch.cat([x[:, 1:], torch.full((2, 1), -100)], dim=1)
+    model = load_hf(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), hf(input_ids=x).logits)
+        assert model(x, targets).item() == hf(input_ids=x, labels=x).loss.item()
+    quantized = AutoConfig.for_model(arch, **OTHERS[arch], quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(SnugfitError, match="quantized \\(mxfp4\\)"):
+        HFCausalLM(AutoModelForCausalLM.from_config(hf.config.__class__.from_dict(quantized.to_dict())))
