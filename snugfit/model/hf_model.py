@@ -88,10 +88,23 @@ def hf_structure(model: nn.Module) -> HFStructure:
     found = _find_structure(model)
     if found is None:
         raise SnugfitError(f"don't know where the layers of {type(model).__name__} are; {SUPPORTED}")
+    if _is_moe(model) and kind not in _WARNED:
+        _WARNED.add(kind)
+        log.warning("%s: Mixture-of-Experts; snugfit trains the language-model loss only, as transformers' forward "
+                    "computes it by default: the router's load-balancing loss (output_router_logits, "
+                    "router_aux_loss_coef) is not added", type(model).__name__)
     if kind not in VERIFIED:
         log.warning("%s: layers found by structure; equality with its own forward is verified only for %s",
                     type(model).__name__, ", ".join(VERIFIED))
     return found
+
+
+_WARNED: set[str] = set()  # the MoE families warned of in this process (the model is built several times a run)
+
+
+def _is_moe(model: nn.Module) -> bool:
+    """Experts as transformers 5 holds them: 3-D parameters (E x out x in) in a module named experts."""
+    return any(p.dim() == 3 and ".experts." in f".{n}" for n, p in model.named_parameters())
 
 
 def _find_structure(model: nn.Module) -> HFStructure | None:
