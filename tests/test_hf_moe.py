@@ -224,3 +224,29 @@ def test_gpt_oss_and_deepseek_v3_saved_by_transformers_load_equal(arch, tmp_path
     quantized = AutoConfig.for_model(arch, **OTHERS[arch], quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(SnugfitError, match="quantized \\(mxfp4\\)"):
         HFCausalLM(AutoModelForCausalLM.from_config(hf.config.__class__.from_dict(quantized.to_dict())))
+
+
+def test_mixtral_folder_plans_trains_exports_and_reloads(tmp_path, capsys):
+    import json
+
+    from snugfit.cli import main
+    from snugfit.train.export import export_checkpoint, load_checkpoint_model
+    from snugfit.train.loop import train
+    from tests.test_train import tiny
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("mixtral", **{**CONFIGS["mixtral"], "vocab_size": 256})  # the byte tokenizer's
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "base")  # one matrix per expert
+    assert main(["plan", "--model", str(tmp_path / "base"), "--seq", "16", "--global-batch", "4", "--json",
+                 "--profile-cache", str(tmp_path / "profiles")]) == 0
+    assert len(json.loads(capsys.readouterr().out)["blocks"]) == 2
+    result = train(tiny(tmp_path / "run", **{"model.name": str(tmp_path / "base"), "steps": 2, "seq_len": 16,
+                                             "lr": 0.05}))
+    assert all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
+    assert "trains the language-model loss only" in capsys.readouterr().out  # the router's loss: not added
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    tuned = load_checkpoint_model(step).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(export_checkpoint(step, tmp_path / "exported")).eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, tuned(x))

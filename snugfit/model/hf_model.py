@@ -88,21 +88,13 @@ def hf_structure(model: nn.Module) -> HFStructure:
     found = _find_structure(model)
     if found is None:
         raise SnugfitError(f"don't know where the layers of {type(model).__name__} are; {SUPPORTED}")
-    if _is_moe(model) and kind not in _WARNED:
-        _WARNED.add(kind)
-        log.warning("%s: Mixture-of-Experts; snugfit trains the language-model loss only, as transformers' forward "
-                    "computes it by default: the router's load-balancing loss (output_router_logits, "
-                    "router_aux_loss_coef) is not added", type(model).__name__)
     if kind not in VERIFIED:
         log.warning("%s: layers found by structure; equality with its own forward is verified only for %s",
                     type(model).__name__, ", ".join(VERIFIED))
     return found
 
 
-_WARNED: set[str] = set()  # the MoE families warned of in this process (the model is built several times a run)
-
-
-def _is_moe(model: nn.Module) -> bool:
+def is_moe(model: nn.Module) -> bool:
     """Experts as transformers 5 holds them: 3-D parameters (E x out x in) in a module named experts."""
     return any(p.dim() == 3 and ".experts." in f".{n}" for n, p in model.named_parameters())
 
@@ -240,6 +232,7 @@ class HFCausalLM(nn.Module):
                 for leaf, _ in tensors:
                     self.hf_names[ours + leaf] = prefix + leaf
         self.hf_class = type(hf_model).__name__
+        self.is_moe = is_moe(hf_model)
         self.base_prefix = hf_model.base_model_prefix
         self.head_weight = next(n for n, p in self.named_parameters(remove_duplicate=False)
                                 if p is s.head.weight and n.startswith("head."))
