@@ -1,6 +1,6 @@
 """Hugging Face Mixture-of-Experts folders (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE with its shared expert): loaded
 from both checkpoint layouts, equal to transformers' own forward; planned; exported as transformers saves them;
-trained at 2 gloo ranks (ZeRO-3, each rank reading its experts' rows) equal to one process."""
+trained at 2 gloo ranks (ZeRO-3, each rank reading its experts' rows; a 2-stage pipeline) equal to one process."""
 
 from __future__ import annotations
 
@@ -178,15 +178,22 @@ def _two_ranks(env, folder: str) -> dict:
     losses = [engine.train_step(b[env.rank * rows:(env.rank + 1) * rows]).loss for b in _batches()]
     state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
              for k, v in model.state_dict().items()}  # numpy: tensors would cross the queue as shared memory
-    return {"losses": losses, "state": state, "ref": _one_process(folder, optim) if env.rank == 0 else None}
+    # a pipeline of 2 stages, one block each, over the whole batch
+    model = load_hf(folder, device="meta")
+    plan = Plan.uniform(2, pp=2, micro_batch_size=MBS, num_microbatches=2 * NMB, seq_len=SEQ)
+    engine = build_engine(model, plan, optim, env, weights=FolderWeights(Path(folder)))
+    piped = [engine.train_step(b).loss for b in _batches()]
+    return {"losses": losses, "state": state, "piped": piped,
+            "ref": _one_process(folder, optim) if env.rank == 0 else None}
 
 
-def test_qwen3_moe_zero3_two_ranks_match_one_process(tmp_path):
+def test_qwen3_moe_zero3_and_pipeline_two_ranks_match_one_process(tmp_path):
     write(hf_moe("qwen3_moe"), tmp_path / "base", "per-expert")
     results = run_ranks(_two_ranks, 2, str(tmp_path / "base"))
     ref_losses, ref_state = results[0]["ref"]
     assert results[1]["losses"] == results[0]["losses"]
     assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert results[0]["piped"] == pytest.approx(ref_losses, rel=1e-5)
     # equal weights after two AdamW steps: equal gradients, experts' included
     for name, t in results[0]["state"].items():
         torch.testing.assert_close(torch.from_numpy(t), torch.from_numpy(ref_state[name]), rtol=1e-5, atol=1e-6,
