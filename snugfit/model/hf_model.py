@@ -16,7 +16,9 @@ attention), a window where the layer slides, and the additive mask eager
 attention needs. What a CausalLM class does outside its modules is redone
 here: Gemma 2's final logit soft-capping (`LogitSoftcap`). Parameter names
 map back to the HF names by module identity (`hf_names`), which is what loading
-and saving use (model.hf); nothing depends on a per-architecture name table.
+and saving use (model.hf); nothing depends on a per-architecture name table of
+snugfit's (a Mixture-of-Experts checkpoint's per-expert names come from
+transformers' own conversion mapping: model.hf_layout).
 """
 
 from __future__ import annotations
