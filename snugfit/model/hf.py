@@ -12,7 +12,7 @@ import functools
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from snugfit.errors import SnugfitError
+from snugfit.model.hf_layout import Source, as_transformers_saves, checkpoint_layout, read_region, stored_shape
 from snugfit.model.hf_model import HFCausalLM
 from snugfit.model.hub import looks_like_hub_id, not_cached
 from snugfit.model.lora import init_adapters, merged_state_dict, plain_name, plain_named_tensors
@@ -182,6 +183,7 @@ class FolderWeights:
 
     folder: Path
     seed: int = 0
+    _layout: dict[str, Source] | None = field(default=None, repr=False)
 
     def fill(self, model: HFCausalLM, device: torch.device, index: dict[str, Path] | None = None) -> list[str]:
         init_adapters(model, self.seed)
@@ -194,29 +196,57 @@ class FolderWeights:
             with torch.device(device):
                 model.rope = type(model.rope)(config=model.hf_config)
         model.reset_derived_buffers()
-        return load_weights(model, self.folder, index if index is not None else self.index)
+        if index is not None:
+            return load_weights(model, self.folder, index)
+        return load_weights(model, self.folder, self.index, self.layout(model))
 
     def master(self, model: HFCausalLM, name: str, like: torch.Tensor) -> torch.Tensor | None:
         """The rows of parameter `name` that `like` holds, in fp32 on CPU, read from the files (host offload's
         master weights, exact whatever the device copy's dtype); None for a tensor no file holds (adapters)."""
-        stored, file = self._locate(model, name)
+        hf = model.hf_names.get(plain_name(model, name))
+        layout = self.layout(model)
+        stored = _stored_name(hf, layout, model.base_prefix) if hf is not None else None
         if stored is None:
             return None
-        with safe_open(str(file), framework="pt") as f:
-            return f.get_slice(stored)[local_region(like)].to(torch.float32)
-
-    def _locate(self, model: HFCausalLM, name: str) -> tuple[str | None, Path | None]:
-        hf = model.hf_names.get(plain_name(model, name))
-        stored = _stored_name(hf, self.index, model.base_prefix) if hf is not None else None
-        return stored, self.index.get(stored)
+        with _Files(self.index) as files:
+            return read_region(layout[stored], local_region(like), files.get_slice, like.shape).to(torch.float32)
 
     @functools.cached_property
     def index(self) -> dict[str, Path]:
         return _weight_index(self.folder)
 
+    def layout(self, model: HFCausalLM) -> dict[str, Source]:
+        if self._layout is None:
+            self._layout = checkpoint_layout(self.index, model.hf_class, model.hf_config.model_type)
+        return self._layout
 
-def _stored_name(hf_name: str, index: dict[str, Path], prefix: str) -> str | None:
-    """Older checkpoints (e.g. the original gpt2) store names without the base-model prefix."""
+
+class _Files:
+    """The safetensors files of a checkpoint, each opened once on first use and kept open while reading; a stored
+    tensor's slice handle is made once (its shape is checked, then its rows read)."""
+
+    def __init__(self, index: dict[str, Path]):
+        self.index, self.open, self.slices = index, {}, {}
+
+    def __enter__(self) -> "_Files":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self.open.values():
+            f.__exit__(None, None, None)
+
+    def get_slice(self, name: str):
+        if name not in self.slices:
+            file = self.index[name]
+            if file not in self.open:
+                self.open[file] = safe_open(str(file), framework="pt").__enter__()
+            self.slices[name] = self.open[file].get_slice(name)
+        return self.slices[name]
+
+
+def _stored_name(hf_name: str, index: dict, prefix: str) -> str | None:
+    """The key of `index` (a checkpoint layout) for `hf_name`: older checkpoints (e.g. the original gpt2) store names
+    without the base-model prefix."""
     if hf_name in index:
         return hf_name
     bare = hf_name.removeprefix(prefix + ".")
@@ -224,59 +254,62 @@ def _stored_name(hf_name: str, index: dict[str, Path], prefix: str) -> str | Non
 
 
 @torch.no_grad()
-def load_weights(model: HFCausalLM, folder: str | Path, index: dict[str, Path] | None = None) -> list[str]:
+def load_weights(model: HFCausalLM, folder: str | Path, index: dict[str, Path] | None = None,
+                 layout: dict[str, Source] | None = None) -> list[str]:
     """Copy the stored tensors into the model's own (present) parameters; returns the names read.
 
-    Files are opened one at a time and tensors read one by one, so at most one
-    tensor beyond the model is ever held. Parameters already sharded by FSDP2
-    (a model built on the meta device, sharded, then `to_empty`) read only
-    their local rows.
+    Tensors are read one by one (an MoE layer's experts from one stored matrix per expert where the checkpoint
+    holds them so: model.hf_layout), so at most one tensor beyond the model is ever held. Parameters already
+    sharded by FSDP2 (a model built on the meta device, sharded, then `to_empty`) read only their local rows.
     """
     folder = Path(folder)
     index = index if index is not None else _weight_index(folder)
+    layout = layout if layout is not None else checkpoint_layout(index, model.hf_class, model.hf_config.model_type)
     targets = plain_named_tensors(model)  # LoRA-wrapped layers load their base weights
-    wanted: dict[Path, list[tuple[str, str]]] = {}
+    wanted: list[tuple[str, str]] = []
     missing = []
     for ours, hf in model.hf_names.items():
         if ours not in targets:  # the tied head: the same tensor as the embedding, already listed
             continue
         tied_head = model.cfg.tie_embeddings and ours == model.head_weight
-        stored = _stored_name(hf, index, model.base_prefix)
+        stored = _stored_name(hf, layout, model.base_prefix)
         if stored is None and tied_head:  # a stage with the head but not the embedding
-            stored = _stored_name(model.tokens_hf_name, index, model.base_prefix)
+            stored = _stored_name(model.tokens_hf_name, layout, model.base_prefix)
         if stored is None:
             missing.append(hf)
             continue
-        wanted.setdefault(index[stored], []).append((ours, stored))
+        wanted.append((ours, stored))
     if missing:
         raise SnugfitError(f"{folder} lacks {len(missing)} weights of this model, e.g. {missing[0]}; "
                            "is config.json from the same model?")
     read = []
-    for file, names in sorted(wanted.items()):
-        with safe_open(str(file), framework="pt") as f:
-            for ours, stored in names:
-                _read_into(f, stored, targets[ours], file.name)
-                read.append(stored)
+    first = {k: (v if isinstance(v, str) else v.names()[0]) for k, v in layout.items()}
+    with _Files(index) as files:
+        for ours, stored in sorted(wanted, key=lambda w: (str(index[first[w[1]]]), w[0])):  # file by file
+            _read_into(layout[stored], stored, targets[ours], files.get_slice)
+            read += [layout[stored]] if isinstance(layout[stored], str) else layout[stored].names()
     log.info("loaded %d tensors from %s", len(read), folder)
     return read
 
 
-def _read_into(f, name: str, target: torch.Tensor, file: str) -> None:
-    """Copy one stored tensor into `target`; a sharded (FSDP2 DTensor) target reads only its own rows."""
-    sl = f.get_slice(name)
-    if tuple(sl.get_shape()) != tuple(target.shape):
-        raise SnugfitError(f"{file}: {name} has shape {tuple(sl.get_shape())}, the config says "
+def _read_into(source: Source, name: str, target: torch.Tensor, get_slice) -> None:
+    """Copy one model tensor (stored whole, or per expert) into `target`; a sharded (FSDP2 DTensor) target reads
+    only its own rows."""
+    shape = stored_shape(source, get_slice)
+    if shape != tuple(target.shape):
+        raise SnugfitError(f"the checkpoint's {name} has shape {shape}, the config says "
                            f"{tuple(target.shape)}; is config.json from the same model?")
     if is_quantized(target):  # NF4 quantizes whole tensors (its scales' mean is per tensor), then shards
-        write_whole(target, f.get_tensor(name))
+        write_whole(target, read_region(source, tuple(slice(0, n) for n in shape), get_slice, shape))
     elif isinstance(target, DTensor):
-        target.to_local().copy_(sl[local_region(target)])
+        target.to_local().copy_(read_region(source, local_region(target), get_slice, shape))
     else:
-        target.copy_(f.get_tensor(name))
+        target.copy_(read_region(source, local_region(target), get_slice, shape))
 
 
 def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write config.json + model.safetensors that transformers' from_pretrained loads as-is.
+    """Write config.json + model.safetensors that transformers' from_pretrained loads as-is, in the layout its
+    save_pretrained writes (MoE experts one matrix each: model.hf_layout).
 
     LoRA adapters are merged into the base weights (W + alpha/rank * B A), so
     the folder is a plain HF model. `state_dict`: full tensors under the
@@ -292,6 +325,7 @@ def save_hf(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Te
         if ours not in sd:
             raise SnugfitError(f"cannot save: {ours} is not in the state dict (a pruned model or partial state)")
         out[hf] = sd[ours].detach().to("cpu").contiguous()
+    out = as_transformers_saves(out, model.hf_config, model.hf_class)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(out, str(folder / SINGLE_FILE), metadata={"format": "pt"})

@@ -16,7 +16,9 @@ attention), a window where the layer slides, and the additive mask eager
 attention needs. What a CausalLM class does outside its modules is redone
 here: Gemma 2's final logit soft-capping (`LogitSoftcap`). Parameter names
 map back to the HF names by module identity (`hf_names`), which is what loading
-and saving use (model.hf); nothing depends on a per-architecture name table.
+and saving use (model.hf); nothing depends on a per-architecture name table of
+snugfit's (a Mixture-of-Experts checkpoint's per-expert names come from
+transformers' own conversion mapping: model.hf_layout).
 """
 
 from __future__ import annotations
@@ -64,10 +66,14 @@ class HFStructure:
 
 
 # Checked to match transformers' own forward exactly (tests/test_hf.py, one tiny random model each).
-VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text")
+VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text",
+            # Mixture-of-Experts (tests/test_hf_moe.py); the loss is the LM loss: the router's auxiliary loss,
+            # which transformers adds only with output_router_logits, is not added
+            "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3")
 # Scale embeddings or logits outside their modules in ways the pieces below do not reproduce.
 DIFFERENT = ("granite", "cohere")
-SUPPORTED = "supported: Llama, Mistral, Qwen2/3, Phi-3, OLMo2, Gemma 1-3 (text), GPT-2, OPT"
+SUPPORTED = ("supported: Llama, Mistral, Qwen2/3, Phi-3, OLMo2, Gemma 1-3 (text), GPT-2, OPT; MoE: Mixtral, Qwen2-MoE, "
+             "Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3")
 
 
 def hf_structure(model: nn.Module) -> HFStructure:
@@ -75,6 +81,12 @@ def hf_structure(model: nn.Module) -> HFStructure:
     kind = model.config.model_type
     if kind.startswith(DIFFERENT):
         raise SnugfitError(f"{type(model).__name__} is not supported yet; {SUPPORTED}")
+    quantized = getattr(model.config, "quantization_config", None)
+    if quantized:  # gpt-oss ships MXFP4 experts, DeepSeek-V3 FP8 blocks: weights snugfit's loader does not decode
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        raise SnugfitError(f"{kind}: the checkpoint is quantized ({method}); snugfit reads unquantized weights: "
+                           "save a bfloat16 copy first (transformers' from_pretrained with its quantization config's "
+                           "dequantize=True, then save_pretrained) and pass that folder")
     found = _find_structure(model)
     if found is None:
         raise SnugfitError(f"don't know where the layers of {type(model).__name__} are; {SUPPORTED}")
@@ -82,6 +94,11 @@ def hf_structure(model: nn.Module) -> HFStructure:
         log.warning("%s: layers found by structure; equality with its own forward is verified only for %s",
                     type(model).__name__, ", ".join(VERIFIED))
     return found
+
+
+def is_moe(model: nn.Module) -> bool:
+    """Experts as transformers 5 holds them: 3-D parameters (E x out x in) in a module named experts."""
+    return any(p.dim() == 3 and ".experts." in f".{n}" for n, p in model.named_parameters())
 
 
 def _find_structure(model: nn.Module) -> HFStructure | None:
@@ -217,6 +234,7 @@ class HFCausalLM(nn.Module):
                 for leaf, _ in tensors:
                     self.hf_names[ours + leaf] = prefix + leaf
         self.hf_class = type(hf_model).__name__
+        self.is_moe = is_moe(hf_model)
         self.base_prefix = hf_model.base_model_prefix
         self.head_weight = next(n for n, p in self.named_parameters(remove_duplicate=False)
                                 if p is s.head.weight and n.startswith("head."))

@@ -39,6 +39,7 @@ from snugfit.model.lora import apply_lora, freeze, parse_targets
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.profile.alike import stand_ins
 from snugfit.profile.compiled import GraphCost, compiled_costs
+from snugfit.profile.grouped import AnyDtypeGroupedMM
 from snugfit.plan.policies import PROFILED
 from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
@@ -159,7 +160,7 @@ def profile_module(
     block_p = [_params_by_dtype([b], seen) for b in parts.blocks]
     # leftovers (e.g. OPT's project_in/out) are charged to the last piece
     head_p = _params_by_dtype([*parts.last, model], seen)
-    with _faked(model, parts) as recorded:
+    with _faked(model, parts) as recorded, AnyDtypeGroupedMM():
         # again at twice the micro-batch: what of each peak does not grow with it (ModelProfile.scaled)
         recs, twice = [record_step(model, recorded, torch.randint(0, vocab_size, (rows, seq_len)))
                        for rows in (micro_batch_size, 2 * micro_batch_size)]

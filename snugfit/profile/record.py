@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from snugfit.model.recompute import GEMM_OPS, SELECTIVE_POLICIES, keeps_output
 from snugfit.hardware.catalogue import MMAP_THRESHOLD_BYTES
+from snugfit.profile.grouped import GROUPED_MM, grouped_mm_flops
 _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 
@@ -110,6 +111,8 @@ def op_cost(func, args, kwargs, out) -> OpCost:
             gemm = [a.shape[0], b.shape[1], a.shape[1]]
         return OpCost("gemm", flop_registry[func._overloadpacket](*args, **kwargs, out_val=out), gemm=gemm,
                       fresh_bytes=fresh)
+    if name == GROUPED_MM:  # MoE experts: no flop formula of torch's (profile.grouped)
+        return OpCost("gemm", grouped_mm_flops(args), fresh_bytes=fresh)
     if name in _SDPA_CPU:
         return OpCost("attention", _sdpa_flops(args, kwargs, _SDPA_CPU[name]), fresh_bytes=fresh)
     if makes:

@@ -105,6 +105,10 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
         if model.hf_config._attn_implementation != cfg.model.attention:
             log.info("attention: %s (%s has no %s path in transformers)", model.hf_config._attn_implementation,
                      model.hf_class, cfg.model.attention)
+        if model.is_moe:
+            log.info("experts: %s is a Mixture-of-Experts; the run trains the language-model loss only, as "
+                     "transformers' forward computes it by default: the router's load-balancing loss "
+                     "(output_router_logits, router_aux_loss_coef) is not added", model.hf_class)
     else:
         with torch.device("meta"):
             model = Decoder(cfg.model)
