@@ -1,7 +1,7 @@
 """Grouped GEMMs (`torch._grouped_mm`: a Mixture-of-Experts layer's experts, one matmul per expert over its
-tokens) in the fake-tensor recording: their FLOPs, and a shape for them in any dtype.
+tokens) in the fake-tensor recording: a shape for them in any dtype (their FLOPs: profile.record.op_cost).
 
-torch's flop formulas have none for `_grouped_mm`, and its meta kernel (what fake tensors run) insists on
+torch's meta kernel for `_grouped_mm` (what fake tensors run) insists on
 bfloat16 (torch 2.13), although the CPU kernel computes float32 too: a float32 profile of an MoE model ended in
 "Expected inputs of BF16 type". What the profile measures of experts: dropless routing
 (every token reaches its top-k experts, no capacity factor), so S = tokens x top_k rows run through the experts'
@@ -15,16 +15,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 GROUPED_MM = "aten._grouped_mm"
-
-
-def grouped_mm_flops(args) -> float:
-    """Multiply-adds x 2 of one `_grouped_mm(a, b, offs)`. Both 2-D (a weight gradient, the jagged dimension
-    contracted): 2 M K N; otherwise the output's elements times the contracted length."""
-    a, b = args[0], args[1]
-    if a.dim() == 2 and b.dim() == 2:
-        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-    out_rows = a.shape[0] if a.dim() == 2 else a.shape[0] * a.shape[1]
-    return 2.0 * out_rows * a.shape[-1] * b.shape[-1]
 
 
 class AnyDtypeGroupedMM(TorchDispatchMode):

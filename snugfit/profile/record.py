@@ -30,7 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from snugfit.model.recompute import GEMM_OPS, SELECTIVE_POLICIES, keeps_output
 from snugfit.hardware.catalogue import MMAP_THRESHOLD_BYTES
-from snugfit.profile.grouped import GROUPED_MM, grouped_mm_flops
+from snugfit.profile.grouped import GROUPED_MM
 _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
              "aten._scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 
@@ -97,7 +97,9 @@ def op_cost(func, args, kwargs, out) -> OpCost:
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     makes = bool(outs) and name not in _NO_TRAFFIC and not any(r.alias_info is not None for r in func._schema.returns)
     fresh = sum(n for n in map(_tensor_bytes, outs) if n >= MMAP_THRESHOLD_BYTES) if makes else 0
-    if name in ("snugfit.grouped_mm", "aten._grouped_mm"):  # model.moe's experts: 2*M*N*K, and at balanced routing G GEMMs of M/G rows
+    # MoE experts (model.moe's op, transformers' aten one; torch has no flop formula for them): 2 M N K, and at
+    # balanced routing G GEMMs of M/G rows
+    if name in ("snugfit.grouped_mm", GROUPED_MM):
         a, b, offs = args[:3]
         groups = offs.shape[0]
         if b.dim() == 3:  # (M, K) x (G, K, N)
@@ -111,8 +113,6 @@ def op_cost(func, args, kwargs, out) -> OpCost:
             gemm = [a.shape[0], b.shape[1], a.shape[1]]
         return OpCost("gemm", flop_registry[func._overloadpacket](*args, **kwargs, out_val=out), gemm=gemm,
                       fresh_bytes=fresh)
-    if name == GROUPED_MM:  # MoE experts: no flop formula of torch's (profile.grouped)
-        return OpCost("gemm", grouped_mm_flops(args), fresh_bytes=fresh)
     if name in _SDPA_CPU:
         return OpCost("attention", _sdpa_flops(args, kwargs, _SDPA_CPU[name]), fresh_bytes=fresh)
     if makes:
