@@ -66,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(rank)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    # a command whose stdout is JSON (plan --json, profile-hardware) says everything else on stderr
-    for handler in logging.getLogger("snugfit").handlers:
-        if isinstance(handler, _StdoutHandler):
-            handler.to_stderr = bool(getattr(args, "json", False) or getattr(args, "prints_json", False))
+    # a command whose stdout is JSON (plan --json, profile-hardware) says everything else on stderr, while it runs
+    _StdoutHandler.to_stderr = bool(getattr(args, "json", False) or getattr(args, "prints_json", False))
     try:
         if unknown:
             _refuse_unknown(parser, unknown, args.command)
@@ -87,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted; the last committed checkpoint is intact\n")
         return 130
+    finally:
+        _StdoutHandler.to_stderr = False
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str], command: str) -> None:
