@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from snugfit.model.tiled_mlp import untileable
 from snugfit.plan import Plan
 from snugfit.plan.facts import ModelFacts
 
@@ -123,7 +124,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       max_seq_len=getattr(cfg, "max_seq_len", None),
                       tied_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
                       adapters=any(type(m).__name__.startswith("LoRA") for m in model.modules()),
-                      unsplittable_block=None if layout else type(getattr(block, "layer", block)).__name__)
+                      unsplittable_block=None if layout else type(getattr(block, "layer", block)).__name__,
+                      untileable_mlp=untileable(block))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
