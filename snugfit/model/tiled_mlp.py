@@ -60,7 +60,7 @@ def _spans(n: int, tiles: int) -> list[tuple[int, int]]:
 def _run_tiles(x: torch.Tensor, mlp: nn.Module, tiles: int) -> torch.Tensor:
     """The MLP's output, computed a tile at a time into one tensor (each tile's intermediates freed before the
     next tile runs)."""
-    out = None
+    out, x = None, x.detach()  # a view of an input that requires grad would ask module hooks for its grad_fn
     for a, b in _spans(x.shape[1], tiles):
         y = mlp(x[:, a:b])
         if out is None:
