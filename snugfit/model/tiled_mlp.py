@@ -98,7 +98,7 @@ class _Tiled(torch.autograd.Function):
             if grad_x is not None:
                 grad_x[:, a:b] = found[0]
                 found = found[1:]
-            grads = [g if s is None else (s if g is None else g + s) for g, s in zip(grads, found)]
+            grads = [g if s is None else (s if g is None else g.add_(s)) for g, s in zip(grads, found)]
         return (grad_x, None, None, None, *grads)
 
 

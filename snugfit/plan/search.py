@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import next_splittable_batch, ranks_word
@@ -23,6 +24,7 @@ from snugfit.plan.facts import ModelFacts
 from snugfit.plan.options import Constraints
 from snugfit.plan import rules
 from snugfit.plan.plan import OptimizerPlan
+from snugfit.plan.policies import SELECTIVE as SELECTIVE_NAMES
 from snugfit.plan.result import NoPlanError, SearchLog, SearchResult, explain_losses
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.verify import best_first, rescue
@@ -81,9 +83,47 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     optimizer: how weights are stored and updated (the user's choice, never searched: it changes the numerics).
     Raises NoPlanError (its .result has the rejections) when nothing fits; explain.advise() says what would.
     """
+    c = constraints or Constraints()
     with _without_cyclic_gc():
-        return _search(profile, cluster, global_batch, constraints or Constraints(), memory_budget, reduce_dtype,
-                       alternatives, compare_bpipe, optimizer)
+        tiles = mlp_tiles_worth_trying(profile, c)
+        if tiles == 1:
+            return _search(profile, cluster, global_batch, c, memory_budget, reduce_dtype, alternatives,
+                           compare_bpipe, optimizer)
+        found, failed = [], None
+        for fixed in (c, replace(c, mlp_tiles=tiles)):
+            try:
+                found.append(_search(profile, cluster, global_batch, fixed, memory_budget, reduce_dtype,
+                                     alternatives, compare_bpipe, optimizer))
+            except NoPlanError as err:
+                failed = failed or err
+        if not found:
+            raise failed
+        return min(found, key=lambda r: _preference(_Best(r.best)))
+
+
+# A tiled MLP is weighed from this sequence length on: below it a block's MLP intermediates rarely decide what fits,
+# and a second search would only cost time (bench/plan_latency.py plans shorter sequences)
+TILE_FROM_SEQ = 16384
+
+
+@dataclass
+class _Best:
+    plan: object
+
+
+def mlp_tiles_worth_trying(profile: ModelProfile, c: Constraints) -> int:
+    """The MLP tiles a search weighs beside none (1: none): at long sequences, the smallest power of two that
+    brings a block's MLP intermediates down to one hidden state (more tiles only add operators), dividing the
+    sequence; every block alike, since a stage's working peak is its largest block's."""
+    blk = max(profile.blocks, key=lambda b: b.mlp_share.get("fwd_inner", 0), default=None)
+    if c.mlp_tiles is not None or profile.seq_len < TILE_FROM_SEQ or profile.compiled or blk is None:
+        return 1
+    if not blk.mlp_share or ModelFacts.of_profile(profile).untileable_mlp or c.activations in SELECTIVE_NAMES:
+        return 1
+    tiles = 1
+    while blk.mlp_share["fwd_inner"] / tiles > blk.input_bytes and profile.seq_len % (2 * tiles) == 0:
+        tiles *= 2
+    return tiles
 
 
 def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, memory_budget: int | None,

@@ -115,7 +115,7 @@ class PieceProfile:
 
         Peaks, above the block's start: forward max(before, at + out + inner / tiles, after - saved), the bytes
         it no longer saves gone after it; backward, whose start holds them no more either, max(before, at +
-        in_grad + grads + (inner + saved) / tiles, after + saved): a tile's recomputed intermediates and their
+        in_grad + 2 grads + (inner + saved) / tiles, after + saved): a tile's recomputed intermediates and their
         gradients, and after the MLP the same bytes live as untiled."""
         m = self.mlp_share
         if tiles == 1 or not m:
@@ -123,7 +123,8 @@ class PieceProfile:
         saved = m["saved"]
         keep = self.saved_bytes["keep"] - saved + (0 if m["input_kept"] else self.input_bytes)
         fwd = max(m["fwd_before"], m["fwd_at"] + m["out"] + m["fwd_inner"] / tiles, m["fwd_after"] - saved)
-        bwd = max(m["bwd_before"], m["bwd_at"] + m["in_grad"] + m["grads"] + (m["bwd_inner"] + saved) / tiles,
+        # a tile's parameter gradients beside their running sum: twice the MLP's
+        bwd = max(m["bwd_before"], m["bwd_at"] + m["in_grad"] + 2 * m["grads"] + (m["bwd_inner"] + saved) / tiles,
                   m["bwd_after"] + saved)
         share = m["flops"] / self.fwd_flops if self.fwd_flops else 0.0
         return replace(
