@@ -157,3 +157,10 @@ def test_mlp_working_peak_shrinks_by_the_tiles_as_the_model_says():
     saved = peaks[1] - peaks[4]
     assert saved == pytest.approx(predicted[1] - predicted[4], rel=0.1)  # the totals within 5%: their gap 8%
     assert saved >= (1 - 1 / 4) * 3 * tokens_ffn
+
+
+def test_the_report_names_the_tiles():
+    from snugfit.plan.options import describe
+
+    assert describe(BlockPlan(activations="recompute", mlp_tiles=16)).endswith("recompute + MLP in 16 tiles")
+    assert "tiles" not in describe(BlockPlan(activations="recompute"))

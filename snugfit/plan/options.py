@@ -149,7 +149,8 @@ def describe(o: BlockPlan, root: bool = False, dp: int | None = None) -> str:
     else:
         parts = [] if o.placement.params_on_host else ["copies freed after forward" if o.zero == 3 else "replicated"]
     parts += [o.placement.words] if o.placement.words else []
-    return " + ".join(parts + ([] if root else [o.policy.words]))
+    tiles = [f"MLP in {o.mlp_tiles} tiles"] if o.mlp_tiles > 1 and not root else []
+    return " + ".join(parts + ([] if root else [o.policy.words]) + tiles)
 
 
 def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:
