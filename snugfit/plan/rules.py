@@ -85,9 +85,9 @@ TILE_RULES = (
     Rule(("mlp_tiles", "schedule"), lambda p: _tiled(p) and SCHEDULES[p.schedule].splits_backward,
          lambda p: f"schedule {p.schedule!r} splits each backward into an input and a weight pass, and a tiled MLP "
                    f"(mlp_tiles {p.mlp_tiles}) differentiates both in one; use mlp_tiles 1 or another schedule"),
-    Rule(("mlp_tiles", "model"), lambda p: _tiled(p) and p.model.untileable_mlp is not None,
-         lambda p: f"mlp_tiles {p.mlp_tiles}: {p.model.untileable_mlp} cannot be tiled; use mlp_tiles 1"),
 )
+TILE_MODEL_RULE = Rule(("mlp_tiles", "model"), lambda p: _tiled(p) and p.model.untileable_mlp is not None,
+                       lambda p: f"mlp_tiles {p.mlp_tiles}: {p.model.untileable_mlp} cannot be tiled; use mlp_tiles 1")
 
 
 RULES: tuple[Rule, ...] = (
@@ -143,6 +143,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("in_backward", "compute_dtype"), lambda p: p.in_backward and p.compute_dtype == "float16",
          lambda p: "the step in backward cannot run under float16's loss scaling (an overflow must be found before "
                    "any unit steps); compute in bfloat16 or step after backward"),
+    *TILE_RULES,
     # what the model allows (plan.facts), read by the planner from its profile and by the runtime from the module
     Rule(("tp", "model", "seq_len"), lambda p: p.tp > 1 and bool(_undivided(p)),
          lambda p: f"tp {p.tp} does not divide the model's {', '.join(_undivided(p))}; choose a tp that divides them"),
@@ -154,7 +155,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("tp", "model"), lambda p: p.tp > 1 and p.model.unsplittable_block is not None,
          lambda p: f"tensor parallelism splits the built-in decoder's and Llama-family (Llama, Mistral, Qwen2) "
                    f"blocks, not {p.model.unsplittable_block}; plan with tp 1"),
-    *TILE_RULES,
+    TILE_MODEL_RULE,
     Rule(("seq_len", "model"), lambda p: p.model.max_seq_len is not None and p.seq_len > p.model.max_seq_len,
          lambda p: f"plan.seq_len ({p.seq_len}) exceeds the model's max_seq_len ({p.model.max_seq_len}); re-plan"),
 )
