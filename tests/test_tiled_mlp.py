@@ -164,3 +164,16 @@ def test_the_report_names_the_tiles():
 
     assert describe(BlockPlan(activations="recompute", mlp_tiles=16)).endswith("recompute + MLP in 16 tiles")
     assert "tiles" not in describe(BlockPlan(activations="recompute"))
+
+
+def test_the_search_weighs_tiles_only_at_long_sequences():
+    from snugfit.plan.options import Constraints
+    from snugfit.plan.search import TILE_FROM_SEQ, mlp_tiles_worth_trying
+
+    prof = profile_model(WIDE, micro_batch_size=2, seq_len=96, use_cache=False)
+    assert mlp_tiles_worth_trying(prof, Constraints()) == 1  # short: one search, as before
+    long = replace(prof, seq_len=TILE_FROM_SEQ)
+    share = prof.blocks[0].mlp_share["fwd_inner"] / prof.blocks[0].input_bytes
+    tiles = mlp_tiles_worth_trying(long, Constraints())
+    assert tiles / 2 < share <= tiles  # the smallest power of two bringing the MLP down to one hidden state
+    assert mlp_tiles_worth_trying(long, Constraints(mlp_tiles=1)) == 1  # fixed by the user
