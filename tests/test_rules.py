@@ -38,6 +38,11 @@ BREAKS = [
     _plan(pp=2, schedule="zbv", num_microbatches=2, compile=True),
     _plan(num_microbatches=2, optimizer=OptimizerPlan(in_backward=True)),
     _plan(compute_dtype="float16", optimizer=OptimizerPlan(in_backward=True)),
+    _plan(block=BlockPlan(mlp_tiles=3)),  # tiled MLP (model.tiled_mlp)
+    _plan(block=BlockPlan(activations="selective", mlp_tiles=4)),
+    _plan(compile=True, block=BlockPlan(mlp_tiles=4)),
+    _plan(tp=2, block=BlockPlan(mlp_tiles=4)),
+    _plan(pp=2, schedule="zbv", num_microbatches=2, block=BlockPlan(mlp_tiles=4)),
 ]
 # then the rules beside the model's facts (plan.facts): (plan, facts) breaking each, in RULES' order
 FACTS = ModelFacts(heads=4, kv_heads=4, mlp_hidden=128, vocabulary=64, max_seq_len=SEQ)
@@ -46,6 +51,7 @@ MODEL_BREAKS = [
     (_plan(tp=2), replace(FACTS, tied_embeddings=True)),
     (_plan(tp=2), replace(FACTS, adapters=True)),
     (_plan(tp=2), replace(FACTS, unsplittable_block="GPT2Block")),
+    (_plan(block=BlockPlan(mlp_tiles=4)), replace(FACTS, untileable_mlp="GPT-2's MLP (dropout inside)")),
     (_plan(), replace(FACTS, max_seq_len=SEQ // 2)),
 ]
 

@@ -92,7 +92,7 @@ def plan_from_options(c: Constraints, *, seq: int, global_batch: int | None, dty
     try:
         plan = Plan.uniform(
             n_blocks, dp=dp, tp=tp, pp=pp, schedule=c.schedule, virtual_stages=c.virtual_stages,
-            block=BlockPlan(zero=c.zero, placement=base, activations=policy),
+            block=BlockPlan(zero=c.zero, placement=base, activations=policy, mlp_tiles=c.mlp_tiles or 1),
             root=BlockPlan(zero=c.zero, placement=offloaded if n_off == n_blocks > 0 else base),
             micro_batch_size=micro, num_microbatches=m, seq_len=seq, compute_dtype=dtype, reduce_dtype=reduce_dtype,
             evict_bound=c.evict_bound, grad_reduce=c.grad_reduce or "step",

@@ -9,6 +9,19 @@ from dataclasses import dataclass
 
 from snugfit.profile.types import ModelProfile
 
+# Hugging Face model types whose MLP a tile-wise forward would change (model.tiled_mlp.UNTILEABLE says why)
+UNTILEABLE_TYPES = {"gpt2": "GPT-2's MLP (dropout inside)", "opt": "OPT's fc1/fc2 (no MLP module of their own)"}
+
+MOE_UNTILEABLE = "a Mixture-of-Experts MLP (its router's auxiliary-loss statistics would need summing across tiles)"
+
+
+def untileable_config(c: dict) -> str | None:
+    """Why a profiled model's MLPs cannot be tiled, read off its config; None where they can."""
+    if c.get("model_type") in UNTILEABLE_TYPES:
+        return UNTILEABLE_TYPES[c["model_type"]]
+    experts = c.get("n_experts") or c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
+    return MOE_UNTILEABLE if experts else None
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -26,6 +39,8 @@ class ModelFacts:
     unsplittable_block: str | None = None
     n_experts: int = 0  # a Mixture-of-Experts block's experts (0: dense)
     top_k: int = 0  # experts each token runs through
+    # why its blocks' MLPs cannot be tiled (model.tiled_mlp.untileable); None where they can
+    untileable_mlp: str | None = None
 
     @classmethod
     def of_profile(cls, prof: ModelProfile) -> "ModelFacts":
@@ -39,7 +54,8 @@ class ModelFacts:
                    heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),
-                   adapters=any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces))
+                   adapters=any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces),
+                   untileable_mlp=untileable_config(c))
 
     def split_sizes(self) -> dict[str, int | None]:
         """The sizes a tensor-parallel degree must divide, by what they are called in messages."""

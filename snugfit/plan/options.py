@@ -34,6 +34,7 @@ class Constraints:
     offload_params: bool | None = None
     evict_bound: int | None = None  # BPipe: most microbatches resident per stage
     grad_reduce: str | None = None  # step: once a step | microbatch: every microbatch (holds shards)
+    mlp_tiles: int | None = None  # every block's MLP in this many tiles of the sequence (model.tiled_mlp)
     # from the run config's train.micro_batch_size (0 there: searched), not a [parallel] key
     micro_batch: int | None = field(default=None, metadata={"config": False})
     # the fewest data-parallel ranks a candidate may have (search.search sets it: --zero N shards over dp)
@@ -74,7 +75,7 @@ class Constraints:
     def parts(self, **rest) -> Parts:
         """What the rules read of these fixed parts (plan.rules.parts_of), with `rest` over them."""
         return parts_of(self, **{"zero": self.zero, "placement": self.placement, "activations": self.activations,
-                                 **rest})
+                                 "mlp_tiles": self.mlp_tiles, **rest})
 
     def fixed(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(Constraints) if getattr(self, f.name) is not None}
@@ -97,6 +98,8 @@ class Constraints:
             raise SnugfitError(f"--schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if self.grad_reduce is not None and self.grad_reduce not in GRAD_REDUCE:
             raise SnugfitError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}")
+        if self.mlp_tiles is not None and self.mlp_tiles < 1:
+            raise SnugfitError(f"--mlp-tiles must be >= 1, got {self.mlp_tiles}")
         if self.zero is not None and self.zero not in ZERO_STAGES:
             raise SnugfitError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.offloads_optimizer not in (None, True, False):
@@ -130,6 +133,7 @@ def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan
     differs in memory only: FSDP2 gathers a unit's compute copy even on one rank, which ZeRO 3 frees after forward
     (the copy is the whole model again where the weights are stored in the compute dtype: bf16 masters)."""
     acts = ["keep"] if root else ([c.activations] if c.activations else list(ACTIVATION_POLICIES))
+    tiles = 1 if root else (c.mlp_tiles or 1)  # searched: per stage of the search (plan.search), all alike
     out = []
     for z in [c.zero] if c.zero is not None else [0, 1, 2, 3]:
         for placement in c.placements():
@@ -140,7 +144,8 @@ def block_options(c: Constraints, dp: int, root: bool = False) -> list[BlockPlan
             # dp 1 costs no communication)
             if placement.streams_states and z != 3:
                 continue
-            out += [BlockPlan(z, placement, a) for a in acts]
+            out += [BlockPlan(z, placement, a, tiles) for a in acts
+                    if allows(Parts(activations=a, mlp_tiles=tiles))]
     return out
 
 
@@ -152,7 +157,8 @@ def describe(o: BlockPlan, root: bool = False, dp: int | None = None) -> str:
     else:
         parts = [] if o.placement.params_on_host else ["copies freed after forward" if o.zero == 3 else "replicated"]
     parts += [o.placement.words] if o.placement.words else []
-    return " + ".join(parts + ([] if root else [o.policy.words]))
+    tiles = [f"MLP in {o.mlp_tiles} tiles"] if o.mlp_tiles > 1 and not root else []
+    return " + ".join(parts + ([] if root else [o.policy.words]) + tiles)
 
 
 def may_be_fastest(opts: list[BlockPlan]) -> list[BlockPlan]:

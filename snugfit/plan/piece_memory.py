@@ -70,7 +70,9 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
     for k in plan.stages_of(pp_rank):
         blocks = ranges[k]
         pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
-        pieces += [StagePiece(prof.blocks[i], plan.blocks[i], prof.blocks[i].num_params) for i in blocks]
+        # a tiled MLP's block holds and runs what PieceProfile.tiled says
+        pieces += [StagePiece(prof.blocks[i].tiled(plan.blocks[i].mlp_tiles), plan.blocks[i], prof.blocks[i].num_params)
+                   for i in blocks]
         if k == last:
             # the head's stage holds its own copy of tied weights (runtime.tied_embeddings), on the embedding's rank
             # too where a V folds the last stage back: the two stages are separate FSDP2 roots

@@ -39,6 +39,9 @@ class BlockPlan:
     zero: int = 0
     placement: Placement = Placement.DEVICE  # where its trainable state lives and is updated (plan.placement)
     activations: str = "keep"  # what happens to the block's saved activations
+    # tiles of the sequence its MLP runs in (model.tiled_mlp): its intermediates exist a tile at a time, for one more
+    # MLP forward in backward; 1: whole
+    mlp_tiles: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement, Placement):  # a name, as plan JSON and configs write it
@@ -74,6 +77,8 @@ class BlockPlan:
             raise PlanError(f"{where}.zero must be one of {ZERO_STAGES}, got {self.zero}")
         if self.activations not in ACTIVATION_POLICIES:
             raise PlanError(f"{where}.activations must be one of {', '.join(POLICY_NAMES)}, got {self.activations!r}")
+        if not isinstance(self.mlp_tiles, int) or self.mlp_tiles < 1:
+            raise PlanError(f"{where}.mlp_tiles must be an integer >= 1, got {self.mlp_tiles!r}")
 
 
 @dataclass
@@ -270,11 +275,12 @@ class Plan:
                     model=facts)
         yield "plan", parts_of(self.shape, **wide)
         units = {}  # each distinct unit once, where it first appears
-        for where, u in (("plan.root", replace(self.root, activations="keep")),  # the root pieces keep theirs
+        for where, u in (("plan.root", replace(self.root, activations="keep", mlp_tiles=1)),  # the root: no policy
                          *((f"plan.blocks[{i}]", b) for i, b in enumerate(self.blocks))):
             units.setdefault(u, where)
         for u, where in units.items():
-            yield where, parts_of(self.shape, **wide, zero=u.zero, placement=u.placement, activations=u.activations)
+            yield where, parts_of(self.shape, **wide, zero=u.zero, placement=u.placement, activations=u.activations,
+                                  mlp_tiles=u.mlp_tiles)
 
     # -- serialisation --
     def to_dict(self) -> dict:

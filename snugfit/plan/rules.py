@@ -36,6 +36,7 @@ Parts = make_dataclass("Parts", [
     ("zero", int | None, field(default=None)),  # the unit's
     ("placement", Placement | None, field(default=None)),  # the unit's (plan.placement)
     ("activations", str | None, field(default=None)),  # a block's policy (the root's pieces always keep theirs)
+    ("mlp_tiles", int | None, field(default=None)),  # a block's MLP tiles (model.tiled_mlp; the root's: 1)
     ("model", ModelFacts | None, field(default=None)),  # what the rules need to know of the model (plan.facts)
 ], frozen=True)
 
@@ -61,6 +62,32 @@ def _undivided(p: Parts) -> list[str]:
     """The model's sizes (and the sequence, which sequence parallelism splits) that tp does not divide."""
     sizes = {**p.model.split_sizes(), "sequence length": p.seq_len}
     return [f"{name} ({n})" for name, n in sizes.items() if n and n % p.tp]
+
+
+def _tiled(p: Parts) -> bool:
+    return p.mlp_tiles > 1
+
+
+# a tiled MLP (model.tiled_mlp) runs over tiles of each micro-batch's sequence, its backward in one pass
+TILE_RULES = (
+    Rule(("mlp_tiles", "seq_len"), lambda p: p.seq_len % p.mlp_tiles != 0,
+         lambda p: f"mlp_tiles {p.mlp_tiles} must divide the sequence length ({p.seq_len}); choose tiles that divide "
+                   "it"),
+    Rule(("mlp_tiles", "activations"), lambda p: _tiled(p) and ACTIVATION_POLICIES[p.activations].selective,
+         lambda p: f"activation policy {p.activations} keeps the MLP's matmul outputs, which a tiled MLP never "
+                   f"holds whole (mlp_tiles {p.mlp_tiles}); use recompute or keep, or mlp_tiles 1"),
+    Rule(("mlp_tiles", "compile"), lambda p: _tiled(p) and p.compile,
+         lambda p: f"a compiled block cannot trace a tiled MLP's backward (mlp_tiles {p.mlp_tiles}); drop --compile "
+                   "or use mlp_tiles 1"),
+    Rule(("mlp_tiles", "tp"), lambda p: _tiled(p) and p.tp > 1,
+         lambda p: f"a tiled MLP (mlp_tiles {p.mlp_tiles}) under tensor parallelism (tp {p.tp}) is not built yet; "
+                   "use tp 1 or mlp_tiles 1"),
+    Rule(("mlp_tiles", "schedule"), lambda p: _tiled(p) and SCHEDULES[p.schedule].splits_backward,
+         lambda p: f"schedule {p.schedule!r} splits each backward into an input and a weight pass, and a tiled MLP "
+                   f"(mlp_tiles {p.mlp_tiles}) differentiates both in one; use mlp_tiles 1 or another schedule"),
+)
+TILE_MODEL_RULE = Rule(("mlp_tiles", "model"), lambda p: _tiled(p) and p.model.untileable_mlp is not None,
+                       lambda p: f"mlp_tiles {p.mlp_tiles}: {p.model.untileable_mlp} cannot be tiled; use mlp_tiles 1")
 
 
 RULES: tuple[Rule, ...] = (
@@ -116,6 +143,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("in_backward", "compute_dtype"), lambda p: p.in_backward and p.compute_dtype == "float16",
          lambda p: "the step in backward cannot run under float16's loss scaling (an overflow must be found before "
                    "any unit steps); compute in bfloat16 or step after backward"),
+    *TILE_RULES,
     # what the model allows (plan.facts), read by the planner from its profile and by the runtime from the module
     Rule(("tp", "model", "seq_len"), lambda p: p.tp > 1 and bool(_undivided(p)),
          lambda p: f"tp {p.tp} does not divide the model's {', '.join(_undivided(p))}; choose a tp that divides them"),
@@ -127,6 +155,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("tp", "model"), lambda p: p.tp > 1 and p.model.unsplittable_block is not None,
          lambda p: f"tensor parallelism splits the built-in decoder's and Llama-family (Llama, Mistral, Qwen2) "
                    f"blocks, not {p.model.unsplittable_block}; plan with tp 1"),
+    TILE_MODEL_RULE,
     Rule(("seq_len", "model"), lambda p: p.model.max_seq_len is not None and p.seq_len > p.model.max_seq_len,
          lambda p: f"plan.seq_len ({p.seq_len}) exceeds the model's max_seq_len ({p.model.max_seq_len}); re-plan"),
 )
@@ -150,4 +179,4 @@ def allows_unit(unit, fixed: object, root: bool = False) -> bool:
     """Whether no rule forbids `unit` (a BlockPlan; `root`: the embedding/norm/head unit, whose pieces keep their
     activations) beside the plan-wide parts `fixed` gives (`parts_of`)."""
     return allows(parts_of(fixed, zero=unit.zero, placement=unit.placement,
-                           activations="keep" if root else unit.activations))
+                           activations="keep" if root else unit.activations, mlp_tiles=1 if root else unit.mlp_tiles))

@@ -23,7 +23,8 @@ from snugfit.plan.cost_model import CostModel
 from snugfit.plan.facts import ModelFacts
 from snugfit.plan.options import Constraints
 from snugfit.plan import rules
-from snugfit.plan.plan import OptimizerPlan
+from snugfit.plan.plan import OptimizerPlan, Plan
+from snugfit.plan.policies import SELECTIVE as SELECTIVE_NAMES
 from snugfit.plan.result import NoPlanError, SearchLog, SearchResult, explain_losses
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.verify import best_first, rescue
@@ -42,12 +43,12 @@ def budget_for(cluster: Cluster, memory_budget: int | None) -> int:
 SPLIT_MARGIN = 0.01
 
 
-def _preference(x) -> tuple:
+def _preference(plan: Plan) -> tuple:
     """Fastest first; among plans the time model cannot tell apart (3 significant digits: it is no finer; a
     split backward's plan SPLIT_MARGIN slower than it says), the one without BPipe, then the one holding the least
     memory (a compute-bound step hides parameter offload, which still costs host memory and PCIe traffic the
     model may under-count)."""
-    p, entry = x.plan.predicted, x.plan.schedule_entry
+    p, entry = plan.predicted, plan.schedule_entry
     step = p.step_time_s * (1 + SPLIT_MARGIN if entry.splits_backward else 1)
     return float(f"{step:.3g}"), entry.evicts, p.peak_memory_bytes
 
@@ -85,19 +86,57 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     c = constraints or Constraints()
     with _without_cyclic_gc():
         if not (c.shards_over_data and cluster.world_size > 1):
-            return _search(profile, cluster, global_batch, c, memory_budget, reduce_dtype, alternatives,
-                           compare_bpipe, optimizer)
+            return _search_tiled_or_not(profile, cluster, global_batch, c, memory_budget, reduce_dtype,
+                                        alternatives, compare_bpipe, optimizer)
         # --zero N on several ranks: sharded over data-parallel ranks where any such layout fits, else say why not
         try:
-            return _search(profile, cluster, global_batch, replace(c, min_dp=2), memory_budget, reduce_dtype,
-                           alternatives, compare_bpipe, optimizer)
+            return _search_tiled_or_not(profile, cluster, global_batch, replace(c, min_dp=2), memory_budget,
+                                        reduce_dtype, alternatives, compare_bpipe, optimizer)
         except NoPlanError as e:
             why = str(e)
-        res = _search(profile, cluster, global_batch, c, memory_budget, reduce_dtype, alternatives, compare_bpipe,
-                      optimizer)
+        res = _search_tiled_or_not(profile, cluster, global_batch, c, memory_budget, reduce_dtype, alternatives,
+                                   compare_bpipe, optimizer)
         res.note = (f"--zero {c.zero} shards nothing here: no plan with data-parallel ranks fits ({why}), so it "
                     f"runs on dp {res.best.dp}; fix --dp and --pp to choose the layout")
         return res
+
+
+def _search_tiled_or_not(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, *rest
+                         ) -> SearchResult:
+    """The search, and where a tiled MLP is worth weighing, the search with every block's MLP tiled beside it:
+    the better of the two."""
+    tiles = mlp_tiles_worth_trying(profile, c)
+    if tiles == 1:
+        return _search(profile, cluster, global_batch, c, *rest)
+    found, failed = [], None
+    for fixed in (c, replace(c, mlp_tiles=tiles)):
+        try:
+            found.append(_search(profile, cluster, global_batch, fixed, *rest))
+        except NoPlanError as err:
+            failed = failed or err
+    if not found:
+        raise failed
+    return min(found, key=lambda r: _preference(r.best))
+
+
+# A tiled MLP is weighed from this sequence length on: below it a block's MLP intermediates rarely decide what fits,
+# and a second search would only cost time (bench/plan_latency.py plans shorter sequences)
+TILE_FROM_SEQ = 16384
+
+
+def mlp_tiles_worth_trying(profile: ModelProfile, c: Constraints) -> int:
+    """The MLP tiles a search weighs beside none (1: none): at long sequences, the smallest power of two that
+    brings a block's MLP intermediates down to one hidden state (more tiles only add operators), dividing the
+    sequence; every block alike, since a stage's working peak is its largest block's."""
+    blk = max(profile.blocks, key=lambda b: b.mlp_share.get("fwd_inner", 0), default=None)
+    if c.mlp_tiles is not None or profile.seq_len < TILE_FROM_SEQ or profile.compiled or blk is None:
+        return 1
+    if not blk.mlp_share or ModelFacts.of_profile(profile).untileable_mlp or c.activations in SELECTIVE_NAMES:
+        return 1
+    tiles = 1
+    while blk.mlp_share["fwd_inner"] / tiles > blk.input_bytes and profile.seq_len % (2 * tiles) == 0:
+        tiles *= 2
+    return tiles
 
 
 def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, memory_budget: int | None,
@@ -135,7 +174,7 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     if compare_bpipe:  # and the best V schedule, which balances memory by placement instead of moves
         found += best_first(model, log, [x for x in cands if SCHEDULES[x.schedule].evicts], 1)
         found += best_first(model, log, [x for x in cands if SCHEDULES[x.schedule].v_shaped], 1)
-    found = sorted({id(x): x for x in found}.values(), key=_preference)
+    found = sorted({id(x): x for x in found}.values(), key=lambda x: _preference(x.plan))
     plans = [x.plan for x in found]
     for p in plans:
         p.model = profile.summary()

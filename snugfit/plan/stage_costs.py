@@ -138,7 +138,10 @@ class StageCosts:
         if key not in self._walks:
             sync = (min(self._reduce_held(blk, o) for o in opts)
                     + (min(self._head_held(roots, ro) for ro in ropts) if every else 0.0))
-            self._walks[key] = max(working(p) - min(self.cost(p, o).act for o in (opts if p is blk else ropts))
+            # a block's working peak at the most its options leave (their MLP tiles; roots have none)
+            walk = {id(p): max(working(p.tiled(o.mlp_tiles)) for o in opts) if p is blk else working(p)
+                    for p in [blk, *roots]}
+            self._walks[key] = max(walk[id(p)] - min(self.cost(p, o).act for o in (opts if p is blk else ropts))
                                    + (sync if p is blk else 0) for p in [blk, *roots]) + self.stepping(blk, opts)
         return self._walks[key]
 
@@ -211,7 +214,7 @@ class StageCosts:
                     parts.host_act, parts.at_root)
 
     def _parts(self, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> _Parts:
-        sps = [StagePiece(p, o, p.num_params) for p in pieces]
+        sps = [StagePiece(p.tiled(o.mlp_tiles) if p.name.startswith("block") else p, o, p.num_params) for p in pieces]
         block = sps[0].is_block
         static = reduced = grads = host_bytes = act = host_act = at_root = 0
         for sp in sps:

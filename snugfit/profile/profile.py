@@ -37,6 +37,7 @@ from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.moe import set_balanced
 from snugfit.model.lora import apply_lora, freeze, parse_targets
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
+from snugfit.model.tiled_mlp import mlp_of
 from snugfit.profile.alike import stand_ins
 from snugfit.profile.compiled import GraphCost, compiled_costs
 from snugfit.profile.grouped import AnyDtypeGroupedMM
@@ -92,8 +93,28 @@ def _params_by_dtype(modules: list[nn.Module], seen: set[int]) -> tuple[dict[str
     return out, trainable, vectors, matrices
 
 
+def mlp_share(rec: PieceRecord, grads: int) -> dict[str, float]:
+    """A block's MLP within its recorded peaks (PieceProfile.mlp_share); grads: bytes of its trainable parameters'
+    gradients. Empty where no MLP was recorded in both passes."""
+    f, b = rec.fwd.mlp, rec.bwd.mlp
+    if "out" not in f or "peak" not in b:
+        return {}
+    in_grad = rec.input_bytes  # the MLP's input has the block input's shape and dtype
+    return {"fwd_before": f["before"], "fwd_at": f["at"], "out": f["out"],
+            "fwd_inner": max(0.0, f["peak"] - f["at"] - f["out"]), "fwd_after": f.get("after", 0.0),
+            "saved": f.get("saved", 0.0), "input_kept": f["input_kept"], "flops": f["flops"],
+            "mem_bytes": f["mem_bytes"], "ops": f["ops"], "bwd_ops": b["ops"], "bwd_before": b["before"],
+            "bwd_at": b["at"], "in_grad": in_grad, "grads": grads,
+            "bwd_inner": max(0.0, b["peak"] - b["at"] - in_grad - grads), "bwd_after": b.get("after", 0.0)}
+
+
+def _mlp_grad_bytes(block: nn.Module, itemsize: int) -> int:
+    found = mlp_of(block)
+    return sum(p.numel() for p in getattr(*found).parameters() if p.requires_grad) * itemsize if found else 0
+
+
 def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int, list[int]],
-           is_block: bool) -> PieceProfile:
+           is_block: bool, mlp_grads: int = 0) -> PieceProfile:
     keep = rec.saved
     saved = {"keep": keep}
     if is_block:
@@ -108,6 +129,7 @@ def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int, 
         bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,
         fwd_fresh_bytes=rec.fwd.fresh_bytes, bwd_fresh_bytes=rec.bwd.fresh_bytes,
         fwd_ops=rec.fwd.ops, bwd_ops=rec.bwd.ops, gemms=[list(g) for g in rec.fwd.gemms], head_dim=rec.head_dim,
+        mlp_share=mlp_share(rec, mlp_grads) if is_block else {},
     )
 
 
@@ -167,7 +189,9 @@ def profile_module(
     kinds = len(recorded.blocks)
     one, two = ([r["embed"], *_by_block(parts, [r[f"block.{j}"] for j in range(kinds)]), r["head"]]
                 for r in (recs, twice))
-    blocks = [_piece(f"block.{i}", rec, p, True) for i, (rec, p) in enumerate(zip(one[1:-1], block_p))]
+    itemsize = DTYPE_BYTES[dtype]
+    blocks = [_piece(f"block.{i}", rec, p, True, _mlp_grad_bytes(b, itemsize))
+              for i, (rec, p, b) in enumerate(zip(one[1:-1], block_p, parts.blocks))]
     prof = ModelProfile(
         model=name, config=config, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
         embed=_piece("embed", one[0], embed_p, False), blocks=blocks,

@@ -12,7 +12,9 @@ saved-tensors hook sees what autograd keeps. Per piece and phase we record:
   first touch,
 - bytes saved for backward, each storage counted once, parameters and buffers skipped,
 - the peak of live tensor bytes above the live bytes at the piece's start,
-- per selective recomputation policy: bytes of the op outputs it keeps (model.recompute.keeps_output).
+- per selective recomputation policy: bytes of the op outputs it keeps (model.recompute.keeps_output),
+- a block's MLP alone (`PhaseStats.mlp`, model.tiled_mlp finds it): live bytes before, at, inside and after it, and
+  what it saves, so the memory model can divide its intermediates by a tiled MLP's tiles (PieceProfile.tiled).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from snugfit.model.recompute import GEMM_OPS, SELECTIVE_POLICIES, keeps_output
+from snugfit.model.tiled_mlp import mlp_of
 from snugfit.hardware.catalogue import MMAP_THRESHOLD_BYTES
 from snugfit.profile.grouped import GROUPED_MM
 _SDPA_CPU = {"aten._scaled_dot_product_flash_attention_for_cpu": 1.0,
@@ -49,6 +52,11 @@ class PhaseStats:
     ops: int = 0  # operators dispatched: each costs a fixed launch/dispatch time, whatever the batch
     peak_delta: int = 0  # peak live bytes above the live bytes at the piece's start
     gemms: list[list[int]] = field(default_factory=list)  # 2-D matmuls (linear layers) as [M, N, K]
+    # a block's MLP (window from its call to its output; backward: from its output's gradient to its input's), in
+    # bytes above the piece's start: "before"/"after" the peak outside it, "at" live at its start, "peak" inside
+    # it; its "flops", "mem_bytes", "ops"; forward: its "out"put's bytes, the bytes it "saved" for backward that it
+    # made itself, whether its input was saved ("input_kept")
+    mlp: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,6 +144,10 @@ class StepRecorder(TorchDispatchMode):
         self._saved: set[int] = set()
         self._selective: set[int] = set()
         self._gemms = 0  # in the current piece's forward, as the selective policies count them
+        self._window: str = ""  # "in" a block's MLP, "after" it, "" neither (PhaseStats.mlp)
+        self._window_peak = 0
+        self._made: set[int] = set()  # storages the MLP made in its forward
+        self._mlp_input = 0  # the MLP input's storage
 
     # -- piece boundaries --
     def enter(self, piece: str, phase: str) -> None:
@@ -150,6 +162,32 @@ class StepRecorder(TorchDispatchMode):
             piece, phase = self.current
             stats = getattr(self.pieces[piece], phase)
             stats.peak_delta = max(stats.peak_delta, self.peak - self.base)
+            if self._window == "after":
+                stats.mlp["after"] = self._window_peak - self.base
+        self._window = ""
+
+    # -- a block's MLP --
+    def mlp_enter(self, x: torch.Tensor | None = None) -> None:
+        """The block's MLP starts (forward: its input x; backward: its output's gradient arrived)."""
+        if self.current is None or not self.current[0].startswith("block"):
+            return
+        stats = getattr(self.pieces[self.current[0]], self.current[1])
+        stats.mlp.update(before=self.peak - self.base, at=self.live - self.base, flops=stats.flops,
+                         mem_bytes=stats.mem_bytes, ops=stats.ops)
+        self._window, self._window_peak, self._made = "in", self.live, set()
+        self._mlp_input = x.untyped_storage()._cdata if x is not None else 0
+
+    def mlp_leave(self, out: torch.Tensor | None = None) -> None:
+        """The block's MLP ends (forward: its output; backward: its input's gradient made)."""
+        if self._window != "in":
+            return
+        stats = getattr(self.pieces[self.current[0]], self.current[1])
+        m = stats.mlp
+        m.update(peak=self._window_peak - self.base, flops=stats.flops - m["flops"],
+                 mem_bytes=stats.mem_bytes - m["mem_bytes"], ops=stats.ops - m["ops"])
+        if out is not None:
+            m.update(out=_tensor_bytes(out), input_kept=float(self._mlp_input in self._saved))
+        self._window, self._window_peak = "after", self.live
 
     def finish(self) -> None:
         self._close()
@@ -164,6 +202,8 @@ class StepRecorder(TorchDispatchMode):
         nbytes = st.nbytes()
         self._tracked.add(key)
         self.live += nbytes
+        if self._window == "in" and self.current[1] == "fwd":
+            self._made.add(key)
         weakref.finalize(st, self._free, key, nbytes)
         return nbytes
 
@@ -180,6 +220,9 @@ class StepRecorder(TorchDispatchMode):
         if self.current and self.current[1] == "fwd" and key not in self.skip and key not in self._saved:
             self._saved.add(key)
             self.pieces[self.current[0]].saved += t.untyped_storage().nbytes()
+            if self._window == "in" and key in self._made:
+                mlp = self.pieces[self.current[0]].fwd.mlp
+                mlp["saved"] = mlp.get("saved", 0) + t.untyped_storage().nbytes()
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -214,6 +257,8 @@ class StepRecorder(TorchDispatchMode):
                     for policy in kept_by:
                         rec.selective_extra[policy] += t.untyped_storage().nbytes()
         self.peak = max(self.peak, self.live)
+        if self._window:
+            self._window_peak = max(self._window_peak, self.live)
         return out
 
 
@@ -262,6 +307,21 @@ def record_step(model: nn.Module, parts: ModelParts, tokens: torch.Tensor) -> di
     def bwd_pre(name):
         return lambda module, grad_output: rec.enter(name, "bwd")
 
+    def mlp_pre(module, args):
+        x = args[0]
+        rec.mlp_enter(x)
+        if x.requires_grad:
+            x.register_hook(lambda grad: rec.mlp_leave())  # its gradient made: the MLP's backward is done
+
+    def mlp_post(module, args, output):
+        rec.mlp_leave(output)
+        if output.requires_grad:
+            output.register_hook(lambda grad: rec.mlp_enter())
+
+    for block in parts.blocks:
+        if (found := mlp_of(block)) is not None:
+            mlp = getattr(*found)
+            handles += [mlp.register_forward_pre_hook(mlp_pre), mlp.register_forward_hook(mlp_post)]
     for name, mod in named:
         handles.append(mod.register_forward_pre_hook(fwd_pre(name), with_kwargs=True))
         if name.startswith("block"):

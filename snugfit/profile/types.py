@@ -14,7 +14,8 @@ from pathlib import Path
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
 # 14: "selective_half"'s saved bytes and measured recompute time; 15-16: trainable matrices' sizes (quantized states),
 # the peaks' fixed part; 17: compiled blocks (profile.compiled); 18: eager NF4 traffic as torchao moves it
-PROFILE_VERSION = 19
+# 20: a block's MLP share (mlp_share), what a tiled MLP divides
+PROFILE_VERSION = 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -37,6 +38,10 @@ NF4_LINEAR_BYTES = 35.11
 def nf4_bytes(n: int) -> int:
     """Bytes NF4 stores for n weights: 4 bits each, an 8-bit scale per block, an fp32 factor per scaler block."""
     return n // 2 + n // NF4_BLOCK + 4 * (n // (NF4_BLOCK * NF4_SCALER_BLOCK) + 1) if n else 0
+
+
+# the parts of PieceProfile.mlp_share no micro-batch size changes
+MLP_FIXED = frozenset({"ops", "bwd_ops", "grads", "input_kept"})
 
 
 @dataclass
@@ -84,6 +89,13 @@ class PieceProfile:
     # micro-batch (profile.profile_module); -1: not recorded
     fwd_peak_fixed_bytes: int = -1
     bwd_peak_fixed_bytes: int = -1
+    # a block's MLP within its peaks (profile.record's PhaseStats.mlp), what a tiled MLP divides (`tiled`), in bytes
+    # above the block's start in each phase: fwd_/bwd_ "before" and "after" it (the peaks outside it), "at" its
+    # start, "inner" (its own intermediates: the peak inside less its output, forward, or its input's and its
+    # parameters' gradients, backward: "in_grad", "grads"); "out" its output, "saved" what it saves of its own
+    # making, "input_kept" 1 where its input is saved anyway; its forward's "flops", "mem_bytes", "ops" and its
+    # backward's "bwd_ops". Empty: no MLP found (nothing to tile)
+    mlp_share: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_trainable(self) -> int:
@@ -95,6 +107,34 @@ class PieceProfile:
 
     def param_bytes(self, itemsize: int) -> int:
         return self.num_params * itemsize
+
+    def tiled(self, tiles: int) -> "PieceProfile":
+        """This block as it runs with its MLP in `tiles` tiles of the sequence (model.tiled_mlp): the MLP keeps
+        only its input for backward, its intermediates exist a tile at a time in forward and in backward, and its
+        backward recomputes its forward first (one more MLP forward: FLOPs, traffic, operators per tile).
+
+        Peaks, above the block's start: forward max(before, at + out + inner / tiles, after - saved), the bytes
+        it no longer saves gone after it; backward, whose start holds them no more either, max(before, at +
+        in_grad + 2 grads + (inner + saved) / tiles, after + saved): a tile's recomputed intermediates and their
+        gradients, and after the MLP the same bytes live as untiled."""
+        m = self.mlp_share
+        if tiles == 1 or not m:
+            return self
+        saved = m["saved"]
+        keep = self.saved_bytes["keep"] - saved + (0 if m["input_kept"] else self.input_bytes)
+        fwd = max(m["fwd_before"], m["fwd_at"] + m["out"] + m["fwd_inner"] / tiles, m["fwd_after"] - saved)
+        # a tile's parameter gradients beside their running sum: twice the MLP's
+        bwd = max(m["bwd_before"], m["bwd_at"] + m["in_grad"] + 2 * m["grads"] + (m["bwd_inner"] + saved) / tiles,
+                  m["bwd_after"] + saved)
+        share = m["flops"] / self.fwd_flops if self.fwd_flops else 0.0
+        return replace(
+            self, saved_bytes={**self.saved_bytes, "keep": keep}, fwd_peak_bytes=int(fwd),
+            bwd_peak_bytes=int(bwd), fwd_peak_fixed_bytes=-1, bwd_peak_fixed_bytes=-1,
+            bwd_flops=self.bwd_flops + m["flops"], bwd_mem_bytes=self.bwd_mem_bytes + m["mem_bytes"],
+            fwd_ops=self.fwd_ops + int(m["ops"]) * (tiles - 1),
+            bwd_ops=self.bwd_ops + int(m["ops"]) * tiles + int(m["bwd_ops"]) * (tiles - 1),
+            bwd_time_s=None if self.bwd_time_s is None else self.bwd_time_s + share * (self.fwd_time_s or 0.0),
+            gemms=self.gemms, mlp_share={})
 
 
 @dataclass
@@ -193,6 +233,7 @@ class ModelProfile:
                 bwd_fresh_bytes=p.bwd_fresh_bytes * r, gemms=[[round(m * r), n, k] for m, n, k in p.gemms],
                 fwd_time_s=time(p.fwd_time_s, p.fwd_fixed_s), bwd_time_s=time(p.bwd_time_s, p.bwd_fixed_s),
                 recompute_time_s={k: time(v, p.recompute_fixed_s.get(k, 0.0)) for k, v in p.recompute_time_s.items()},
+                mlp_share={k: v if k in MLP_FIXED else v * r for k, v in p.mlp_share.items()},
             )
 
         return replace(self, micro_batch_size=micro_batch_size, embed=piece(self.embed),
@@ -224,7 +265,7 @@ class ModelProfile:
             params = {k: (share(v, min(p.vectors, v)) if k == big else v) for k, v in p.params.items()}
             trainable = None if p.trainable is None else share(p.trainable, min(p.vectors, p.trainable))
             out = replace(
-                p, params=params, trainable=trainable, quantized=p.quantized // tp,
+                p, params=params, trainable=trainable, quantized=p.quantized // tp, mlp_share={},  # tiles need tp 1
                 matrices=[n // tp for n in p.matrices], fwd_peak_fixed_bytes=-1, bwd_peak_fixed_bytes=-1,
                 fwd_flops=p.fwd_flops / tp, bwd_flops=p.bwd_flops / tp, fwd_mem_bytes=p.fwd_mem_bytes / tp,
                 bwd_mem_bytes=p.bwd_mem_bytes / tp, fwd_fresh_bytes=p.fwd_fresh_bytes / tp,

@@ -1,7 +1,7 @@
 """parallelize: turn one part of a plain model (the whole model, or one pipeline stage) into what the Plan says.
 
 Reads like torchtitan's parallelize functions: one `apply_*` per technique, each taking only its part of the
-Plan, in the order they compose: tensor parallelism (`apply_tp`), activation policies, FSDP2 (`apply_fsdp`).
+Plan, in the order they compose: tensor parallelism (`apply_tp`), tiled MLPs (`apply_mlp_tiles`), activation policies, FSDP2 (`apply_fsdp`).
 Around them, once per rank and its whole (pruned) model: `place` casts frozen weights, sets up partial host
 offload and moves the model to its device; `read_weights` fills a model built on the meta device after
 sharding, each rank reading only what it holds. runtime.build runs them in that order.
@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
+from snugfit.model.tiled_mlp import tile_mlp
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.activations import apply_activation_policy
 from snugfit.runtime.compile import compile_block
@@ -61,6 +62,16 @@ def offload_units(model: nn.Module, plan: Plan) -> list[tuple[nn.Module, list[st
     return [(module, names) for module, names in units if names]  # frozen units have nothing to step
 
 
+def apply_mlp_tiles(blocks: dict[str, nn.Module], plan: Plan) -> None:
+    """Each block's MLP over mlp_tiles tiles of the sequence (model.tiled_mlp), before its activation policy, so a
+    recomputed block recomputes it tiled too; blocks by their index in the model."""
+    tiles = {name: plan.blocks[int(name)].mlp_tiles for name in blocks}
+    for name, block in blocks.items():
+        tile_mlp(block, tiles[name])
+    if any(t > 1 for t in tiles.values()):
+        log.debug("tiled MLP: %s", {t: list(tiles.values()).count(t) for t in sorted(set(tiles.values()))})
+
+
 def apply_activations(blocks: dict[str, nn.Module], plan: Plan) -> None:
     """Saved-activation policy per block (keep, recompute, selective, offload; see runtime.activations), and each
     block compiled between its recomputation and its saved-tensor hooks where the plan compiles (runtime.compile);
@@ -81,6 +92,7 @@ def parallelize(part: nn.Module, plan: Plan, dims: ParallelDims, output_fp32: bo
     blocks = dict(part.blocks.items())
     if plan.tp > 1:
         apply_tp(part, dims.tp_mesh)
+    apply_mlp_tiles(blocks, plan)
     apply_activations(blocks, plan)
     if not plan.runs_unwrapped:
         apply_fsdp(part, blocks, plan, dims, output_fp32=output_fp32)

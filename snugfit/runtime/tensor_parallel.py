@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from snugfit.model.tiled_mlp import untileable
 from snugfit.plan import Plan
 from snugfit.plan.facts import ModelFacts
 
@@ -125,7 +126,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       adapters=any(type(m).__name__.startswith("LoRA") for m in model.modules()),
                       n_experts=getattr(cfg, "n_experts", 0) or 0, top_k=getattr(cfg, "top_k", 0) or 0,
                       unsplittable_block="Mixture-of-Experts blocks" if getattr(cfg, "n_experts", 0)
-                      else None if layout else type(getattr(block, "layer", block)).__name__)
+                      else None if layout else type(getattr(block, "layer", block)).__name__,
+                      untileable_mlp=untileable(block))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
