@@ -24,13 +24,18 @@ class ModelFacts:
     adapters: bool = False  # LoRA adapters beside frozen weights
     # a block type tensor parallelism has no layout for (runtime.tensor_parallel.LAYOUTS); None where it has one
     unsplittable_block: str | None = None
+    # whose attention layers these are (the built-in decoder's: "built-in", else the HF class), and whether
+    # context parallelism can split their sequences (runtime.context_parallel's all-to-alls around attention)
+    attention: str | None = None
+    sequence_splits: bool = True
 
     @classmethod
     def of_profile(cls, prof: ModelProfile) -> "ModelFacts":
         """What the profile knows: its config's sizes (built-in or Hugging Face names), whether it ties, adapters."""
         c = prof.config
         heads = c.get("n_heads") or c.get("num_attention_heads")
-        return cls(heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
+        builtin = "n_heads" in c
+        return cls(heads=heads, attention="built-in" if builtin else c.get("model_type"), sequence_splits=builtin, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),
                    adapters=any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces))

@@ -123,7 +123,9 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       max_seq_len=getattr(cfg, "max_seq_len", None),
                       tied_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
                       adapters=any(type(m).__name__.startswith("LoRA") for m in model.modules()),
-                      unsplittable_block=None if layout else type(getattr(block, "layer", block)).__name__)
+                      unsplittable_block=None if layout else type(getattr(block, "layer", block)).__name__,
+                      attention=type(getattr(block, "layer", block)).__name__,
+                      sequence_splits=hasattr(getattr(block, "attn", None), "attend"))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
