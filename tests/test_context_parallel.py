@@ -99,3 +99,30 @@ def test_context_parallel_equals_one_process(world):
             assert res["loss"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-6), name
             assert res["eval"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-6), name
             assert not res["bad"], (name, res["bad"][:2])
+
+
+LONG = ["--model", "llama-3.1-8b", "--cluster", "8xH100-80GB", "--seq", "131072", "--global-batch", "8"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--seq", "131071", "--cp", "2"], "cp 2 does not divide the sequence length (131071)"),
+    (["--cp", "2", "--pp", "2"], "does not combine with pipelines"),
+])
+def test_a_cp_that_cannot_run_is_one_line_before_any_rank(capsys, extra, says):
+    from snugfit.cli import main
+
+    assert main(["plan", *LONG, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_the_search_splits_a_long_sequence_over_ranks(capsys):
+    """Llama-3.1-8B at 128k tokens on 8 x H100: context parallelism is what the search picks, and the JSON says so."""
+    import json
+
+    from snugfit.cli import main
+
+    assert main(["plan", *LONG, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["shape"]["cp"] > 1
+    assert plan["predicted"]["time_by_phase"]["cp_comm"] > 0

@@ -9,6 +9,7 @@ over `tp`, context parallelism's all-to-alls run over `cp_group`, pipeline stage
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,12 +64,12 @@ class ParallelDims:
     @property
     def shard(self) -> DeviceMesh:
         """This rank's data-parallel x context-parallel mesh: what FSDP2 shards over."""
-        return self.world["dp_cp"]
+        return _flat(self.world, "dp_cp")
 
     @property
     def replicate(self) -> DeviceMesh:
         """(dp x cp) x 1: zero-0 units as HSDP whose shard groups have one rank (see runtime.sharding)."""
-        return self.world["dp_cp", "one"]
+        return _flat(self.world, "dp_cp", "one")
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -102,6 +103,14 @@ class ParallelDims:
             if self.rank in ranks:
                 mine = (g, e)
         return mine
+
+
+def _flat(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """mesh[names], a flattened dimension among them. torch warns that it will want such slices kept apart from the
+    root mesh, but FSDP2 over tensor-parallel DTensors needs both on one root (as torchtitan's dp_shard_cp)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+        return mesh[names]
 
 
 def _flattened(mesh: DeviceMesh) -> DeviceMesh:
