@@ -55,7 +55,8 @@ def reference(cfg: ModelConfig) -> tuple[float, dict[str, torch.Tensor]]:
     model = fresh_model(cfg)
     loss = model(batch[:, 0, :-1], batch[:, 1, 1:])
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return loss.item(), grads
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,9 @@ def _step(env: DistEnv, world: int) -> dict:
         engine._update = check_grads
         rows, dp_rank = ROWS // plan.dp, plan.layout.coords(env.rank)[1]
         rank_batch = instruct_batch(cfg)[dp_rank * rows:(dp_rank + 1) * rows]
-        out[name] = {"eval": engine.eval_loss(rank_batch), "loss": engine.train_step(rank_batch).loss, "bad": bad,
+        ev, step = engine.eval_loss(rank_batch), engine.train_step(rank_batch)
+        ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
+        out[name] = {"eval": ev, "loss": step.loss, "norm": step.grad_norm, "ref_norm": ref_norm, "bad": bad,
                      "ref": ref_loss}
     return out
 
@@ -98,6 +101,7 @@ def test_context_parallel_equals_one_process(world):
         for name, res in r.items():
             assert res["loss"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-6), name
             assert res["eval"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-6), name
+            assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5), name  # shards summed over dp x cp once
             assert not res["bad"], (name, res["bad"][:2])
 
 
