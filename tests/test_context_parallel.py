@@ -27,7 +27,8 @@ PROMPTS, PADDING = [1, 20, 3, 9], [0, 5, 12, 0]  # masked prompt and padding per
 # world -> name -> (config, Plan.uniform arguments), each for a global batch of ROWS rows
 PLANS = {
     2: {"cp2": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
-        "cp2-gpt2-zero0": (GPT2, dict(cp=2, micro_batch_size=4, num_microbatches=1))},
+        "cp2-gpt2-zero0": (GPT2, dict(cp=2, micro_batch_size=4, num_microbatches=1)),
+        "cp2-lora": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
     4: {"cp4-gqa": (LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
         "dp2xcp2-recompute": (LLAMA, dict(dp=2, cp=2, micro_batch_size=1, num_microbatches=2,
                                             block=BlockPlan(zero=3, activations="recompute"))),
@@ -45,14 +46,24 @@ def instruct_batch(cfg: ModelConfig) -> torch.Tensor:
     return torch.stack([tokens, targets], dim=1)
 
 
-def fresh_model(cfg: ModelConfig) -> Decoder:
+def fresh_model(cfg: ModelConfig, lora: bool = False) -> Decoder:
+    """The model; with LoRA adapters (rank 2, B drawn non-zero so both factors get gradients) where asked."""
+    from snugfit.model.lora import apply_lora
+
     torch.manual_seed(0)
-    return Decoder(cfg)
+    model = Decoder(cfg)
+    if lora:
+        apply_lora(model, rank=2, seed=3)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad and "lora" in n.lower():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.1)
+    return model
 
 
-def reference(cfg: ModelConfig) -> tuple[float, dict[str, torch.Tensor]]:
+def reference(cfg: ModelConfig, lora: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     batch = instruct_batch(cfg)
-    model = fresh_model(cfg)
+    model = fresh_model(cfg, lora)
     loss = model(batch[:, 0, :-1], batch[:, 1, 1:])
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -71,14 +82,17 @@ def _step(env: DistEnv, world: int) -> dict:
 
     out = {}
     for name, (cfg, spec) in PLANS[world].items():
-        ref_loss, ref_grads = reference(cfg)
+        lora = name.endswith("lora")
+        ref_loss, ref_grads = reference(cfg, lora)
         plan = Plan.uniform(cfg.n_layers, seq_len=SEQ, **spec)
-        engine = build_engine(fresh_model(cfg), plan, OptimConfig(grad_clip=0.0), env)
+        engine = build_engine(fresh_model(cfg, lora), plan, OptimConfig(grad_clip=0.0), env)
         bad: list[str] = []
         update = engine._update
 
         def check_grads(loss, engine=engine, bad=bad, update=update, ref_grads=ref_grads):
             for n, p in engine.model.named_parameters():
+                if ref_grads[n] is None and p.grad is None:  # frozen
+                    continue
                 try:
                     torch.testing.assert_close(_full(p.grad), ref_grads[n], rtol=1e-5, atol=1e-6)
                 except AssertionError as err:
@@ -89,7 +103,7 @@ def _step(env: DistEnv, world: int) -> dict:
         rows, dp_rank = ROWS // plan.dp, plan.layout.coords(env.rank)[1]
         rank_batch = instruct_batch(cfg)[dp_rank * rows:(dp_rank + 1) * rows]
         ev, step = engine.eval_loss(rank_batch), engine.train_step(rank_batch)
-        ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
+        ref_norm = torch.stack([g.norm() for g in ref_grads.values() if g is not None]).norm().item()
         out[name] = {"eval": ev, "loss": step.loss, "norm": step.grad_norm, "ref_norm": ref_norm, "bad": bad,
                      "ref": ref_loss}
     return out
