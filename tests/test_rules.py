@@ -25,6 +25,9 @@ def _plan(**kw) -> Plan:
 # one plan per rule of rules.RULES, in its order, breaking that rule first
 BREAKS = [
     _plan(ep=2),  # within dp x cp: the world size stays 1
+    _plan(cp=3),
+    _plan(cp=2, pp=2, schedule="1f1b", num_microbatches=2),
+    _plan(cp=2, compile=True),
     _plan(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=3),
     _plan(pp=2, schedule="1f1b", num_microbatches=2, evict_bound=1),
     _plan(pp=2, tp=2, schedule="bpipe", num_microbatches=2),
@@ -52,6 +55,9 @@ MODEL_BREAKS = [
     (_plan(tp=2), replace(FACTS, adapters=True)),
     (_plan(tp=2), replace(FACTS, unsplittable_block="GPT2Block")),
     (_plan(block=BlockPlan(mlp_tiles=4)), replace(FACTS, untileable_mlp="GPT-2's MLP (dropout inside)")),
+    (_plan(cp=8), FACTS),
+    (_plan(cp=2), replace(FACTS, attention="LlamaDecoderLayer", sequence_splits=False)),
+    (_plan(cp=2), replace(FACTS, n_experts=4, top_k=2)),
     (_plan(), replace(FACTS, max_seq_len=SEQ // 2)),
 ]
 

@@ -51,10 +51,10 @@ def test_the_rules_parts_are_shapes_fields_all_optional_and_read_off_any_holder(
     assert (fixed.tp, fixed.pp, fixed.compile, fixed.placement) == (2, None, None, None)
 
 
-def test_context_and_expert_parallelism_are_refused_until_built():
-    for shape in (Shape(cp=2), Shape(ep=2)):
-        plan = Plan(shape=shape, stage_blocks=[1], blocks=[BlockPlan()])
-        assert "are not built yet; use cp 1 and ep 1" in plan.rule_broken()
+def test_expert_parallelism_is_refused_until_built_and_context_parallelism_runs():
+    plan = Plan(shape=Shape(ep=2), stage_blocks=[1], blocks=[BlockPlan()])
+    assert "is not built yet; use ep 1" in plan.rule_broken()
+    assert Plan(shape=Shape(cp=2), stage_blocks=[1], blocks=[BlockPlan()]).rule_broken() is None
 
 
 def test_the_search_offers_the_placements_the_offload_options_leave():

@@ -55,13 +55,13 @@ def plan_from_options(c: Constraints, *, seq: int, global_batch: int | None, dty
     the rest of the GPUs, pp microbatches, nothing offloaded); SnugfitError when they cannot describe a runnable
     step. offload_optimizer may also be a number of blocks (the first ones); optimizer: the run config's train
     keys (plan.OptimizerPlan)."""
-    tp, pp, micro = c.tp or 1, c.pp, c.micro_batch
-    if pp < 1 or tp < 1 or world_size % (pp * tp):
-        raise SnugfitError(f"--tp {tp} x --pp {pp} does not divide the cluster's {world_size} GPUs")
-    dp = c.dp if c.dp is not None else world_size // (pp * tp)
-    if dp * tp * pp != world_size:
-        raise SnugfitError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the cluster has "
-                           f"{world_size} GPUs")
+    tp, pp, cp, micro = c.tp or 1, c.pp, c.cp or 1, c.micro_batch
+    if pp < 1 or tp < 1 or world_size % (pp * tp * cp):
+        raise SnugfitError(f"--tp {tp} x --pp {pp} x --cp {cp} does not divide the cluster's {world_size} GPUs")
+    dp = c.dp if c.dp is not None else world_size // (pp * tp * cp)
+    if dp * tp * pp * cp != world_size:
+        raise SnugfitError(f"--dp {dp} x --tp {tp} x --pp {pp} x --cp {cp} = {dp * tp * pp * cp}, but the cluster "
+                           f"has {world_size} GPUs")
     if c.num_microbatches is not None:
         m = c.num_microbatches
         if global_batch is not None and global_batch != micro * m * dp:
@@ -91,7 +91,7 @@ def plan_from_options(c: Constraints, *, seq: int, global_batch: int | None, dty
     offloaded = Placement.PARAMS_ON_HOST if c.offload_params else Placement.HOST_STEP  # the first n_off blocks'
     try:
         plan = Plan.uniform(
-            n_blocks, dp=dp, tp=tp, pp=pp, schedule=c.schedule, virtual_stages=c.virtual_stages,
+            n_blocks, dp=dp, tp=tp, pp=pp, cp=cp, schedule=c.schedule, virtual_stages=c.virtual_stages,
             block=BlockPlan(zero=c.zero, placement=base, activations=policy, mlp_tiles=c.mlp_tiles or 1),
             root=BlockPlan(zero=c.zero, placement=offloaded if n_off == n_blocks > 0 else base),
             micro_batch_size=micro, num_microbatches=m, seq_len=seq, compute_dtype=dtype, reduce_dtype=reduce_dtype,
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         c = fixed_parts_of(par, t.micro_batch_size, cluster.world_size)
     if gb is None:
-        dp = c.dp or cluster.world_size // (c.pp or 1)
+        dp = c.dp or cluster.world_size // ((c.pp or 1) * (c.cp or 1))
         gb = (micro or 1) * (c.num_microbatches or 1) * (dp if c.num_microbatches else cluster.world_size)
     cluster, corrected = with_stored_corrections(cluster, target.profile(micro or 1, seq, dtype, False))  # what
     notes += [corrected] if corrected else []  # a run measured here, where one did

@@ -199,6 +199,28 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+class LocalAttention(nn.Module):
+    """Causal attention over sequences this rank holds whole: (batch, heads, seq, head_dim) q, k, v -> the same
+    shape. Grouped key/value heads are repeated here, counted from the tensors (a tensor- or context-parallel rank
+    holds a slice of the heads). Attention's `attend` by default; context parallelism (runtime.context_parallel)
+    puts its all-to-alls around it."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.eager, self.head_dim = cfg.attention == "eager", cfg.head_dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if not self.eager:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        s = q.shape[2]
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -209,6 +231,7 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.dim, kv, bias=bias)
         self.v = nn.Linear(cfg.dim, kv, bias=bias)
         self.o = nn.Linear(cfg.dim, cfg.dim, bias=bias)
+        self.attend: nn.Module = LocalAttention(cfg)  # no parameters: replaced freely (runtime.context_parallel)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -219,15 +242,7 @@ class Attention(nn.Module):
         v = self.v(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if cfg.n_kv_heads != cfg.n_heads:
-            repeat = cfg.n_heads // cfg.n_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        if cfg.attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(cfg.head_dim)
-            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-            y = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+        y = self.attend(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -276,10 +291,10 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.positions = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.arch == "gpt2" else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         h = self.tokens(tokens)
         if self.positions is not None:
-            h = h + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+            h = h + self.positions(torch.arange(start, start + tokens.shape[1], device=tokens.device))
         return h
 
 
@@ -296,6 +311,9 @@ class Decoder(nn.Module):
             self.head.weight = self.embed.tokens.weight
         # Not persistent: derived from the config, rebuilt by init_weights after meta init.
         self.register_buffer("rope", rope_table(cfg) if cfg.arch == "llama" else None, persistent=False)
+        # Which contiguous part of each sequence this rank holds (context parallelism, runtime.context_parallel):
+        # its tokens sit at positions cp_rank x the local length on, for the rotary table and learned positions
+        self.cp_rank = 0
         self.init_weights()
 
     @torch.no_grad()
@@ -321,9 +339,11 @@ class Decoder(nn.Module):
         A pipeline stage without the embedding takes hidden states as `tokens`;
         one without the head returns hidden states.
         """
-        h = self.embed(tokens) if self.embed is not None else tokens
+        start = self.cp_rank * tokens.shape[1]
+        h = self.embed(tokens, start) if self.embed is not None else tokens
+        rope = self.rope[start:start + tokens.shape[1]] if self.rope is not None and start else self.rope
         for block in self.blocks.values():
-            h = block(h, self.rope)
+            h = block(h, rope)
         if self.head is None:
             return h
         if targets is None:

@@ -126,12 +126,12 @@ class HFEmbed(nn.Module):
         self.tokens, self.positions, self.project_in, self.drop = s.tokens, s.positions, s.project_in, s.drop
         self.position_offset = s.position_offset
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         h = self.tokens(tokens)
         if self.project_in is not None:
             h = self.project_in(h)
         if self.positions is not None:
-            pos = torch.arange(tokens.shape[1], device=tokens.device) + self.position_offset
+            pos = torch.arange(start, start + tokens.shape[1], device=tokens.device) + self.position_offset
             h = h + F.embedding(pos, self.positions.weight)[None]
         return self.drop(h) if self.drop is not None else h
 
@@ -221,6 +221,7 @@ class HFCausalLM(nn.Module):
         head += [LogitSoftcap(softcap)] if softcap else []
         self.head: nn.Module | None = head[0] if len(head) == 1 else nn.Sequential(*head)
         self.rope = s.rotary
+        self.cp_rank = 0  # as the built-in Decoder's; context parallelism runs the built-in decoder only yet
         self.cfg = HFInfo(arch=cfg.model_type, vocab_size=cfg.vocab_size, dim=cfg.hidden_size,
                           n_layers=len(s.layers), max_seq_len=cfg.max_position_embeddings,
                           tie_embeddings=s.head.weight is s.tokens.weight)

@@ -1,6 +1,6 @@
-"""The search's outer candidates: data, tensor and pipeline degrees, micro-batch size and schedule.
+"""The search's outer candidates: data, tensor, pipeline and context degrees, micro-batch size and schedule.
 
-Every (dp, tp, pp, micro-batch, schedule, gradient reduction) the launch and the fixed parts allow, with global
+Every (dp, tp, pp, cp, micro-batch, schedule, gradient reduction) the launch and the fixed parts allow, with global
 batch = micro-batch x microbatches x dp, data- and tensor-parallel groups only of like GPUs, and tensor parallelism
 within a node.
 search.py solves each candidate's per-block decisions.
@@ -23,6 +23,9 @@ from snugfit.plan.shape import RankLayout, Shape, exposes_shape
 from snugfit.profile.types import ModelProfile
 
 MAX_MICRO_BATCH = 8
+# context parallelism is searched only where each rank keeps at least this many tokens of a sequence: below it the
+# all-to-alls' latency and the smaller matmuls cost more than the memory saved buys (and the search stays as fast)
+MIN_CP_TOKENS = 4096
 
 
 @exposes_shape  # cand.dp, cand.schedule, ...: cand.shape's, read-only
@@ -39,7 +42,8 @@ class Candidate:
 
     @property
     def family(self) -> str:
-        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}"
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return (f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}") + cp
 
 
 def nearest_to_fitting(members: list[Candidate], need: Callable[[Candidate], float]) -> Candidate:
@@ -68,6 +72,16 @@ def tp_degrees(prof: ModelProfile, cluster: Cluster, c: Constraints) -> list[int
                   if per_node % t == 0 and allows(c.parts(tp=t, seq_len=prof.seq_len, model=facts))]
 
 
+def cp_degrees(prof: ModelProfile, ranks: int, tp: int, c: Constraints) -> list[int]:
+    """Context-parallel degrees worth searching among `ranks` (what tp and pp leave): those dividing them that
+    leave each rank MIN_CP_TOKENS of a sequence and that the rules allow beside the model (heads, sequence)."""
+    if c.cp:
+        return [c.cp] if ranks % c.cp == 0 else []
+    facts = ModelFacts.of_profile(prof)
+    return [1] + [k for k in divisors(ranks)[1:] if prof.seq_len >= MIN_CP_TOKENS * k
+                  and allows(c.parts(cp=k, tp=tp, seq_len=prof.seq_len, model=facts))]
+
+
 def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False,
                       to_host: bool = False) -> list[str]:
     """When gradients may be reduced: per microbatch only where it can differ from once a step (accumulation
@@ -84,14 +98,16 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
     """Every outer candidate the launch and the fixed parts allow (unsolved); in_backward: the optimizer steps in
     backward (plan.OptimizerPlan)."""
     w, n, gb, out = cluster.world_size, len(prof.blocks), global_batch, []
-    for tp, pp in [(tp, pp) for tp in tp_degrees(prof, cluster, c) for pp in ([c.pp] if c.pp else divisors(w))]:
-        dp = w // (pp * tp)
-        if w % (pp * tp) or (c.dp and c.dp != dp) or dp < (c.min_dp or 1) or pp > n or gb % dp:
+    degrees = [(tp, pp) for tp in tp_degrees(prof, cluster, c) for pp in ([c.pp] if c.pp else divisors(w))
+               if w % (pp * tp) == 0]
+    for tp, pp, cp in [(tp, pp, cp) for tp, pp in degrees for cp in cp_degrees(prof, w // (pp * tp), tp, c)]:
+        dp = w // (pp * tp * cp)
+        if (c.dp and c.dp != dp) or dp < (c.min_dp or 1) or pp > n or gb % dp:
             continue
-        layout = RankLayout(pp=pp, dp=dp, tp=tp)
+        layout = RankLayout(pp=pp, dp=dp, tp=tp, cp=cp)
         if any(len({cluster.gpu_of(r).name for r in layout.stage_ranks(s)}) > 1 for s in range(pp)):
             continue  # data- and tensor-parallel groups only of like GPUs
-        options = block_options(c, dp)
+        options = block_options(c, dp * cp)
         to_host = any(o.placement.states_on_host for o in options)
         mbss = [c.micro_batch] if c.micro_batch else [d for d in divisors(gb // dp) if d <= MAX_MICRO_BATCH]
         for mbs in mbss:
@@ -105,7 +121,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                 if sched.problem(pp, v, m) or n < pp * v:
                     continue
                 for g in grad_reduce_modes(dp, m, c, in_backward, to_host):
-                    shape = Shape(dp=dp, tp=tp, pp=pp, schedule=sched.name, virtual_stages=v, micro_batch_size=mbs,
+                    shape = Shape(dp=dp, tp=tp, pp=pp, cp=cp, schedule=sched.name, virtual_stages=v, micro_batch_size=mbs,
                                   num_microbatches=m, grad_reduce=g, compile=prof.compiled,
                                   evict_bound=c.evict_bound if sched.evicts else None)
                     # no rule forbids it beside the optimizer setup, and some option the fixed parts leave runs

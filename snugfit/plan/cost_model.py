@@ -25,6 +25,7 @@ from snugfit.plan.rules import allows_unit
 from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, unit_run
 from snugfit.plan.stage_costs import SharedCosts, StageCosts, usable, with_reserve
+from snugfit.plan.context_parallel import ContextParallel, context_split
 from snugfit.plan.timing import TensorParallel, gather_every, weight_share
 from snugfit.profile.types import ModelProfile, PieceProfile
 
@@ -79,10 +80,12 @@ class CostModel:
                                 self.optimizer.in_backward)
 
     def profile_at(self, cand: Candidate) -> ModelProfile:
-        """The profile at the candidate's micro-batch size, as one of its tensor-parallel ranks holds it."""
-        key = (cand.micro_batch_size, cand.tp)
+        """The profile at the candidate's micro-batch size, as one of its tensor- and context-parallel ranks holds
+        it."""
+        key = (cand.micro_batch_size, cand.tp, cand.cp)
         if key not in self._scaled:
-            self._scaled[key] = self.profile.scaled(cand.micro_batch_size).split(cand.tp)
+            self._scaled[key] = context_split(self.profile.scaled(cand.micro_batch_size).split(cand.tp), cand.cp,
+                                              cand.tp)
         return self._scaled[key]
 
     def costs(self, cand: Candidate, s: int) -> StageCosts:
@@ -100,14 +103,14 @@ class CostModel:
         gathers = gather_every(cand.pp, cand.num_microbatches)
         replays = 2 if SCHEDULES[cand.schedule].splits_backward else 1
         rdtype = self.reduce_dtype_of(cand)
-        at = (first, cand.dp, cand.tp, cand.micro_batch_size, busy, gathers, cand.grad_reduce, replays, rdtype)
+        at = (first, cand.dp, cand.cp, cand.tp, cand.micro_batch_size, busy, gathers, cand.grad_reduce, replays, rdtype)
         if at in self._costs_at:
             return self._costs_at[at]
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
         # is named by all its fields (one across nodes has the bandwidth and node count of the group it serves)
-        dp_group, tp_group = layout.dp_group(first), layout.tp_group(first)
+        dp_group, tp_group = layout.shard_group(first), layout.tp_group(first)
         dp_link, tp_link = astuple(self.cluster.link_for(dp_group)), astuple(self.cluster.link_for(tp_group))
-        alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.tp,
+        alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.cp, cand.tp,
                  cand.micro_batch_size, busy, gathers, rdtype)  # the stage's costs share their parts (SharedCosts)
         key = alike + (cand.grad_reduce, replays)
         if key not in self._costs:
@@ -116,9 +119,12 @@ class CostModel:
             if cand.tp > 1:
                 tensor = TensorParallel(cand.tp, self.cluster.link_for(tp_group),
                                         prof.micro_batch_size * prof.seq_len, cpu_tp_time(node))
+            context = None
+            if cand.cp > 1:
+                context = ContextParallel.of(prof, cand.cp, self.cluster.link_for(layout.cp_group(first)), cand.tp)
             shared = self._shared.setdefault(alike, SharedCosts())
             self._costs[key] = StageCosts(prof, self.cluster, dp_group, rdtype, busy, tensor,
-                                          gathers, cand.grad_reduce, replays, self.optimizer, shared)
+                                          gathers, cand.grad_reduce, replays, self.optimizer, shared, context)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
 
@@ -127,7 +133,7 @@ class CostModel:
         each gradient once, unaccumulated (dp 1, one microbatch or a reduction per microbatch): FSDP2 then only
         casts bf16 gradients into its reduce buffer and back, the same values either way, and an fp32 buffer
         costs twice the bytes (the embedding's and head's unit: 4 GB of a 24 GB card for an 8B model)."""
-        if cand.dp == 1 and self.profile.dtype == "bfloat16" and (cand.num_microbatches == 1
+        if cand.shard_ranks == 1 and self.profile.dtype == "bfloat16" and (cand.num_microbatches == 1
                                                                   or cand.grad_reduce == "microbatch"):
             return "bfloat16"
         return self.reduce_dtype
@@ -149,9 +155,9 @@ class CostModel:
         """The options the fixed parts allow that no rule (plan.rules) forbids beside the candidate's degrees and
         schedule; on CPU ranks host and device are one memory, so offloading only costs time. States are streamed
         only where torchao updates them (bf16 weights, low-bit states)."""
-        key = (cand.dp, cand.tp, cand.schedule, cand.grad_reduce, root)
+        key = (cand.dp, cand.cp, cand.tp, cand.schedule, cand.grad_reduce, root)
         if key not in self._options:
-            opts = [o for o in block_options(self.constraints, cand.dp, root)
+            opts = [o for o in block_options(self.constraints, cand.shard_ranks, root)
                     if allows_unit(o, cand.shape, root)]
             if not self.optimizer.needs_torchao:
                 # fp32 weights with fp32 states: streaming holds the fp32 weight and gradient on the device where host

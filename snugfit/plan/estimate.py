@@ -20,6 +20,7 @@ from snugfit.plan.timing import (
     StageTime, TensorParallel, gather_every, grad_reduce_exposed, optimizer_time, reductions, stage_time,
     transfer_time,
 )
+from snugfit.plan.context_parallel import ContextParallel, context_split
 from snugfit.profile.types import ModelProfile
 
 HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
@@ -39,8 +40,9 @@ def _check(plan: Plan, prof: ModelProfile, cluster: Cluster) -> None:
 
 
 def _dp_group(plan: Plan, pp_rank: int) -> list[int]:
-    """The data-parallel group of pipeline rank pp_rank's first rank (its peers talk alike)."""
-    return plan.layout.dp_group(plan.layout.rank(pp_rank))
+    """The data-parallel x context-parallel group of pipeline rank pp_rank's first rank, which FSDP2 shards over
+    (its peers talk alike)."""
+    return plan.layout.shard_group(plan.layout.rank(pp_rank))
 
 
 def _tensor_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int) -> TensorParallel | None:
@@ -49,6 +51,12 @@ def _tensor_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int
     node = cluster.nodes[cluster.node_of(rank)]
     return TensorParallel(plan.tp, cluster.link_for(plan.layout.tp_group(rank)), prof.micro_batch_size * prof.seq_len,
                           cpu_tp_time(node))
+
+
+def _context_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int) -> ContextParallel | None:
+    if plan.cp == 1:
+        return None
+    return ContextParallel.of(prof, plan.cp, cluster.link_for(plan.layout.cp_group(rank)), plan.tp)
 
 
 def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
@@ -114,10 +122,10 @@ def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float =
         node = cluster.nodes[cluster.node_of(rank)]
         dp_link = cluster.link_for(_dp_group(plan, pp_rank))
         times[rank] = {
-            k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.dp,
+            k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.shard_ranks,
                           dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped,
                           pipelined=plan.pp > 1, busy=busy, tensor=_tensor_parallel(plan, prof, cluster, rank),
-                          gathers=gather_every(plan.pp, plan.num_microbatches))
+                          context=_context_parallel(plan, prof, cluster, rank), gathers=gather_every(plan.pp, plan.num_microbatches))
             for k, sps in stages_of[pp_rank].items()
         }
     return stages_of, kind, times
@@ -168,8 +176,8 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
                   memory_budget_bytes: int | None = None) -> StepEstimate:
     """estimate(), keeping what it computed on the way (fills plan.predicted too)."""
     _check(plan, profile, cluster)
-    prof = profile.scaled(plan.micro_batch_size).split(plan.tp)
-    pp, dp, m, v = plan.pp, plan.dp, plan.num_microbatches, plan.virtual_stages
+    prof = context_split(profile.scaled(plan.micro_batch_size).split(plan.tp), plan.cp, plan.tp)
+    pp, dp, m, v = plan.pp, plan.shard_ranks, plan.num_microbatches, plan.virtual_stages
     n_stages = pp * v
     notes: list[str] = []
     if profile.micro_batch_size != plan.micro_batch_size:
@@ -276,7 +284,7 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, memory: list[RankM
               f"over {HOST_USABLE:.0%} of its RAM" for i, need, start in over if i != host["node"]]
     if any("reserve" in c for c in mem):
         notes.append("reserve = CUDA context + 5% allocator fragmentation")
-    flops = prof.train_flops() * plan.num_microbatches * plan.dp * plan.tp  # prof: one tensor-parallel rank's
+    flops = prof.train_flops() * plan.num_microbatches * plan.shard_ranks * plan.tp  # prof: one tp x cp rank's
     peak_rate = sum(cluster.gpu_of(r).tflops.get(plan.compute_dtype, 0.0) * 1e12 for r in range(plan.world_size))
     pred = Prediction(
         peak_memory_bytes=peak, memory_by_rank=mem, step_time_s=step, time_by_phase=phases,

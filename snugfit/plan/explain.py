@@ -19,15 +19,16 @@ GIB = 2**30
 
 def summary(plan: Plan) -> str:
     """One line: degrees, batch split, schedule, and the per-block decisions by count."""
-    counts = Counter(describe(b, dp=plan.dp) for b in plan.blocks)
+    counts = Counter(describe(b, dp=plan.shard_ranks) for b in plan.blocks)
     blocks = ", ".join(f"{n} x {d}" for d, n in counts.most_common())
     stages = f" stages {plan.stage_blocks}" if plan.pp > 1 else ""
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
+    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""  # each rank of a cp group holds 1/cp of every sequence
     every = " (gradients reduced every microbatch)" if plan.grad_reduce == "microbatch" else ""
     optimizer = "" if plan.optimizer == OptimizerPlan() else f"; {describe_optimizer(plan.optimizer, clip=False)}"
-    return (f"dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
+    return (f"dp {plan.dp}{tp} x pp {plan.pp}{cp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "
             f"{plan.num_microbatches}{every}; blocks{' compiled' if plan.compile else ''}: {blocks}; "
-            f"root: {describe(plan.root, root=True, dp=plan.dp)}"
+            f"root: {describe(plan.root, root=True, dp=plan.shard_ranks)}"
             f"{optimizer}")
 
 

@@ -41,6 +41,10 @@ class ModelFacts:
     top_k: int = 0  # experts each token runs through
     # why its blocks' MLPs cannot be tiled (model.tiled_mlp.untileable); None where they can
     untileable_mlp: str | None = None
+    # whose attention layers these are (the built-in decoder's: "built-in", else the HF class), and whether
+    # context parallelism can split their sequences (runtime.context_parallel's all-to-alls around attention)
+    attention: str | None = None
+    sequence_splits: bool = True
 
     @classmethod
     def of_profile(cls, prof: ModelProfile) -> "ModelFacts":
@@ -49,8 +53,10 @@ class ModelFacts:
         heads = c.get("n_heads") or c.get("num_attention_heads")
         experts = c.get("n_experts") or c.get("num_local_experts") or c.get("num_experts") or 0
         top_k = c.get("top_k") or c.get("num_experts_per_tok") or 0 if experts else 0
+        builtin = "n_heads" in c
         return cls(n_experts=experts, top_k=top_k,
                    unsplittable_block="Mixture-of-Experts blocks" if experts else None,
+                   attention="built-in" if builtin else c.get("model_type"), sequence_splits=builtin,
                    heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),

@@ -25,6 +25,7 @@ class Constraints:
     dp: int | None = None
     tp: int | None = None  # tensor-parallel degree (ranks of one node)
     pp: int | None = None
+    cp: int | None = None  # context-parallel degree: each rank of a cp group holds 1/cp of every sequence
     schedule: str | None = None  # plan.schedules
     virtual_stages: int | None = None
     num_microbatches: int | None = None
@@ -83,15 +84,15 @@ class Constraints:
     def checked(self, world_size: int) -> "Constraints":
         """These fixed parts, refused in one line naming the fix where they cannot work on `world_size` ranks or
         break a rule (plan.rules) among themselves."""
-        for flag, v in (("--dp", self.dp), ("--tp", self.tp), ("--pp", self.pp)):
+        for flag, v in (("--dp", self.dp), ("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp)):
             if v is not None and (v < 1 or world_size % v):
                 raise SnugfitError(f"{flag} {v} does not divide the {world_size} ranks (GPUs) of the launch")
-        dp, tp, pp = self.dp or 1, self.tp or 1, self.pp or 1
-        if self.dp and self.pp and self.tp and dp * tp * pp != world_size:
-            raise SnugfitError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the launch has {world_size} "
-                               "ranks (GPUs)")
-        if world_size % (dp * tp * pp):
-            raise SnugfitError(f"--dp x --tp x --pp must divide into the launch's {world_size} ranks (GPUs)")
+        dp, tp, pp, cp = self.dp or 1, self.tp or 1, self.pp or 1, self.cp or 1
+        if self.dp and self.pp and self.tp and self.cp and dp * tp * pp * cp != world_size:
+            raise SnugfitError(f"--dp {dp} x --tp {tp} x --pp {pp} x --cp {cp} = {dp * tp * pp * cp}, but the launch "
+                               f"has {world_size} ranks (GPUs)")
+        if world_size % (dp * tp * pp * cp):
+            raise SnugfitError(f"--dp x --tp x --pp x --cp must divide into the launch's {world_size} ranks (GPUs)")
         if self.activations is not None and self.activations not in ACTIVATION_POLICIES:
             raise SnugfitError(f"--recompute must be one of {', '.join(POLICY_NAMES)}, got {self.recompute!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:

@@ -98,8 +98,8 @@ def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
     compute copies of its trainable parameters (runtime.precision), what a zero-0 unit gathers."""
     if plan.runs_unwrapped and plan.compute_dtype == "float32":
         return 0
-    nf4 = sp.piece.quantized if sp.decision.zero > 0 and plan.dp > 1 else 0
-    return (wrapped_params(sp, plan.dp) - nf4) * DTYPE_BYTES[plan.compute_dtype] + nf4_bytes(nf4)
+    nf4 = sp.piece.quantized if sp.decision.zero > 0 and plan.shard_ranks > 1 else 0
+    return (wrapped_params(sp, plan.shard_ranks) - nf4) * DTYPE_BYTES[plan.compute_dtype] + nf4_bytes(nf4)
 
 
 def stored_params(plan: Plan, sp: StagePiece, trainable_bytes: int = 4) -> dict[str, int]:
@@ -125,7 +125,8 @@ def accumulating_grad_bytes(plan: Plan, sp: StagePiece) -> int:
 
 def optimizer_state_bytes(plan: Plan, sp: StagePiece) -> int:
     """This rank's bytes of the piece's optimizer states (plan.optimizer), wherever they live."""
-    return state_bytes(plan.optimizer, sp.piece.matrices, sp.n_trainable, plan.dp if sp.decision.zero >= 1 else 1)
+    shards = plan.shard_ranks if sp.decision.zero >= 1 else 1
+    return state_bytes(plan.optimizer, sp.piece.matrices, sp.n_trainable, shards)
 
 
 def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, int]]:
@@ -134,7 +135,7 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
     Device gradients are the reduced shard; comm_buffers the compute copy a zero 0-2
     piece keeps from forward through backward (a zero-3 one gathers only while it runs).
     """
-    t, d, dp = sp.n_trainable, sp.decision, plan.dp
+    t, d, dp = sp.n_trainable, sp.decision, plan.shard_ranks
     div = dp if d.zero >= 1 else 1
     mb, states = master_bytes(plan.optimizer), optimizer_state_bytes(plan, sp)
     if d.placement.params_on_host:  # host shards serve as master weights; the device only gathers

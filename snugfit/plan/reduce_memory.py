@@ -65,7 +65,7 @@ def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[Redu
         d = units[i][0].decision
         if d.placement.steps_on_host:
             return 0
-        return -(-master_bytes(plan.optimizer) * trainable[i] // (plan.dp if d.zero >= 1 else 1))
+        return -(-master_bytes(plan.optimizer) * trainable[i] // (plan.shard_ranks if d.zero >= 1 else 1))
 
     def holding(i: int) -> range:
         """The units holding gradient shards at unit i's reduce: those reduced before it, and with shards from

@@ -90,10 +90,59 @@ TILE_MODEL_RULE = Rule(("mlp_tiles", "model"), lambda p: _tiled(p) and p.model.u
                        lambda p: f"mlp_tiles {p.mlp_tiles}: {p.model.untileable_mlp} cannot be tiled; use mlp_tiles 1")
 
 
+def _cp_undivided(p: Parts) -> list[str]:
+    """The heads and sequence that cp x tp must divide (Ulysses splits the heads over cp within each tp rank's,
+    and each cp chunk of the sequence over tp's sequence parallelism); key/value heads are repeated instead."""
+    sizes = {"attention heads": p.model.heads, "sequence length": p.seq_len}
+    return [f"{name} ({n})" for name, n in sizes.items() if n and n % (p.cp * p.tp)]
+
+
+# Context parallelism (runtime.context_parallel): what it splits, and what it does not combine with yet; the plan's
+# own parts, then beside the model's facts
+CP_RULES: tuple[Rule, ...] = (
+    Rule(("cp", "seq_len"), lambda p: p.cp > 1 and p.seq_len % p.cp,
+         lambda p: f"cp {p.cp} does not divide the sequence length ({p.seq_len}); choose a cp that divides it"),
+    Rule(("cp", "pp"), lambda p: p.cp > 1 and p.pp > 1,
+         lambda p: f"context parallelism (cp {p.cp}) does not combine with pipelines (pp {p.pp}) yet; use cp 1 or "
+                   "pp 1"),
+    Rule(("cp", "compile"), lambda p: p.cp > 1 and p.compile,
+         lambda p: f"context parallelism (cp {p.cp}) does not run compiled blocks yet; drop --compile or use cp 1"),
+)
+CP_MODEL_RULES: tuple[Rule, ...] = (
+    Rule(("cp", "tp", "model", "seq_len"), lambda p: p.cp > 1 and bool(_cp_undivided(p)),
+         lambda p: f"cp {p.cp} x tp {p.tp} does not divide the model's {', '.join(_cp_undivided(p))}; choose cp "
+                   "and tp whose product divides them"),
+    Rule(("cp", "model"), lambda p: p.cp > 1 and not p.model.sequence_splits,
+         lambda p: f"context parallelism (cp {p.cp}) runs the built-in decoder's attention only yet, not "
+                   f"{p.model.attention or 'this model'}'s; plan with cp 1"),
+    Rule(("cp", "model"), lambda p: p.cp > 1 and p.model.n_experts > 0,
+         lambda p: f"context parallelism (cp {p.cp}) with Mixture-of-Experts blocks is not built yet (the router's "
+                   "load-balancing loss would count each rank's tokens apart); plan with cp 1"),
+)
+
+
 RULES: tuple[Rule, ...] = (
-    Rule(("cp", "ep"), lambda p: p.cp > 1 or p.ep > 1,
-         lambda p: f"context parallelism (cp {p.cp}) and expert parallelism (ep {p.ep}) are not built yet; use cp 1 "
-                   "and ep 1"),
+    Rule(("cp", "seq_len"), lambda p: p.cp > 1 and p.seq_len % p.cp,
+         lambda p: f"cp {p.cp} does not divide the sequence length ({p.seq_len}); choose a cp that divides it"),
+    Rule(("cp", "tp", "model", "seq_len"), lambda p: p.cp > 1 and bool(_cp_undivided(p)),
+         lambda p: f"cp {p.cp} x tp {p.tp} does not divide the model's {', '.join(_cp_undivided(p))}; choose cp "
+                   "and tp whose product divides them"),
+    Rule(("cp", "model"), lambda p: p.cp > 1 and not p.model.sequence_splits,
+         lambda p: f"context parallelism (cp {p.cp}) runs the built-in decoder's attention only yet, not "
+                   f"{p.model.attention or 'this model'}'s; plan with cp 1"),
+    Rule(("cp", "pp"), lambda p: p.cp > 1 and p.pp > 1,
+         lambda p: f"context parallelism (cp {p.cp}) does not combine with pipelines (pp {p.pp}) yet; use cp 1 or "
+                   "pp 1"),
+    Rule(("cp", "compile"), lambda p: p.cp > 1 and p.compile,
+         lambda p: f"context parallelism (cp {p.cp}) does not run compiled blocks yet (its all-to-alls break the "
+                   "graph); drop --compile or use cp 1"),
+)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("ep",), lambda p: p.ep > 1,
+         lambda p: f"expert parallelism (ep {p.ep}) is not built yet; use ep 1"),
+    *CP_RULES,
     Rule(("schedule", "pp", "virtual_stages", "num_microbatches"),
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches) is not None,
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches)),
@@ -156,6 +205,7 @@ RULES: tuple[Rule, ...] = (
          lambda p: f"tensor parallelism splits the built-in decoder's and Llama-family (Llama, Mistral, Qwen2) "
                    f"blocks, not {p.model.unsplittable_block}; plan with tp 1"),
     TILE_MODEL_RULE,
+    *CP_MODEL_RULES,
     Rule(("seq_len", "model"), lambda p: p.model.max_seq_len is not None and p.seq_len > p.model.max_seq_len,
          lambda p: f"plan.seq_len ({p.seq_len}) exceeds the model's max_seq_len ({p.model.max_seq_len}); re-plan"),
 )

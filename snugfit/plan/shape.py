@@ -49,6 +49,17 @@ class RankLayout:
         pp_rank, _, tp_rank = self.coords(rank)
         return [self.rank(pp_rank, d, tp_rank, self.cp_rank(rank)) for d in range(self.dp)]
 
+    def shard_group(self, rank: int) -> list[int]:
+        """The ranks FSDP2 shards `rank`'s parameters over and reduces its gradients over: its dp x cp peers
+        (itself among them), in rank order (contiguous: cp sits inside dp)."""
+        pp_rank, _, tp_rank = self.coords(rank)
+        return [self.rank(pp_rank, d, tp_rank, c) for d in range(self.dp) for c in range(self.cp)]
+
+    def cp_group(self, rank: int) -> list[int]:
+        """The context-parallel peers of `rank` (itself among them), in cp order: the all-to-alls' group."""
+        pp_rank, dp_rank, tp_rank = self.coords(rank)
+        return [self.rank(pp_rank, dp_rank, tp_rank, c) for c in range(self.cp)]
+
     def tp_group(self, rank: int) -> list[int]:
         """The tensor-parallel peers of `rank` (itself among them), in tp order."""
         pp_rank, dp_rank, _ = self.coords(rank)
@@ -91,6 +102,11 @@ class Shape:
         return self.dp * self.cp * self.tp * self.pp
 
     @property
+    def shard_ranks(self) -> int:
+        """The ranks FSDP2 shards over and reduces over: dp x cp (context-parallel ranks hold the same weights)."""
+        return self.dp * self.cp
+
+    @property
     def layout(self) -> RankLayout:
         return RankLayout(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp)
 
@@ -112,6 +128,6 @@ def exposes_shape(cls: type) -> type:
     """Give `cls`, which holds a Shape as `shape`, read-only attributes of the shape's fields and world size
     (plan.dp is plan.shape.dp): its readers need not know the layout is one object, and none can change a part of
     it alone (a new layout is `replace(plan.shape, ...)`)."""
-    for name in (*SHAPE_FIELDS, "world_size"):
+    for name in (*SHAPE_FIELDS, "world_size", "shard_ranks"):
         setattr(cls, name, property(attrgetter(f"shape.{name}"), doc=f"shape.{name}"))
     return cls

@@ -105,13 +105,14 @@ class StageCosts:
     def __init__(self, prof: ModelProfile, cluster: Cluster, dp_group: list[int], reduce_dtype: str,
                  busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1,
                  grad_reduce: str = "step", replays: int = 1, optimizer: OptimizerPlan | None = None,
-                 shared: SharedCosts | None = None):
+                 shared: SharedCosts | None = None, context=None):
         self.node = cluster.nodes[cluster.node_of(dp_group[0])]  # dp_group: the stage's first (RankLayout)
         self.gpu = self.node.gpu
         dp = len(dp_group)
         self.dp, self.dtype, self.rdtype, self.measured_on = dp, prof.dtype, reduce_dtype, prof.device
         self.busy = busy  # the share of the node's ranks working at once (cpu_ranks.local_ranks)
         self.tensor = tensor  # prof is then one tensor-parallel rank's (ModelProfile.split)
+        self.context = context  # prof is then one context-parallel rank's (plan.context_parallel.context_split)
         self.gathers = gathers  # microbatches one gather of a ZeRO-1/2 unit serves (timing.gather_every)
         self.grad_reduce = grad_reduce  # plan.GRAD_REDUCE: when gradients are reduced
         self.replays = replays  # times a backward recomputes what the policy dropped (2 where the schedule splits it)
@@ -232,7 +233,7 @@ class StageCosts:
         # a lone process, nothing sharded (the stub's one rank is the cluster's only one where self.unwrapped)
         unwrapped = self.unwrapped and replace(self.stub, root=o, blocks=[o]).runs_unwrapped
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
-                  measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor,
+                  measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor, context=self.context,
                   computed=self.shared.computed, gathers=self.gathers)
         one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
         # a block: what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit

@@ -1,7 +1,8 @@
 """parallelize: turn one part of a plain model (the whole model, or one pipeline stage) into what the Plan says.
 
 Reads like torchtitan's parallelize functions: one `apply_*` per technique, each taking only its part of the
-Plan, in the order they compose: tensor parallelism (`apply_tp`), tiled MLPs (`apply_mlp_tiles`), activation policies, FSDP2 (`apply_fsdp`).
+Plan, in the order they compose: context parallelism (`apply_cp`), tensor parallelism (`apply_tp`), tiled MLPs
+(`apply_mlp_tiles`), activation policies, FSDP2 (`apply_fsdp`).
 Around them, once per rank and its whole (pruned) model: `place` casts frozen weights, sets up partial host
 offload and moves the model to its device; `read_weights` fills a model built on the meta device after
 sharding, each rank reading only what it holds. runtime.build runs them in that order.
@@ -19,6 +20,7 @@ from snugfit.model.tiled_mlp import tile_mlp
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.activations import apply_activation_policy
 from snugfit.runtime.compile import compile_block
+from snugfit.runtime.context_parallel import apply_cp
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
@@ -90,6 +92,8 @@ def parallelize(part: nn.Module, plan: Plan, dims: ParallelDims, output_fp32: bo
     output_fp32: the root casts its output to fp32 (the last stage's logits; other stages send the compute
     dtype)."""
     blocks = dict(part.blocks.items())
+    if plan.cp > 1:
+        apply_cp(part, dims.cp_group, plan.cp, dims.cp_rank)
     if plan.tp > 1:
         apply_tp(part, dims.tp_mesh)
     apply_mlp_tiles(blocks, plan)

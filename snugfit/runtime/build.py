@@ -56,4 +56,4 @@ def build_engine(model: nn.Module, plan: Plan, optim: OptimConfig, env: DistEnv,
     cast = apply_mixed_precision(model, DTYPES[plan.compute_dtype]) if plan.runs_unwrapped else None
     runner = RUNNERS[plan.schedule_entry.runner](model, stages, plan, dims, env)
     return Engine(model, plan, optim, env.device, runner, dp_group=dims.dp_group, host=host, cast=cast,
-                  tied=tied)
+                  tied=tied, cp_rank=dims.cp_rank)

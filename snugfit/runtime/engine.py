@@ -77,9 +77,11 @@ class Engine:
         host: HostOffload | None = None,
         cast: CastOnce | None = None,
         tied: TiedEmbeddings | None = None,
+        cp_rank: int = 0,
     ):
         self.model, self.plan, self.optim_cfg, self.device = model, plan, optim, device
         self.runner, self.dp_group, self.host, self.cast, self.tied = runner, dp_group, host, cast, tied
+        self.cp_rank = cp_rank  # which chunk of each sequence this rank takes (runtime.context_parallel)
         self.lr = optim.lr
         self.scaler = LossScale() if plan.compute_dtype == "float16" else None
         # Counting saved tensors costs a Python hook per tensor (~20% of a small model's step on CPU),
@@ -143,8 +145,8 @@ class Engine:
     def train_step(self, batch: torch.Tensor) -> StepResult:
         """One optimizer step over this rank's (num_microbatches x micro_batch_size) rows."""
         self.model.train()
-        micro = split_batch(batch.to(self.device, non_blocking=True), self.plan)
-        divisors = loss_divisors(batch, self.plan, self.dp_group, self.device)
+        micro = split_batch(batch.to(self.device, non_blocking=True), self.plan, self.cp_rank)
+        divisors = loss_divisors(batch, self.plan, self.dp_group, self.device, self.cp_rank)
         self.memory.reset_peak()
         if self.in_backward is not None:
             self.in_backward.begin(self.lr)
@@ -215,9 +217,9 @@ class Engine:
     def eval_loss(self, batch: torch.Tensor) -> float:
         """Mean loss over the target tokens of the batch on every data-parallel rank, as the training loss."""
         self.model.eval()
-        micro = split_batch(batch.to(self.device), self.plan)
+        micro = split_batch(batch.to(self.device), self.plan, self.cp_rank)
         ctx = StepContext(self.device, self._wait_updates)
-        total = self.runner.eval(ctx, micro, loss_divisors(batch, self.plan, self.dp_group, self.device))
+        total = self.runner.eval(ctx, micro, loss_divisors(batch, self.plan, self.dp_group, self.device, self.cp_rank))
         if self.dp_group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
         return total.item()

@@ -1,13 +1,15 @@
-"""ParallelDims: the plan's pp x dp x tp grid as one device mesh, and this rank's groups on it.
+"""ParallelDims: the plan's pp x dp x cp x tp grid as one device mesh, and this rank's groups on it.
 
 Every technique asks this object for its ranks and groups instead of computing them: FSDP2 shards over
-`shard` (dp), zero-0 units replicate over `replicate` (dp x a size-1 dim, HSDP with one-rank shard groups),
-tensor parallelism splits over `tp`, pipeline stages talk over `pipeline_group`. Rank arithmetic itself is
+`shard` (dp x cp, flattened: context-parallel ranks hold the same parameters, as data-parallel ones do), zero-0
+units replicate over `replicate` (that x a size-1 dim, HSDP with one-rank shard groups), tensor parallelism splits
+over `tp`, context parallelism's all-to-alls run over `cp_group`, pipeline stages talk over `pipeline_group`. Rank arithmetic itself is
 `plan.RankLayout`'s (tp innermost, so tensor-parallel peers share a node).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,17 +24,16 @@ from snugfit.runtime.dist import DistEnv, cached_group
 class ParallelDims:
     plan: Plan
     rank: int
-    world: DeviceMesh  # dims ("pp", "dp", "one", "tp")
+    world: DeviceMesh  # dims ("pp", "dp", "cp", "one", "tp"), and "dp_cp": dp and cp flattened
 
     @classmethod
     def of(cls, plan: Plan, env: DistEnv) -> "ParallelDims":
         """The mesh of `plan` (made once per process group and shape, see `cached_group`), its groups bounded
         by env.timeout_s like the default group."""
-        shape = (plan.pp, plan.dp, 1, plan.tp)
-        world = cached_group(("mesh", env.device.type, *shape, env.timeout_s),
-                             lambda: _bounded(init_device_mesh(env.device.type, shape,
-                                                               mesh_dim_names=("pp", "dp", "one", "tp")),
-                                              env.timeout_s))
+        shape = (plan.pp, plan.dp, plan.cp, 1, plan.tp)
+        world = cached_group(("mesh", env.device.type, *shape, env.timeout_s), lambda: _bounded(
+            _flattened(init_device_mesh(env.device.type, shape, mesh_dim_names=("pp", "dp", "cp", "one", "tp"))),
+            env.timeout_s))
         return cls(plan, env.rank, world)
 
     @property
@@ -44,8 +45,17 @@ class ParallelDims:
         return self.plan.layout.coords(self.rank)[1]
 
     @property
+    def cp_rank(self) -> int:
+        return self.plan.layout.cp_rank(self.rank)
+
+    @property
     def dp(self) -> int:
         return self.plan.dp
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks FSDP2 shards over: dp x cp."""
+        return self.plan.dp * self.plan.cp
 
     @property
     def tp(self) -> int:
@@ -53,22 +63,28 @@ class ParallelDims:
 
     @property
     def shard(self) -> DeviceMesh:
-        """This rank's data-parallel mesh: what FSDP2 shards over."""
-        return self.world["dp"]
+        """This rank's data-parallel x context-parallel mesh: what FSDP2 shards over."""
+        return _flat(self.world, "dp_cp")
 
     @property
     def replicate(self) -> DeviceMesh:
-        """dp x 1: zero-0 units as HSDP whose shard groups have one rank (see runtime.sharding)."""
-        return self.world["dp", "one"]
+        """(dp x cp) x 1: zero-0 units as HSDP whose shard groups have one rank (see runtime.sharding)."""
+        return _flat(self.world, "dp_cp", "one")
 
     @property
     def tp_mesh(self) -> DeviceMesh:
         return self.world["tp"]
 
     @property
+    def cp_group(self):
+        """The context-parallel process group (the all-to-alls around attention), or None at cp 1."""
+        return self.world["cp"].get_group() if self.plan.cp > 1 else None
+
+    @property
     def dp_group(self):
-        """The data-parallel process group (loss averaging, target counts), or None at dp 1."""
-        return self.shard.get_group() if self.dp > 1 else None
+        """The ranks that share the step's tokens, data-parallel x context-parallel (loss averaging, target
+        counts), or None where it is this rank alone."""
+        return self.shard.get_group() if self.shard_size > 1 else None
 
     def pipeline_groups(self, timeout_s: float, bpipe: bool):
         """This rank's pipeline group and BPipe eviction group (None without BPipe): the pp ranks that share its
@@ -87,6 +103,20 @@ class ParallelDims:
             if self.rank in ranks:
                 mine = (g, e)
         return mine
+
+
+def _flat(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """mesh[names], a flattened dimension among them. torch warns that it will want such slices kept apart from the
+    root mesh, but FSDP2 over tensor-parallel DTensors needs both on one root (as torchtitan's dp_shard_cp)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+        return mesh[names]
+
+
+def _flattened(mesh: DeviceMesh) -> DeviceMesh:
+    """`mesh` with its dp and cp dimensions flattened into "dp_cp" too (torch keeps it on the root mesh)."""
+    mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh
 
 
 def _bounded(mesh: DeviceMesh, timeout_s: float) -> DeviceMesh:

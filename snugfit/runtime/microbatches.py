@@ -1,17 +1,21 @@
 """A rank's batch as the step runs it: its microbatches (inputs, targets), and what each one's mean loss is
-divided by so that the step's loss is the mean over every target token of the global batch."""
+divided by so that the step's loss is the mean over every target token of the global batch. Under context
+parallelism each rank of a cp group takes its chunk of every sequence, inputs and targets shifted before the split."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 
 from snugfit.data.instruct import IGNORE
 from snugfit.plan import Plan, PlanError
+from snugfit.runtime.context_parallel import sequence_part
 
 
-def split_batch(batch: torch.Tensor, plan: Plan) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's batch -> [(inputs, targets)] per microbatch.
+def split_batch(batch: torch.Tensor, plan: Plan, cp_rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batch -> [(inputs, targets)] per microbatch (this cp rank's chunk of each sequence).
 
     2-D (rows, seq+1): a token stream, targets are the inputs shifted by one.
     3-D (rows, 2, seq+1): instruction data, row 0 tokens and row 1 targets
@@ -26,11 +30,24 @@ def split_batch(batch: torch.Tensor, plan: Plan) -> list[tuple[torch.Tensor, tor
             f"or ({rows}, 2, {cols}) for (tokens, targets) pairs"
         )
     tokens, labels = (batch, batch) if batch.dim() == 2 else (batch[:, 0], batch[:, 1])
-    inputs, targets = tokens[:, :-1], labels[:, 1:]
-    return list(zip(inputs.split(plan.micro_batch_size), targets.split(plan.micro_batch_size)))
+    inputs, targets = (sequence_part(t, plan.cp, cp_rank) for t in (tokens[:, :-1], labels[:, 1:]))
+    micro = list(zip(inputs.split(plan.micro_batch_size), targets.split(plan.micro_batch_size)))
+    return [(i, _one_target(t)) if plan.cp > 1 else (i, t) for i, t in micro]
 
 
-def loss_divisors(batch: torch.Tensor, plan: Plan, dp_group=None, device: torch.device | None = None) -> list[float]:
+def _one_target(targets: torch.Tensor) -> torch.Tensor:
+    """A cp rank's chunk may hold no target where the sequences' others do (a long prompt): its mean would be NaN,
+    yet the rank must run forward and backward for its peers' all-to-alls. It scores one dummy target instead,
+    and `loss_divisors` divides that loss by infinity: zero loss, zero gradient."""
+    if (targets != IGNORE).any():
+        return targets
+    targets = targets.clone()
+    targets[0, 0] = 0
+    return targets
+
+
+def loss_divisors(batch: torch.Tensor, plan: Plan, dp_group=None, device: torch.device | None = None,
+                  cp_rank: int = 0) -> list[float]:
     """What each microbatch's mean loss is divided by, so that the step loss is the mean over every target token
     of the global batch, however the tokens fall into microbatches and ranks.
 
@@ -40,12 +57,17 @@ def loss_divisors(batch: torch.Tensor, plan: Plan, dp_group=None, device: torch.
     stream is a target, so there d_i is exactly num_microbatches, as it always was, and
     nothing is counted; instruction data (prompts and padding masked) gathers its count
     over dp. A microbatch without targets has no mean (NaN): the step is skipped.
+
+    Context parallelism: dp_group spans dp x cp, and each cp rank's microbatch is its chunk of the sequences, so
+    d_i = (targets in the global batch) / (dp x cp x this rank's targets in microbatch i).
     """
     m = plan.num_microbatches
     if batch.dim() == 2:
         return [float(m)] * m
-    counts = (batch[:, 1, 1:] != IGNORE).reshape(m, -1).sum(1)
+    counts = (sequence_part(batch[:, 1, 1:], plan.cp, cp_rank) != IGNORE).reshape(m, -1).sum(1)
     total = counts.sum().to(device)
     if dp_group is not None:
         dist.all_reduce(total, group=dp_group)
-    return [total.item() / (plan.dp * max(c, 1)) for c in counts.tolist()]
+    share = plan.dp * plan.cp
+    # a cp chunk without targets scores a dummy one (`_one_target`) that must count nothing
+    return [total.item() / (share * max(c, 1)) if c or plan.cp == 1 else math.inf for c in counts.tolist()]

@@ -116,9 +116,9 @@ def shard_unit(module: nn.Module, block: BlockPlan, dims: ParallelDims, mp: Mixe
     """Make `module` one FSDP2 unit as `block.zero` says (see the module docstring); `ignored`: parameters of
     its submodules that run without FSDP2 (`needs_unit`)."""
     frozen = {p for p in module.parameters() if not p.requires_grad and (block.zero == 0 or (
-        dims.dp == 1 and is_quantized(p)))} | set(ignored)  # torchao's NF4 all-gather hooks fail on a one-rank group
+        dims.shard_size == 1 and is_quantized(p)))} | set(ignored)  # torchao's NF4 all-gather fails on one rank
     if block.zero > 0:
-        check_shardable(module, dims.dp)
+        check_shardable(module, dims.shard_size)
     fully_shard(
         module,
         mesh=dims.replicate if block.zero == 0 else dims.shard,
@@ -155,8 +155,8 @@ def apply_fsdp(
                      for i in indices)
     frozen = sum(not needs_unit(b, plan.blocks[i]) for i, b in zip(indices, blocks.values()))
     log.debug(  # every engine the calibration builds says it too: the printed plan is the user's line
-        "fsdp: dp=%d, %d blocks %s%s, root zero%d%s, params %s, reduce %s every %s",
-        dims.dp, len(indices), dict(stages), f" ({frozen} frozen ones without FSDP2)" if frozen else "",
+        "fsdp: dp x cp=%d, %d blocks %s%s, root zero%d%s, params %s, reduce %s every %s",
+        dims.shard_size, len(indices), dict(stages), f" ({frozen} frozen ones without FSDP2)" if frozen else "",
         plan.root.zero,
         "+offload_params" if plan.root.offload_params else "", plan.compute_dtype, plan.reduce_dtype,
         plan.grad_reduce,

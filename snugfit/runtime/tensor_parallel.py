@@ -127,7 +127,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       n_experts=getattr(cfg, "n_experts", 0) or 0, top_k=getattr(cfg, "top_k", 0) or 0,
                       unsplittable_block="Mixture-of-Experts blocks" if getattr(cfg, "n_experts", 0)
                       else None if layout else type(getattr(block, "layer", block)).__name__,
-                      untileable_mlp=untileable(block))
+                      untileable_mlp=untileable(block), attention=type(getattr(block, "layer", block)).__name__,
+                      sequence_splits=hasattr(getattr(block, "attn", None), "attend"))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:

@@ -1,0 +1,146 @@
+"""Context parallelism (runtime.context_parallel) against one process over the whole batch, at 2 and 4 gloo ranks.
+
+Each rank of a cp group holds a contiguous chunk of every sequence; attention trades it for heads with all-to-alls.
+Every plan must give the loss and the gradients (reduced over dp x cp) of one forward over the whole global batch,
+with grouped-query attention whose key/value heads are fewer than cp, learned positions (GPT-2), data and tensor
+parallelism beside cp, and recomputation. The batch masks prompts and padding, so cp ranks hold different numbers
+of targets and the loss's divisors must count them all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snugfit.data.instruct import IGNORE
+from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.plan import BlockPlan, Plan
+from snugfit.runtime.dist import DistEnv
+from snugfit.runtime.optimizer import OptimConfig
+from tests.distributed import run_ranks
+
+SEQ, ROWS = 32, 4
+LLAMA = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=SEQ)
+GPT2 = ModelConfig(arch="gpt2", dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=SEQ)
+PROMPTS, PADDING = [1, 20, 3, 9], [0, 5, 12, 0]  # masked prompt and padding per row: cp chunks hold unequal targets
+
+# world -> name -> (config, Plan.uniform arguments), each for a global batch of ROWS rows
+PLANS = {
+    2: {"cp2": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
+        "cp2-gpt2-zero0": (GPT2, dict(cp=2, micro_batch_size=4, num_microbatches=1)),
+        "cp2-lora": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
+    4: {"cp4-gqa": (LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
+        "dp2xcp2-recompute": (LLAMA, dict(dp=2, cp=2, micro_batch_size=1, num_microbatches=2,
+                                            block=BlockPlan(zero=3, activations="recompute"))),
+        "tp2xcp2": (LLAMA, dict(tp=2, cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
+}
+
+
+def instruct_batch(cfg: ModelConfig) -> torch.Tensor:
+    """(ROWS, 2, SEQ + 1): tokens, and targets masked on each row's prompt and padding."""
+    tokens = torch.randint(0, cfg.vocab_size, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    targets = tokens.clone()
+    for row, (prompt, pad) in enumerate(zip(PROMPTS, PADDING)):
+        targets[row, : prompt + 1] = IGNORE
+        targets[row, SEQ + 1 - pad:] = IGNORE
+    return torch.stack([tokens, targets], dim=1)
+
+
+def fresh_model(cfg: ModelConfig, lora: bool = False) -> Decoder:
+    """The model; with LoRA adapters (rank 2, B drawn non-zero so both factors get gradients) where asked."""
+    from snugfit.model.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    if lora:
+        apply_lora(model, rank=2, seed=3)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad and "lora" in n.lower():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.1)
+    return model
+
+
+def reference(cfg: ModelConfig, lora: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    batch = instruct_batch(cfg)
+    model = fresh_model(cfg, lora)
+    loss = model(batch[:, 0, :-1], batch[:, 1, 1:])
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return loss.item(), grads
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _step(env: DistEnv, world: int) -> dict:
+    """Every plan for this world size: eval and one step on this rank's rows, checked against the reference."""
+    from snugfit.runtime.build import build_engine
+
+    out = {}
+    for name, (cfg, spec) in PLANS[world].items():
+        lora = name.endswith("lora")
+        ref_loss, ref_grads = reference(cfg, lora)
+        plan = Plan.uniform(cfg.n_layers, seq_len=SEQ, **spec)
+        engine = build_engine(fresh_model(cfg, lora), plan, OptimConfig(grad_clip=0.0), env)
+        bad: list[str] = []
+        update = engine._update
+
+        def check_grads(loss, engine=engine, bad=bad, update=update, ref_grads=ref_grads):
+            for n, p in engine.model.named_parameters():
+                if ref_grads[n] is None and p.grad is None:  # frozen
+                    continue
+                try:
+                    torch.testing.assert_close(_full(p.grad), ref_grads[n], rtol=1e-5, atol=1e-6)
+                except AssertionError as err:
+                    bad.append(f"{n}: {err}")
+            return update(loss)
+
+        engine._update = check_grads
+        rows, dp_rank = ROWS // plan.dp, plan.layout.coords(env.rank)[1]
+        rank_batch = instruct_batch(cfg)[dp_rank * rows:(dp_rank + 1) * rows]
+        ev, step = engine.eval_loss(rank_batch), engine.train_step(rank_batch)
+        ref_norm = torch.stack([g.norm() for g in ref_grads.values() if g is not None]).norm().item()
+        out[name] = {"eval": ev, "loss": step.loss, "norm": step.grad_norm, "ref_norm": ref_norm, "bad": bad,
+                     "ref": ref_loss}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process(world):
+    for r in run_ranks(_step, world, world):
+        for name, res in r.items():
+            assert res["loss"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-6), name
+            assert res["eval"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-6), name
+            assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5), name  # shards summed over dp x cp once
+            assert not res["bad"], (name, res["bad"][:2])
+
+
+LONG = ["--model", "llama-3.1-8b", "--cluster", "8xH100-80GB", "--seq", "131072", "--global-batch", "8"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--seq", "131071", "--cp", "2"], "cp 2 does not divide the sequence length (131071)"),
+    (["--cp", "2", "--pp", "2"], "does not combine with pipelines"),
+])
+def test_a_cp_that_cannot_run_is_one_line_before_any_rank(capsys, extra, says):
+    from snugfit.cli import main
+
+    assert main(["plan", *LONG, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_the_search_splits_a_long_sequence_over_ranks(capsys):
+    """Llama-3.1-8B at 128k tokens on 8 x H100: context parallelism is what the search picks, and the JSON says so."""
+    import json
+
+    from snugfit.cli import main
+
+    assert main(["plan", *LONG, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["shape"]["cp"] > 1
+    assert plan["predicted"]["time_by_phase"]["cp_comm"] > 0
