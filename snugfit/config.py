@@ -153,11 +153,12 @@ POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every
             "model.norm_eps", "model.rope_theta", "parallel.timeout_s",
             # fixed parts of a plan (None: searched)
             "parallel.dp", "parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.num_microbatches",
-            "parallel.evict_bound"}
+            "parallel.evict_bound", "parallel.cp", "parallel.mlp_tiles"}
 NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
                 "train.grad_clip", "train.weight_decay", "train.trace_step", "train.replan_after", "train.replan_gain",
                 "parallel.node_rank", "parallel.max_restarts",
-                "finetune.lora_rank", "finetune.lora_alpha", "finetune.lora_dropout"}
+                "finetune.lora_rank", "finetune.lora_alpha", "finetune.lora_dropout",
+                "model.n_experts", "model.n_shared_experts", "model.router_aux_coef"}
 # Keys with an upper bound too: (lowest, highest, whether the highest is allowed)
 BOUNDED = {"train.min_lr_ratio": (0.0, 1.0, True), "finetune.lora_dropout": (0.0, 1.0, False),
            "parallel.zero": (0, 3, True)}

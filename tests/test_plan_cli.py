@@ -264,15 +264,16 @@ def test_plan_reads_a_train_config_for_the_built_in_model(tmp_path, capsys):
 
 def test_long_context_qlora_fits_one_24gb_card_with_offloaded_checkpoints(tmp_path, capsys):
     """Llama-3.1-8B, NF4 base, LoRA r32, 64k tokens on one RTX 4090: the plan fits by keeping each block's
-    recomputation checkpoint on host (the chunked loss holds no whole logits); without that, 39 GiB. Eager blocks:
-    compiled ones save less for backward (the partitioner's choice), so some of them keep their activations."""
+    saved activations on host (the chunked loss holds no whole logits); without that, 39 GiB. With the MLP in tiles
+    (its intermediates never whole) the activations go to host without recomputation. Eager blocks: compiled ones
+    save less for backward (the partitioner's choice), so some of them keep their activations."""
     rc, out = _run(["plan", "--model", "llama-3.1-8b", "--cluster", "1xRTX4090", "--seq", "65536", "--global-batch",
                     "1", "--lora-rank", "32", "--quantize-base", "nf4", "--compile", "false", "--json",
                     "--profile-cache", str(tmp_path)],
                    capsys)
     d = json.loads(out)
     assert rc == 0 and d["predicted"]["fits"] and d["predicted"]["peak_memory_bytes"] <= 24 * 2**30
-    assert {b["activations"] for b in d["blocks"]} == {"recompute_offload"}
+    assert {(b["activations"], b.get("mlp_tiles", 1)) for b in d["blocks"]} == {("offload", 16)}
 
 
 def test_planning_a_catalogue_model_prints_no_library_warnings(tmp_path):

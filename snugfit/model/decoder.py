@@ -68,7 +68,8 @@ class ModelConfig:
             raise ValueError(f"model.arch must be one of {ARCHS}, got {self.arch!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"model.attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "top_k",
+                     "moe_ffn_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
         if self.dim % self.n_heads:
