@@ -98,6 +98,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
     """Every outer candidate the launch and the fixed parts allow (unsolved); in_backward: the optimizer steps in
     backward (plan.OptimizerPlan)."""
     w, n, gb, out = cluster.world_size, len(prof.blocks), global_batch, []
+    trainable = sum(p.num_trainable for p in prof.pieces)
     degrees = [(tp, pp) for tp in tp_degrees(prof, cluster, c) for pp in ([c.pp] if c.pp else divisors(w))
                if w % (pp * tp) == 0]
     for tp, pp, cp in [(tp, pp, cp) for tp, pp in degrees for cp in cp_degrees(prof, w // (pp * tp), tp, c)]:
@@ -108,7 +109,10 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
         if any(len({cluster.gpu_of(r).name for r in layout.stage_ranks(s)}) > 1 for s in range(pp)):
             continue  # data- and tensor-parallel groups only of like GPUs
         options = block_options(c, dp * cp)
-        to_host = any(o.placement.states_on_host for o in options)
+        # gradients reduced every microbatch at dp 1 only pay where they go to the host and the stage's whole
+        # fp32 gradient would crowd the card (a 70B full fine-tune on one 24 GB card holds 262 GiB of them)
+        to_host = any(o.placement.states_on_host for o in options) and \
+            4 * trainable / (pp * tp) > cluster.gpu_of(0).memory_bytes / 2
         mbss = [c.micro_batch] if c.micro_batch else [d for d in divisors(gb // dp) if d <= MAX_MICRO_BATCH]
         for mbs in mbss:
             m = gb // (dp * mbs)
