@@ -122,24 +122,6 @@ CP_MODEL_RULES: tuple[Rule, ...] = (
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(("cp", "seq_len"), lambda p: p.cp > 1 and p.seq_len % p.cp,
-         lambda p: f"cp {p.cp} does not divide the sequence length ({p.seq_len}); choose a cp that divides it"),
-    Rule(("cp", "tp", "model", "seq_len"), lambda p: p.cp > 1 and bool(_cp_undivided(p)),
-         lambda p: f"cp {p.cp} x tp {p.tp} does not divide the model's {', '.join(_cp_undivided(p))}; choose cp "
-                   "and tp whose product divides them"),
-    Rule(("cp", "model"), lambda p: p.cp > 1 and not p.model.sequence_splits,
-         lambda p: f"context parallelism (cp {p.cp}) runs the built-in decoder's attention only yet, not "
-                   f"{p.model.attention or 'this model'}'s; plan with cp 1"),
-    Rule(("cp", "pp"), lambda p: p.cp > 1 and p.pp > 1,
-         lambda p: f"context parallelism (cp {p.cp}) does not combine with pipelines (pp {p.pp}) yet; use cp 1 or "
-                   "pp 1"),
-    Rule(("cp", "compile"), lambda p: p.cp > 1 and p.compile,
-         lambda p: f"context parallelism (cp {p.cp}) does not run compiled blocks yet (its all-to-alls break the "
-                   "graph); drop --compile or use cp 1"),
-)
-
-
-RULES: tuple[Rule, ...] = (
     Rule(("ep",), lambda p: p.ep > 1,
          lambda p: f"expert parallelism (ep {p.ep}) is not built yet; use ep 1"),
     *CP_RULES,
