@@ -22,23 +22,29 @@ from tests.distributed import run_ranks
 SEQ, ROWS = 32, 4
 LLAMA = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=SEQ)
 GPT2 = ModelConfig(arch="gpt2", dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=SEQ)
+# a Hugging Face Llama (transformers' layers, rotary module and SDPA) with 2 key/value heads, fewer than cp 4
+HF_LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
 PROMPTS, PADDING = [1, 20, 3, 9], [0, 5, 12, 0]  # masked prompt and padding per row: cp chunks hold unequal targets
 
 # world -> name -> (config, Plan.uniform arguments), each for a global batch of ROWS rows
 PLANS = {
     2: {"cp2": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
         "cp2-gpt2-zero0": (GPT2, dict(cp=2, micro_batch_size=4, num_microbatches=1)),
-        "cp2-lora": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
+        "cp2-lora": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
+        "hf-cp2": (HF_LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
     4: {"cp4-gqa": (LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
         "dp2xcp2-recompute": (LLAMA, dict(dp=2, cp=2, micro_batch_size=1, num_microbatches=2,
                                             block=BlockPlan(zero=3, activations="recompute"))),
+        "hf-cp4-gqa": (HF_LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
         "tp2xcp2": (LLAMA, dict(tp=2, cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
 }
 
 
-def instruct_batch(cfg: ModelConfig) -> torch.Tensor:
+def instruct_batch(cfg) -> torch.Tensor:
     """(ROWS, 2, SEQ + 1): tokens, and targets masked on each row's prompt and padding."""
-    tokens = torch.randint(0, cfg.vocab_size, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    vocab = cfg["vocab_size"] if isinstance(cfg, dict) else cfg.vocab_size
+    tokens = torch.randint(0, vocab, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(1))
     targets = tokens.clone()
     for row, (prompt, pad) in enumerate(zip(PROMPTS, PADDING)):
         targets[row, : prompt + 1] = IGNORE
@@ -46,12 +52,14 @@ def instruct_batch(cfg: ModelConfig) -> torch.Tensor:
     return torch.stack([tokens, targets], dim=1)
 
 
-def fresh_model(cfg: ModelConfig, lora: bool = False) -> Decoder:
-    """The model; with LoRA adapters (rank 2, B drawn non-zero so both factors get gradients) where asked."""
+def fresh_model(cfg, lora: bool = False) -> torch.nn.Module:
+    """The model (a Hugging Face one, on CPU, for a config dict); with LoRA adapters (rank 2, B drawn non-zero so
+    both factors get gradients) where asked."""
+    from snugfit.model.hf import hf_from_config
     from snugfit.model.lora import apply_lora
 
     torch.manual_seed(0)
-    model = Decoder(cfg)
+    model = hf_from_config(cfg, device="cpu") if isinstance(cfg, dict) else Decoder(cfg)
     if lora:
         apply_lora(model, rank=2, seed=3)
         with torch.no_grad():
@@ -61,7 +69,7 @@ def fresh_model(cfg: ModelConfig, lora: bool = False) -> Decoder:
     return model
 
 
-def reference(cfg: ModelConfig, lora: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+def reference(cfg, lora: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     batch = instruct_batch(cfg)
     model = fresh_model(cfg, lora)
     loss = model(batch[:, 0, :-1], batch[:, 1, 1:])
@@ -84,8 +92,9 @@ def _step(env: DistEnv, world: int) -> dict:
     for name, (cfg, spec) in PLANS[world].items():
         lora = name.endswith("lora")
         ref_loss, ref_grads = reference(cfg, lora)
-        plan = Plan.uniform(cfg.n_layers, seq_len=SEQ, **spec)
-        engine = build_engine(fresh_model(cfg, lora), plan, OptimConfig(grad_clip=0.0), env)
+        model = fresh_model(cfg, lora)
+        plan = Plan.uniform(model.cfg.n_layers, seq_len=SEQ, **spec)
+        engine = build_engine(model, plan, OptimConfig(grad_clip=0.0), env)
         bad: list[str] = []
         update = engine._update
 

@@ -342,7 +342,9 @@ class Decoder(nn.Module):
         """
         start = self.cp_rank * tokens.shape[1]
         h = self.embed(tokens, start) if self.embed is not None else tokens
-        rope = self.rope[start:start + tokens.shape[1]] if self.rope is not None and start else self.rope
+        rope = self.rope  # a table, or a Hugging Face rotary module (HFBlock places its positions itself)
+        if isinstance(rope, torch.Tensor) and start:
+            rope = rope[start:start + tokens.shape[1]]
         for block in self.blocks.values():
             h = block(h, rope)
         if self.head is None:

@@ -161,25 +161,31 @@ class HFBlock(nn.Module):
         self.layer = layer
         self.layer_type, self.typed_rope = layer_type, typed_rope
         self._config = hf_config  # read by the mask functions: attention implementation, window
+        # context parallelism (runtime.context_parallel.apply_cp): this rank holds chunk cp_rank of cp of each
+        # sequence, so its positions start at cp_rank x its length, and attention's mask covers the whole sequence
+        self.cp, self.cp_rank = 1, 0
 
-    def mask(self, h: torch.Tensor, pos: torch.Tensor):
+    def mask(self, h: torch.Tensor, length: int):
         """None where SDPA's causal kernel is exact (full attention, or a window the sequence fits in), asked of no
         mask function: theirs read tensors' values (torch.compile could not trace the block); else theirs."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         slides = self.layer_type == "sliding_attention"
         window = getattr(self._config, "sliding_window", None) or 0
-        if self._config._attn_implementation == "sdpa" and (not slides or h.shape[1] <= window):
+        if self._config._attn_implementation == "sdpa" and (not slides or length <= window):
             return None
         make = create_sliding_window_causal_mask if slides else create_causal_mask
-        return make(config=self._config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+        shaped = h if length == h.shape[1] else h[:, :1].expand(-1, length, -1)  # read for its shape and dtype only
+        return make(config=self._config, inputs_embeds=shaped, attention_mask=None, cache=None,
+                    position_ids=torch.arange(length, device=h.device)[None])
 
     def forward(self, h: torch.Tensor, rope: nn.Module | None = None) -> torch.Tensor:
-        pos = torch.arange(h.shape[1], device=h.device)[None]
+        start = self.cp_rank * h.shape[1]
+        pos = torch.arange(start, start + h.shape[1], device=h.device)[None]
         extra = {}
         if rope is not None:
             extra["position_embeddings"] = rope(h, pos, self.layer_type) if self.typed_rope else rope(h, pos)
-        out = self.layer(h, attention_mask=self.mask(h, pos), position_ids=pos, use_cache=False, **extra)
+        out = self.layer(h, attention_mask=self.mask(h, self.cp * h.shape[1]), position_ids=pos, use_cache=False, **extra)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -221,7 +227,7 @@ class HFCausalLM(nn.Module):
         head += [LogitSoftcap(softcap)] if softcap else []
         self.head: nn.Module | None = head[0] if len(head) == 1 else nn.Sequential(*head)
         self.rope = s.rotary
-        self.cp_rank = 0  # as the built-in Decoder's; context parallelism runs the built-in decoder only yet
+        self.cp_rank = 0  # as the built-in Decoder's: the embedding's learned positions start there
         self.cfg = HFInfo(arch=cfg.model_type, vocab_size=cfg.vocab_size, dim=cfg.hidden_size,
                           n_layers=len(s.layers), max_seq_len=cfg.max_position_embeddings,
                           tie_embeddings=s.head.weight is s.tokens.weight)

@@ -26,10 +26,12 @@ and run the q, k, v all-to-alls as one fused exchange on a side stream; nothing 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 
@@ -63,6 +65,17 @@ def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
+def _whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp: int):
+    """q, k, v (b, heads, s/cp, d) -> (b, heads/cp, s, d) each; key/value heads repeated first where too few."""
+    heads, kv = q.shape[1], k.shape[1]
+    if kv % cp:  # too few key/value heads to split: repeat each so that every rank gets those it reads
+        repeat = math.lcm(kv, cp) // kv
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    if heads % cp:
+        raise ValueError(f"context parallelism: {heads} attention heads on this rank do not divide by cp {cp}")
+    return tuple(_seq_to_heads(t, group, cp) for t in (q, k, v))
+
+
 class Ulysses(nn.Module):
     """An attention's `attend` (model.decoder.LocalAttention) run over the whole sequence for 1/cp of the heads,
     between two all-to-alls over the cp group (see the module docstring). No parameters: installing it changes no
@@ -73,21 +86,55 @@ class Ulysses(nn.Module):
         self.inner, self.cp, self.group = inner, cp, group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        heads, kv = q.shape[1], k.shape[1]
-        if kv % self.cp:  # too few key/value heads to split: repeat each so that every rank gets those it reads
-            repeat = math.lcm(kv, self.cp) // kv
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        if heads % self.cp:
-            raise ValueError(f"context parallelism: {heads} attention heads on this rank do not divide by cp {self.cp}")
-        q, k, v = (_seq_to_heads(t, self.group, self.cp) for t in (q, k, v))
-        return _heads_to_seq(self.inner(q, k, v), self.group, self.cp)
+        return _heads_to_seq(self.inner(*_whole_sequence(q, k, v, self.group, self.cp)), self.group, self.cp)
+
+
+def hf_attention(block: nn.Module) -> nn.Module | None:
+    """The attention module of a Hugging Face layer (model.hf_model.HFBlock's `layer`) whose kernel comes from
+    transformers' attention registry (its `config._attn_implementation`), where context parallelism can run it:
+    None for others, and for attention logits soft-capped (Gemma 2), which the SDPA call here has no term for."""
+    layer = getattr(block, "layer", None)
+    attn = getattr(layer, "self_attn", None)
+    config = getattr(attn, "config", None)
+    if config is None or getattr(config, "attn_logit_softcapping", None):
+        return None
+    return attn
+
+
+def _hf_ulysses(group, cp: int) -> str:
+    """The name, in transformers' attention registry, of the Ulysses attention over `group`: the layer's q, k, v
+    exchanged for the whole sequence of 1/cp of the heads, SDPA over them (flash on GPUs; the mask, where the layer
+    has one, is the whole sequence's: HFBlock.mask), and the output exchanged back. A function transformers calls
+    with the layer's own arguments is its documented extension point (AttentionInterface.register); SDPA is
+    called here rather than the layer's own function because that repeats key/value heads by the layer's whole
+    group count, which no longer holds once cp splits the heads."""
+    from transformers import AttentionInterface
+
+    def attend(module, q, k, v, mask, dropout: float = 0.0, scaling: float | None = None, **_):
+        q, k, v = _whole_sequence(q, k, v, group, cp)
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                             is_causal=mask is None and getattr(module, "is_causal", True))
+        return _heads_to_seq(out, group, cp).transpose(1, 2), None  # transformers' layout: (b, s, heads, d)
+
+    name = f"snugfit-ulysses-cp{cp}-{id(group)}"
+    AttentionInterface.register(name, attend)
+    return name
 
 
 def apply_cp(model: nn.Module, group, cp: int, cp_rank: int) -> None:
-    """Install Ulysses around every attention of `model` (the built-in decoder's `attn.attend`; plan.rules refuses
-    other models at cp > 1) and tell the model which chunk of each sequence it holds (its positions)."""
+    """Install Ulysses around every attention of `model` and tell the model which chunk of each sequence it holds
+    (its positions). The built-in decoder's `attn.attend` is wrapped; a Hugging Face layer's attention gets a
+    copy of its config naming the Ulysses function in transformers' registry (`_hf_ulysses`), and its block the
+    cp rank and degree (HFBlock: positions and mask by global index)."""
     for block in model.blocks.values():
-        attn = block.attn
-        if not isinstance(attn.attend, Ulysses):
-            attn.attend = Ulysses(attn.attend, group, cp)
+        hf = hf_attention(block)
+        if hf is not None:
+            name = _hf_ulysses(group, cp)
+            if hf.config._attn_implementation != name:
+                hf.config = copy.copy(hf.config)  # this layer's alone: masks and saving read the model's own
+                hf.config._attn_implementation = name
+            block.cp, block.cp_rank = cp, cp_rank
+        elif not isinstance(block.attn.attend, Ulysses):
+            block.attn.attend = Ulysses(block.attn.attend, group, cp)
     model.cp_rank = cp_rank

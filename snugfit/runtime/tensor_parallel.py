@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from snugfit.model.tiled_mlp import untileable
+from snugfit.runtime.context_parallel import hf_attention
 from snugfit.plan import Plan
 from snugfit.plan.facts import ModelFacts
 
@@ -128,7 +129,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       unsplittable_block="Mixture-of-Experts blocks" if getattr(cfg, "n_experts", 0)
                       else None if layout else type(getattr(block, "layer", block)).__name__,
                       untileable_mlp=untileable(block), attention=type(getattr(block, "layer", block)).__name__,
-                      sequence_splits=hasattr(getattr(block, "attn", None), "attend"))
+                      sequence_splits=hasattr(getattr(block, "attn", None), "attend")
+                      or hf_attention(block) is not None)
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
