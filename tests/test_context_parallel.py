@@ -153,3 +153,25 @@ def test_the_search_splits_a_long_sequence_over_ranks(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["shape"]["cp"] > 1
     assert plan["predicted"]["time_by_phase"]["cp_comm"] > 0
+
+
+def _qlora_losses(env: DistEnv, folder: str, cp: int) -> list[float]:
+    """Three steps of test_qlora's model (NF4 base, LoRA rank 4, a Hugging Face Llama) over its whole batches."""
+    from snugfit.runtime.build import build_engine
+    from snugfit.train.build import build_model
+    from tests.test_qlora import MBS, OPT, SEQ as QSEQ, _batches, _cfg
+
+    plan = Plan.uniform(2, cp=cp, micro_batch_size=MBS, num_microbatches=2, seq_len=QSEQ, block=BlockPlan(zero=3))
+    engine = build_engine(build_model(_cfg(folder), on_meta=False), plan, OPT, env)
+    return [engine.train_step(b).loss for b in _batches()]
+
+
+def test_an_nf4_base_with_lora_trains_at_cp_2_as_in_one_process(tmp_path):
+    """Later steps' losses follow the adapters' updates, so they equal only where the gradients did too."""
+    pytest.importorskip("torchao")
+    from tests.test_qlora import save_llama
+
+    save_llama(tmp_path)
+    alone = _qlora_losses(DistEnv(), str(tmp_path), 1)
+    for losses in run_ranks(_qlora_losses, 2, str(tmp_path), 2):
+        assert losses == pytest.approx(alone, rel=1e-5)
