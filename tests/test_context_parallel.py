@@ -175,3 +175,13 @@ def test_an_nf4_base_with_lora_trains_at_cp_2_as_in_one_process(tmp_path):
     alone = _qlora_losses(DistEnv(), str(tmp_path), 1)
     for losses in run_ranks(_qlora_losses, 2, str(tmp_path), 2):
         assert losses == pytest.approx(alone, rel=1e-5)
+
+
+def test_tracked_peak_per_rank_matches_the_model_at_cp_2():
+    """Each cp rank holds half of every sequence's activations and ZeRO-3 shards over dp x cp: the MemoryTracker's
+    peak per rank within 5% of the memory model's (test_memory_vs_runtime's check, on a cp plan)."""
+    from tests.test_memory_vs_runtime import _check, _plan, tracked_peaks
+
+    plans = {"cp2_zero3": (_plan(1, BlockPlan(zero=3), BlockPlan(zero=3), m=2, cp=2), ""),
+             "cp2_recompute": (_plan(1, BlockPlan(activations="recompute"), m=2, cp=2), "lora")}
+    _check(run_ranks(tracked_peaks, 2, plans), plans)
