@@ -6,7 +6,7 @@ accumulation, eager vs SDPA attention): profiles the model (with piece timings o
 this CPU), predicts, and measures the same plan run by the runtime's engine
 (MemTracker for memory, transients included; best of N steps for time; one thread,
 timed in process CPU time so other jobs on a shared machine do not count).
-Then 2- and 4-rank plans (sharding, offload, a pipeline), one gloo spawn per world
+Then 2- and 4-rank plans (sharding, offload, a pipeline, context parallelism, tiled MLPs), one gloo spawn per world
 size: memory is each rank's MemoryTracker peak against the model's tracked
 prediction (no allocator sees transients on CPU), time the slowest rank's wall
 clock. Prints per-plan errors, their median and max, and the Spearman rank
@@ -65,38 +65,45 @@ PLANS = [
     (4, 2, "selective", "eager"),
 ]
 
-# (name, dp, pp, block plan, root zero, microbatches, tp[, fine-tuning[, gradient reduction[, optimizer]]]); micro-batch
+# (name, dp, pp, block plan, root zero, microbatches, tp, cp[, fine-tuning[, gradient reduction[, optimizer]]]); micro-batch
 # 2, keep, sdpa. fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears),
 # "freeze" (the embedding and the first two blocks frozen); gradient reduction: plan.GRAD_REDUCE (default "step");
 # optimizer: plan.OptimizerPlan (default fp32 weights and states, stepped after backward; the root streams its
 # states where the blocks do)
 MULTI = [
-    ("dp2 zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1),
-    ("dp2 zero2", 2, 1, BlockPlan(zero=2), 2, 2, 1),
-    ("dp2 zero3", 2, 1, BlockPlan(zero=3), 3, 1, 1),
-    ("dp2 zero3+offload_opt", 2, 1, BlockPlan(zero=3, placement="host_step"), 1, 2, 1),
-    ("dp2 offload_params", 2, 1, BlockPlan(zero=3, placement="params_on_host"), 3, 2, 1),
-    ("pp2 1f1b", 1, 2, BlockPlan(), 0, 4, 1),
-    ("tp2", 1, 1, BlockPlan(), 0, 4, 2),
-    ("dp4 zero3", 4, 1, BlockPlan(zero=3), 3, 2, 1),
-    ("dp4 zero2+recompute", 4, 1, BlockPlan(zero=2, activations="recompute"), 2, 2, 1),
-    ("dp2 pp2 zero2", 2, 2, BlockPlan(zero=2), 2, 4, 1),
-    ("dp2 tp2 zero3", 2, 1, BlockPlan(zero=3), 3, 2, 2),
-    ("tp2 pp2", 1, 2, BlockPlan(), 0, 4, 2),
-    ("dp2 lora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, "lora"),
-    ("dp2 qlora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, "qlora"),
-    ("dp2 frozen zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1, "freeze"),
-    ("dp2 zero3 reduce/mb", 2, 1, BlockPlan(zero=3), 3, 4, 1, "", "microbatch"),
-    ("dp2 zero2+offload_opt reduce/mb", 2, 1, BlockPlan(zero=2, placement="host_step"), 2, 4, 1, "", "microbatch"),
-    ("dp2 pp2 zero3 reduce/mb", 2, 2, BlockPlan(zero=3), 3, 4, 1, "", "microbatch"),
-    ("dp2 zero3 8-bit states", 2, 1, BlockPlan(zero=3), 3, 2, 1, "", "step", OptimizerPlan(states="8bit")),
-    ("dp2 zero3 4-bit, bf16 weights", 2, 1, BlockPlan(zero=3), 3, 2, 1, "", "step",
+    ("dp2 zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1, 1),
+    ("dp2 zero2", 2, 1, BlockPlan(zero=2), 2, 2, 1, 1),
+    ("dp2 zero3", 2, 1, BlockPlan(zero=3), 3, 1, 1, 1),
+    ("dp2 zero3+offload_opt", 2, 1, BlockPlan(zero=3, placement="host_step"), 1, 2, 1, 1),
+    ("dp2 offload_params", 2, 1, BlockPlan(zero=3, placement="params_on_host"), 3, 2, 1, 1),
+    ("pp2 1f1b", 1, 2, BlockPlan(), 0, 4, 1, 1),
+    ("tp2", 1, 1, BlockPlan(), 0, 4, 2, 1),
+    ("dp4 zero3", 4, 1, BlockPlan(zero=3), 3, 2, 1, 1),
+    ("dp4 zero2+recompute", 4, 1, BlockPlan(zero=2, activations="recompute"), 2, 2, 1, 1),
+    ("dp2 pp2 zero2", 2, 2, BlockPlan(zero=2), 2, 4, 1, 1),
+    ("dp2 tp2 zero3", 2, 1, BlockPlan(zero=3), 3, 2, 2, 1),
+    ("tp2 pp2", 1, 2, BlockPlan(), 0, 4, 2, 1),
+    ("dp2 lora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, 1, "lora"),
+    ("dp2 qlora zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, 1, "qlora"),
+    ("dp2 frozen zero0", 2, 1, BlockPlan(zero=0), 0, 2, 1, 1, "freeze"),
+    ("dp2 zero3 reduce/mb", 2, 1, BlockPlan(zero=3), 3, 4, 1, 1, "", "microbatch"),
+    ("dp2 zero2+offload_opt reduce/mb", 2, 1, BlockPlan(zero=2, placement="host_step"), 2, 4, 1, 1, "", "microbatch"),
+    ("dp2 pp2 zero3 reduce/mb", 2, 2, BlockPlan(zero=3), 3, 4, 1, 1, "", "microbatch"),
+    ("dp2 zero3 8-bit states", 2, 1, BlockPlan(zero=3), 3, 2, 1, 1, "", "step", OptimizerPlan(states="8bit")),
+    ("dp2 zero3 4-bit, bf16 weights", 2, 1, BlockPlan(zero=3), 3, 2, 1, 1, "", "step",
      OptimizerPlan(master_weights="bf16", states="4bit")),
-    ("dp2 zero3 step in backward", 2, 1, BlockPlan(zero=3), 3, 1, 1, "", "step", OptimizerPlan(in_backward=True)),
-    ("dp2 zero3 states streamed", 2, 1, BlockPlan(zero=3, placement="streamed"), 3, 2, 1),
-    ("dp2 zero2 8-bit streamed in bwd/mb", 2, 1, BlockPlan(zero=2, placement="streamed"), 2, 4, 1, "", "microbatch",
+    ("dp2 zero3 step in backward", 2, 1, BlockPlan(zero=3), 3, 1, 1, 1, "", "step", OptimizerPlan(in_backward=True)),
+    ("dp2 zero3 states streamed", 2, 1, BlockPlan(zero=3, placement="streamed"), 3, 2, 1, 1),
+    ("dp2 zero2 8-bit streamed in bwd/mb", 2, 1, BlockPlan(zero=2, placement="streamed"), 2, 4, 1, 1, "", "microbatch",
      OptimizerPlan(master_weights="bf16", states="8bit", in_backward=True)),
-    ("pp2 step in backward/mb", 1, 2, BlockPlan(), 0, 4, 1, "", "microbatch", OptimizerPlan(in_backward=True)),
+    ("pp2 step in backward/mb", 1, 2, BlockPlan(), 0, 4, 1, 1, "", "microbatch", OptimizerPlan(in_backward=True)),
+    # sequences split over cp ranks (Ulysses all-to-alls around attention); MLPs run over the sequence in tiles
+    ("cp2 zero3", 1, 1, BlockPlan(zero=3), 3, 2, 1, 2),
+    ("dp2 cp2 zero3+recompute", 2, 1, BlockPlan(zero=3, activations="recompute"), 3, 2, 1, 2),
+    ("tp2 cp2", 1, 1, BlockPlan(), 0, 2, 2, 2),
+    ("cp2 lora zero3 mlp tiles 4", 1, 1, BlockPlan(zero=3, mlp_tiles=4), 3, 2, 1, 2, "lora"),
+    ("dp2 zero3 mlp tiles 4", 2, 1, BlockPlan(zero=3, mlp_tiles=4), 3, 2, 1, 1),
+    ("dp2 recompute mlp tiles 4", 2, 1, BlockPlan(zero=2, activations="recompute", mlp_tiles=4), 2, 2, 1, 1),
 ]
 LORA_RANK, FROZEN = 4, "embed,blocks:0-1"
 
@@ -115,9 +122,9 @@ def tuned(cfg: ModelConfig, tune: str) -> Decoder:
 MULTI_MBS = 2
 
 
-def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int, tp: int,
+def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int, tp: int, cp: int,
                grad_reduce: str, optimizer: OptimizerPlan) -> Plan:
-    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, block=block,
+    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, cp=cp, block=block,
                         root=BlockPlan(zero=root_zero, placement="streamed" if block.placement.streams_states
                                        else Placement.DEVICE),
                         micro_batch_size=MULTI_MBS, num_microbatches=m, seq_len=seq, grad_reduce=grad_reduce,
@@ -165,11 +172,11 @@ def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int
 
     rows = []
     defaults = ("", "step", OptimizerPlan())  # fine-tuning, gradient reduction, optimizer
-    specs = [(name, dp, pp, b, rz, m, tp, *rest, *defaults[len(rest):]) for name, dp, pp, b, rz, m, tp, *rest in MULTI
-             if any(part in name for part in args.only.split(","))]
-    for world in sorted({dp * pp * tp for _, dp, pp, _, _, _, tp, _, _, _ in specs}):
-        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, reduce, opt), tune)
-                 for name, dp, pp, b, rz, m, tp, tune, reduce, opt in specs if dp * pp * tp == world}
+    specs = [(name, dp, pp, b, rz, m, tp, cp, *rest, *defaults[len(rest):])
+             for name, dp, pp, b, rz, m, tp, cp, *rest in MULTI if any(part in name for part in args.only.split(","))]
+    for world in sorted({dp * pp * tp * cp for _, dp, pp, _, _, _, tp, cp, _, _, _ in specs}):
+        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, cp, reduce, opt), tune)
+                 for name, dp, pp, b, rz, m, tp, cp, tune, reduce, opt in specs if dp * pp * tp * cp == world}
         per_rank = run_ranks(run_multi, world, cfg, plans, args.steps)
         for name, (plan, tune) in plans.items():
             if any(name not in r for r in per_rank):
