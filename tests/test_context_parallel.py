@@ -3,7 +3,7 @@
 Each rank of a cp group holds a contiguous chunk of every sequence; attention trades it for heads with all-to-alls.
 Every plan must give the loss and the gradients (reduced over dp x cp) of one forward over the whole global batch,
 with grouped-query attention whose key/value heads are fewer than cp, learned positions (GPT-2), data and tensor
-parallelism beside cp, and recomputation. The batch masks prompts and padding, so cp ranks hold different numbers
+parallelism beside cp, pipeline stages each split over cp, a Hugging Face Llama, and recomputation. The batch masks prompts and padding, so cp ranks hold different numbers
 of targets and the loss's divisors must count them all.
 """
 
@@ -36,6 +36,8 @@ PLANS = {
     4: {"cp4-gqa": (LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
         "dp2xcp2-recompute": (LLAMA, dict(dp=2, cp=2, micro_batch_size=1, num_microbatches=2,
                                             block=BlockPlan(zero=3, activations="recompute"))),
+        "pp2xcp2": (LLAMA, dict(pp=2, cp=2, schedule="1f1b", micro_batch_size=2, num_microbatches=2,
+                                block=BlockPlan(zero=3))),
         "hf-cp4-gqa": (HF_LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
         "tp2xcp2": (LLAMA, dict(tp=2, cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
 }
@@ -133,7 +135,7 @@ LONG = ["--model", "llama-3.1-8b", "--cluster", "8xH100-80GB", "--seq", "131072"
 
 @pytest.mark.parametrize("extra, says", [
     (["--seq", "131071", "--cp", "2"], "cp 2 does not divide the sequence length (131071)"),
-    (["--cp", "2", "--pp", "2"], "does not combine with pipelines"),
+    (["--cp", "2", "--compile"], "does not run compiled blocks"),
 ])
 def test_a_cp_that_cannot_run_is_one_line_before_any_rank(capsys, extra, says):
     from snugfit.cli import main

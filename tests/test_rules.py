@@ -26,7 +26,6 @@ def _plan(**kw) -> Plan:
 BREAKS = [
     _plan(ep=2),  # within dp x cp: the world size stays 1
     _plan(cp=3),
-    _plan(cp=2, pp=2, schedule="1f1b", num_microbatches=2),
     _plan(cp=2, compile=True),
     _plan(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=3),
     _plan(pp=2, schedule="1f1b", num_microbatches=2, evict_bound=1),

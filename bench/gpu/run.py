@@ -110,6 +110,8 @@ def techniques(on_gpu: bool) -> list[Technique]:
         # the fp32 shard accumulates (on one GPU the whole gradient, reduced per microbatch) instead of the
         # unsharded gradient in the reduce dtype
         Technique("ZeRO-3, reduced every microbatch", BlockPlan(zero=3), BlockPlan(zero=3), grad_reduce="microbatch"),
+        # long context on one GPU (cp 1): each block's MLP over the sequence in 4 tiles (model.tiled_mlp)
+        Technique("tiled MLP, 4 tiles", BlockPlan(mlp_tiles=4), BlockPlan()),
         Technique("LoRA", BlockPlan(), BlockPlan(), tune="lora"),
         Technique("NF4 base (QLoRA)", BlockPlan(), BlockPlan(), tune="qlora"),
         Technique("fp16 + loss scaling", BlockPlan(), BlockPlan(), dtype="float16"),

@@ -334,17 +334,23 @@ class Decoder(nn.Module):
         if self.cfg.arch == "llama" and self.rope is not None and not self.rope.is_meta:
             self.rope.copy_(rope_table(self.cfg, self.rope.device))
 
+    def placed(self, length: int) -> tuple[int, torch.Tensor | nn.Module | None]:
+        """Where this rank's `length` tokens of each sequence start (context parallelism: cp_rank x length), and
+        the rotary input the blocks take for them: the table's rows from there, or a Hugging Face rotary module
+        as it is (HFBlock places its positions itself). Pipeline stages ask it too (runtime.pipeline)."""
+        start = self.cp_rank * length
+        if isinstance(self.rope, torch.Tensor) and start:
+            return start, self.rope[start:start + length]
+        return start, self.rope
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens -> logits, or the mean cross-entropy loss when targets are given.
 
         A pipeline stage without the embedding takes hidden states as `tokens`;
         one without the head returns hidden states.
         """
-        start = self.cp_rank * tokens.shape[1]
+        start, rope = self.placed(tokens.shape[1])
         h = self.embed(tokens, start) if self.embed is not None else tokens
-        rope = self.rope  # a table, or a Hugging Face rotary module (HFBlock places its positions itself)
-        if isinstance(rope, torch.Tensor) and start:
-            rope = rope[start:start + tokens.shape[1]]
         for block in self.blocks.values():
             h = block(h, rope)
         if self.head is None:

@@ -248,7 +248,7 @@ class HFCausalLM(nn.Module):
         self.tokens_hf_name = self.hf_names["embed.tokens.weight"]
 
     # the built-in decoder's walk over the same pieces (embed, blocks, norm, head; pruned ones skipped)
-    forward = Decoder.forward
+    forward, placed = Decoder.forward, Decoder.placed
 
     @torch.no_grad()
     def reset_derived_buffers(self) -> None:

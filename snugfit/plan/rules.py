@@ -102,9 +102,6 @@ def _cp_undivided(p: Parts) -> list[str]:
 CP_RULES: tuple[Rule, ...] = (
     Rule(("cp", "seq_len"), lambda p: p.cp > 1 and p.seq_len % p.cp,
          lambda p: f"cp {p.cp} does not divide the sequence length ({p.seq_len}); choose a cp that divides it"),
-    Rule(("cp", "pp"), lambda p: p.cp > 1 and p.pp > 1,
-         lambda p: f"context parallelism (cp {p.cp}) does not combine with pipelines (pp {p.pp}) yet; use cp 1 or "
-                   "pp 1"),
     Rule(("cp", "compile"), lambda p: p.cp > 1 and p.compile,
          lambda p: f"context parallelism (cp {p.cp}) does not run compiled blocks yet; drop --compile or use cp 1"),
 )

@@ -69,6 +69,15 @@ class StageModule(nn.Module):
         self.microbatch = 0  # forwards since the step began; the schedules run them in order
         self.untracked = 0  # forwards still to come that are no microbatch (shape inference)
 
+    @property
+    def cp_rank(self) -> int:
+        """The model's (its `placed` reads it): runtime.context_parallel.apply_cp sets it on the stage."""
+        return self.model.cp_rank
+
+    @cp_rank.setter
+    def cp_rank(self, rank: int) -> None:
+        self.model.cp_rank = rank
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()
         tracked = grad and not self.untracked
@@ -77,11 +86,12 @@ class StageModule(nn.Module):
         elif grad:
             self.untracked -= 1
         with self.acts.microbatch(key) if tracked else unrecorded(self):
-            h = self.embed(x) if self.embed is not None else x
+            start, rope = self.model.placed(x.shape[1])  # this cp rank's part of each sequence
+            h = self.embed(x, start) if self.embed is not None else x
             if self.embed is None and self.tp_mesh is not None:
                 h = DTensor.from_local(h, self.tp_mesh, [Shard(1)])
             for block in self.blocks.values():
-                h = block(h, self.model.rope)
+                h = block(h, rope)
             if self.head is not None:
                 return self.head(self.norm(h))
             return h.to_local() if isinstance(h, DTensor) else h
@@ -119,8 +129,9 @@ class PipelineRunner:
         self.acts = StageActivations([model])
         for s in stages:
             s.acts = self.acts
-        self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len // plan.tp, model.cfg.dim, device=env.device,
-                                  dtype=DTYPES[plan.compute_dtype])  # what stages send each other
+        # what stages send each other: this tp and cp rank's part of the sequence
+        self.hidden = torch.empty(plan.micro_batch_size, plan.seq_len // (plan.tp * plan.cp), model.cfg.dim,
+                                  device=env.device, dtype=DTYPES[plan.compute_dtype])
         self.comms = StageComms(self.pp_group, self.pp_rank, plan.pp, env.timeout_s)
         self.n_stages = len(plan.stage_ranges())
         self.is_last = stages[-1].index == self.n_stages - 1
