@@ -36,3 +36,10 @@ def routing_lines(layers: list[LayerRouting], expert_gemm_s: float | None) -> li
         lines.append(f"imbalance cost ~{imbalance_cost_s(layers, expert_gemm_s) * 1e3:.1f} ms/step "
                      "(estimated: (max/mean - 1) x the plan's expert GEMM time, per layer)")
     return lines
+
+
+def routing_table(steps: list[list[list[int]]]) -> list[str]:
+    """diagnose's routing lines from the recorded steps' counts (metrics.jsonl's `tokens_per_expert`); none without."""
+    if not steps:
+        return []
+    return ["routing over the recorded steps:", *routing_lines(summarise(steps), None)]
