@@ -3,12 +3,11 @@
 import torch
 
 from snugfit.cli import main
+from snugfit.model.moe import MoEMLP, begin_step, step_token_counts
+from snugfit.report.routing import imbalance_cost_s, summarise
 from snugfit.train.loop import train
 from snugfit.train.metrics import read_metrics
 from tests.test_train import tiny
-
-from snugfit.model.moe import MoEMLP, begin_step, step_token_counts
-from snugfit.report.routing import imbalance_cost_s, summarise
 
 
 def test_recorded_counts_equal_hand_count_over_microbatches():
