@@ -226,6 +226,20 @@ def trainable_summary(model: nn.Module) -> dict[str, dict[str, int]]:
     return out
 
 
+KINDS = (("router", (".router.", ".mlp.gate.")), ("experts", (".experts.",)),
+         ("attention", (".attn.", ".self_attn.", ".attention.")), ("MLP", (".mlp.", ".ffn.", ".feed_forward.")))
+
+
+def trainable_by_kind(model: nn.Module) -> dict[str, int]:
+    """Trainable parameters per kind (router, experts, attention, MLP, other): shows a target that misses the experts."""
+    out = {kind: 0 for kind, _ in KINDS} | {"other": 0}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            dotted = f".{name}."
+            out[next((kind for kind, keys in KINDS if any(k in dotted for k in keys)), "other")] += p.numel()
+    return out
+
+
 def plain_named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers under their names without adapters (a LoRA base's weight as the layer's own)."""
     wrappers = _wrappers(model)

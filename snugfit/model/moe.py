@@ -99,6 +99,7 @@ class MoEMLP(nn.Module):
         self._aux_weight, self._grad_scale = 1.0, 1.0  # set per step by the engine (`begin_step`)
         self._aux_sum: torch.Tensor | None = None  # this step's aux loss so far (weighted), detached
         self._recorded = True  # False in forwards that are no microbatch (`unrecorded`)
+        self._token_counts: torch.Tensor | None = None  # this step's (token, slot) pairs per expert, detached
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, d) -> (router probabilities T x E in fp32, chosen experts T x k, their renormalised weights)."""
@@ -122,6 +123,9 @@ class MoEMLP(nn.Module):
         probs, chosen, weights = self.route(x)
         flat = chosen.flatten()
         counts = flat.new_zeros(self.n_experts).index_add_(0, flat, torch.ones_like(flat))
+        if torch.is_grad_enabled() and self._recorded:  # a microbatch's training forward: the routing report's counts
+            seen = counts.detach()
+            self._token_counts = seen if self._token_counts is None else self._token_counts + seen
         order = flat.argsort(stable=True)
         # the dispatch buffer: each token's k copies, sorted by expert (tokens x top_k x dim)
         y = self.experts(x[order // self.top_k], counts.cumsum(0).to(torch.int32))
@@ -142,7 +146,12 @@ def begin_step(model: nn.Module, weight: float, grad_scale: float) -> None:
     """Before a step's microbatches: each one's aux loss weighs `weight` (1 / microbatches: the LM loss's divisor on
     token streams; every microbatch routes as many tokens), its gradient times `grad_scale` (float16's loss scale)."""
     for m in moe_layers(model):
-        m._aux_weight, m._grad_scale, m._aux_sum = weight, grad_scale, None
+        m._aux_weight, m._grad_scale, m._aux_sum, m._token_counts = weight, grad_scale, None, None
+
+
+def step_token_counts(model: nn.Module) -> list[list[int]]:
+    """Tokens (token, slot pairs) per expert this step, one list per MoE layer, summed over microbatches."""
+    return [m._token_counts.tolist() for m in moe_layers(model) if m._token_counts is not None]
 
 
 def step_aux_loss(model: nn.Module) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from snugfit.errors import SnugfitError
 from snugfit.plan.corrections import TERMS, attribute
 from snugfit.plan.plan import Plan
 from snugfit.report.measured import PHASE_TERMS, PHASE_WORDS, measured_step, stragglers
+from snugfit.report.routing import routing_table
 from snugfit.report.trace import StepTrace
 
 STRAGGLER_SHARE = 0.25  # own time in a phase this share of a step (and STRAGGLER_MIN_S) above its peers' median
@@ -235,6 +236,7 @@ def diagnose(run_dir: Path, picture: Path | None = None) -> Diagnosis:
         diag.table += table
         findings += term_findings(run.predicted()[0], measured, step)
     findings += straggler_findings(run) + memory_findings(run) + checkpoint_findings(run) + replan_findings(run)
+    diag.table += routing_table([r["tokens_per_expert"] for r in run.kind("train") if "tokens_per_expert" in r])
     diag.findings = sorted(findings, key=lambda f: not f.alarm)
     if picture is not None:
         from snugfit.report.diagnose_picture import draw

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from snugfit.plan import Plan
 from snugfit.plan.optimizer import describe
 from snugfit.report.trace import StepTrace
-from snugfit.model.moe import begin_step, moe_layers, step_aux_loss
+from snugfit.model.moe import begin_step, moe_layers, step_aux_loss, step_token_counts
 from snugfit.runtime.grad_norm import global_grad_norm
 from snugfit.runtime.loss_scale import LossScale
 from snugfit.runtime.memory import MemoryTracker
@@ -48,6 +48,7 @@ class StepResult:
     skipped: bool  # non-finite loss or gradient: no update was made
     overflow: bool = False  # of which: fp16 gradients overflowed the loss scale (expected now and then)
     aux_loss: float | None = None  # Mixture-of-Experts routers' load-balancing loss (model.moe), apart from `loss`
+    tokens_per_expert: list[list[int]] | None = None  # per MoE layer of this stage, summed over data parallel
 
 
 class Engine:
@@ -180,7 +181,17 @@ class Engine:
         self.model.zero_grad(set_to_none=True)
         self.sample()  # the next forward starts from here
         return StepResult(loss=loss.item(), grad_norm=grad_norm, skipped=skipped, overflow=overflow,
-                          aux_loss=self._aux_loss())
+                          aux_loss=self._aux_loss(), tokens_per_expert=self._tokens_per_expert())
+
+    def _tokens_per_expert(self) -> list[list[int]] | None:
+        """The routing report's counts: this rank's MoE layers (its pipeline stage's), summed over data parallel."""
+        counts = step_token_counts(self.model) if self.moe else []
+        if not counts:
+            return None
+        total = torch.tensor(counts, device=self.device)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        return total.tolist()
 
     def _aux_loss(self) -> float | None:
         """The step's router aux loss: this rank's layers' sum, summed over the pipeline's stages and averaged over

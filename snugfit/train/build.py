@@ -21,7 +21,7 @@ from snugfit.model import Decoder
 from snugfit.model.decoder import init_name, initial_value, tensor_generator
 from snugfit.model.hf import FolderWeights, fingerprint, load_hf
 from snugfit.model.lora import (apply_lora, freeze, init_adapters, parse_targets, plain_name, plain_named_tensors,
-                                trainable_summary)
+                                trainable_by_kind, trainable_summary)
 from snugfit.model.shards import local_shard
 from snugfit.model.quantize import quantize_base
 from snugfit.plan import Plan
@@ -123,6 +123,7 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     counts = trainable_summary(model)["total"]
     log.info("model %s parameters, %s trainable", count_text(counts["trainable"] + counts["frozen"]),
              count_text(counts["trainable"]))
+    log.info("trainable by kind: %s", ", ".join(f"{kind} {n:,}" for kind, n in trainable_by_kind(model).items()))
     if meta and not on_meta:
         model.to_empty(device="cpu")
         weights.fill(model, torch.device("cpu"))

@@ -48,6 +48,7 @@ class StepLog(Handler):
             "step_time_s": step_time,
             "tokens_per_s": run.plan.tokens_per_step / step_time, **measured_memory(run.engine, step_time),
             **({"aux_loss": r.aux_loss} if r.aux_loss is not None else {}),
+            **({"tokens_per_expert": r.tokens_per_expert} if r.tokens_per_expert is not None else {}),
         }
         record.update(predicted_fields(run.plan))
         run.metrics.write(record)
