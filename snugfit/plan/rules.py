@@ -120,10 +120,21 @@ CP_MODEL_RULES: tuple[Rule, ...] = (
                    "load-balancing loss would count each rank's tokens apart); plan with cp 1"),
 )
 
-
-RULES: tuple[Rule, ...] = (
+# Expert parallelism (issue 44 item 2): what the model must have for it, named before the runtime's absence, so a
+# user learns every fix at once
+EP_RULES: tuple[Rule, ...] = (
+    Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts == 0,
+         lambda p: f"expert parallelism (ep {p.ep}) splits Mixture-of-Experts blocks, and this model is dense; "
+                   "use ep 1"),
+    Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts % p.ep,
+         lambda p: f"ep {p.ep} does not divide the model's {p.model.n_experts} experts; choose an ep that divides "
+                   "them"),
     Rule(("ep",), lambda p: p.ep > 1,
          lambda p: f"expert parallelism (ep {p.ep}) is not built yet; use ep 1"),
+)
+
+
+RULES: tuple[Rule, ...] = (
     *CP_RULES,
     Rule(("schedule", "pp", "virtual_stages", "num_microbatches"),
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches) is not None,
@@ -188,6 +199,7 @@ RULES: tuple[Rule, ...] = (
                    f"blocks, not {p.model.unsplittable_block}; plan with tp 1"),
     TILE_MODEL_RULE,
     *CP_MODEL_RULES,
+    *EP_RULES,
     Rule(("seq_len", "model"), lambda p: p.model.max_seq_len is not None and p.seq_len > p.model.max_seq_len,
          lambda p: f"plan.seq_len ({p.seq_len}) exceeds the model's max_seq_len ({p.model.max_seq_len}); re-plan"),
 )
