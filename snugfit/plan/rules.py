@@ -135,6 +135,9 @@ EP_RULES: tuple[Rule, ...] = (
 
 
 RULES: tuple[Rule, ...] = (
+    Rule(("ep", "dp", "cp"), lambda p: p.ep > 1 and (p.dp * p.cp) % p.ep,
+         lambda p: f"ep {p.ep} does not divide the dp x cp ranks ({p.dp} x {p.cp}); expert groups sit within them, "
+                   "so choose an ep that divides dp x cp"),
     *CP_RULES,
     Rule(("schedule", "pp", "virtual_stages", "num_microbatches"),
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches) is not None,
