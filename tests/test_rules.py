@@ -24,7 +24,7 @@ def _plan(**kw) -> Plan:
 
 # one plan per rule of rules.RULES, in its order, breaking that rule first
 BREAKS = [
-    _plan(ep=2),  # within dp x cp: the world size stays 1
+    _plan(ep=2),  # expert groups sit within dp x cp (1 x 1 here)
     _plan(cp=3),
     _plan(cp=2, compile=True),
     _plan(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=3),
@@ -57,6 +57,9 @@ MODEL_BREAKS = [
     (_plan(cp=8), FACTS),
     (_plan(cp=2), replace(FACTS, attention="LlamaDecoderLayer", sequence_splits=False)),
     (_plan(cp=2), replace(FACTS, n_experts=4, top_k=2)),
+    (_plan(ep=2, dp=2), FACTS),
+    (_plan(ep=3, dp=3), replace(FACTS, n_experts=4, top_k=2)),
+    (_plan(ep=2, dp=2), replace(FACTS, n_experts=4, top_k=2)),
     (_plan(), replace(FACTS, max_seq_len=SEQ // 2)),
 ]
 

@@ -6,6 +6,7 @@ from dataclasses import fields, replace
 import pytest
 
 from snugfit.plan import BlockPlan, Placement, Plan
+from snugfit.plan.facts import ModelFacts
 from snugfit.plan.options import Constraints, block_options
 from snugfit.plan.rules import Parts, parts_of
 from snugfit.plan.shape import RankLayout, Shape
@@ -52,8 +53,8 @@ def test_the_rules_parts_are_shapes_fields_all_optional_and_read_off_any_holder(
 
 
 def test_expert_parallelism_is_refused_until_built_and_context_parallelism_runs():
-    plan = Plan(shape=Shape(ep=2), stage_blocks=[1], blocks=[BlockPlan()])
-    assert "is not built yet; use ep 1" in plan.rule_broken()
+    plan = Plan(shape=Shape(ep=2, dp=2), stage_blocks=[1], blocks=[BlockPlan()])
+    assert "is not built yet; use ep 1" in plan.rule_broken(ModelFacts(n_experts=4, top_k=2))
     assert Plan(shape=Shape(cp=2), stage_blocks=[1], blocks=[BlockPlan()]).rule_broken() is None
 
 

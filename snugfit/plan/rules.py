@@ -117,10 +117,24 @@ CP_MODEL_RULES: tuple[Rule, ...] = (
                    "load-balancing loss would count each rank's tokens apart); plan with cp 1"),
 )
 
+# Expert parallelism (issue 44 item 2): what the model must have for it, named before the runtime's absence (all
+# read beside the model's facts, as training and planning read them), so a user learns every fix at once
+EP_RULES: tuple[Rule, ...] = (
+    Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts == 0,
+         lambda p: f"expert parallelism (ep {p.ep}) splits Mixture-of-Experts blocks, and this model is dense; "
+                   "use ep 1"),
+    Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts % p.ep,
+         lambda p: f"ep {p.ep} does not divide the model's {p.model.n_experts} experts; choose an ep that divides "
+                   "them"),
+    Rule(("ep", "model"), lambda p: p.ep > 1,
+         lambda p: f"expert parallelism (ep {p.ep}) is not built yet; use ep 1"),
+)
+
 
 RULES: tuple[Rule, ...] = (
-    Rule(("ep",), lambda p: p.ep > 1,
-         lambda p: f"expert parallelism (ep {p.ep}) is not built yet; use ep 1"),
+    Rule(("ep", "dp", "cp"), lambda p: p.ep > 1 and (p.dp * p.cp) % p.ep,
+         lambda p: f"ep {p.ep} does not divide the dp x cp ranks ({p.dp} x {p.cp}); expert groups sit within them, "
+                   "so choose an ep that divides dp x cp"),
     *CP_RULES,
     Rule(("schedule", "pp", "virtual_stages", "num_microbatches"),
          lambda p: SCHEDULES[p.schedule].problem(p.pp, p.virtual_stages, p.num_microbatches) is not None,
@@ -185,6 +199,7 @@ RULES: tuple[Rule, ...] = (
                    f"blocks, not {p.model.unsplittable_block}; plan with tp 1"),
     TILE_MODEL_RULE,
     *CP_MODEL_RULES,
+    *EP_RULES,
     Rule(("seq_len", "model"), lambda p: p.model.max_seq_len is not None and p.seq_len > p.model.max_seq_len,
          lambda p: f"plan.seq_len ({p.seq_len}) exceeds the model's max_seq_len ({p.model.max_seq_len}); re-plan"),
 )
