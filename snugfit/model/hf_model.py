@@ -185,7 +185,8 @@ class HFBlock(nn.Module):
         extra = {}
         if rope is not None:
             extra["position_embeddings"] = rope(h, pos, self.layer_type) if self.typed_rope else rope(h, pos)
-        out = self.layer(h, attention_mask=self.mask(h, self.cp * h.shape[1]), position_ids=pos, use_cache=False, **extra)
+        mask = self.mask(h, self.cp * h.shape[1])  # over the whole sequence: under cp, attention sees all of it
+        out = self.layer(h, attention_mask=mask, position_ids=pos, use_cache=False, **extra)
         return out[0] if isinstance(out, tuple) else out
 
 

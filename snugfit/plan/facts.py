@@ -56,7 +56,8 @@ class ModelFacts:
         builtin = "n_heads" in c
         return cls(n_experts=experts, top_k=top_k,
                    unsplittable_block="Mixture-of-Experts blocks" if experts else None,
-                   attention="built-in" if builtin else c.get("model_type"), sequence_splits=builtin or not c.get("attn_logit_softcapping"),
+                   attention="built-in" if builtin else c.get("model_type"),
+                   sequence_splits=builtin or not c.get("attn_logit_softcapping"),  # runtime.context_parallel's
                    heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),

@@ -23,23 +23,20 @@ def summarise(steps: list[list[list[int]]]) -> list[LayerRouting]:
 
 
 def imbalance_cost_s(layers: list[LayerRouting], expert_gemm_s: float) -> float:
-    """Seconds per step the imbalance costs: each layer's share of the balanced expert GEMM time times (max/mean - 1)."""
+    """Seconds per step the imbalance costs: each layer's share of the balanced expert GEMM time times
+    (max/mean - 1)."""
     if not layers:
         return 0.0
     return sum((layer.max_over_mean - 1.0) * expert_gemm_s / len(layers) for layer in layers)
 
 
-def routing_lines(layers: list[LayerRouting], expert_gemm_s: float | None) -> list[str]:
-    lines = [f"layer {i}: tokens per expert {layer.tokens_per_expert}, max/mean {layer.max_over_mean:.2f}"
-             for i, layer in enumerate(layers)]
-    if expert_gemm_s is not None:
-        lines.append(f"imbalance cost ~{imbalance_cost_s(layers, expert_gemm_s) * 1e3:.1f} ms/step "
-                     "(estimated: (max/mean - 1) x the plan's expert GEMM time, per layer)")
-    return lines
+def routing_lines(layers: list[LayerRouting]) -> list[str]:
+    return [f"layer {i}: tokens per expert {layer.tokens_per_expert}, max/mean {layer.max_over_mean:.2f}"
+            for i, layer in enumerate(layers)]
 
 
 def routing_table(steps: list[list[list[int]]]) -> list[str]:
     """diagnose's routing lines from the recorded steps' counts (metrics.jsonl's `tokens_per_expert`); none without."""
     if not steps:
         return []
-    return ["routing over the recorded steps:", *routing_lines(summarise(steps), None)]
+    return ["routing over the recorded steps:", *routing_lines(summarise(steps))]
