@@ -108,11 +108,12 @@ def batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, DIST.vocab_size, (8, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def reference(plan: Plan, steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference(plan: Plan, steps: int, opt_cfg: OptimConfig = OPT
+              ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process over every rank's microbatches: losses, aux losses, the first step's gradients."""
     model = Decoder(DIST)
     model.init_weights(SEED)
-    opt = make_optimizer(list(model.parameters()), OPT, plan.optimizer)
+    opt = make_optimizer(list(model.parameters()), opt_cfg, plan.optimizer)
     losses, auxes, first = [], [], None
     for batch in batches(steps):
         micro = [mb for rows in batch.chunk(plan.dp) for mb in split_batch(rows, plan)]
@@ -125,7 +126,7 @@ def reference(plan: Plan, steps: int) -> tuple[list[float], list[float], dict[st
         losses.append(total)
         auxes.append(step_aux_loss(model).item())
         first = first or {n: p.grad.clone() for n, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
         opt.step()
         opt.zero_grad()
     return losses, auxes, first

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 
 @torch.library.custom_op("snugfit::grouped_mm", mutates_args=())
@@ -52,9 +53,17 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, width))
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """x: tokens sorted by expert, expert e's ending at offs[e]."""
-        gate, up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
+        """x: tokens sorted by expert, expert e's ending at offs[e] (the experts this rank holds: all of them, or
+        its slice under expert parallelism, whose weights are DTensors over the ep ranks)."""
+        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+        gate, up = grouped_mm(x, gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs)
+
+
+def local_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """MoEMLP's default dispatch, every expert on this rank: (experts, x sorted by expert, the count of each
+    expert's rows) -> the experts' outputs in x's order. runtime.expert_parallel.ExpertParallel is the other one."""
+    return experts(x, counts.cumsum(0).to(torch.int32))
 
 
 class _AddAuxGrad(torch.autograd.Function):
@@ -95,6 +104,7 @@ class MoEMLP(nn.Module):
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, width)
         self.shared = shared
+        self.dispatch = local_experts  # how the sorted copies reach their experts (runtime.expert_parallel)
         self.balanced = False
         self._aux_weight, self._grad_scale = 1.0, 1.0  # set per step by the engine (`begin_step`)
         self._aux_sum: torch.Tensor | None = None  # this step's aux loss so far (weighted), detached
@@ -128,7 +138,7 @@ class MoEMLP(nn.Module):
             self._token_counts = seen if self._token_counts is None else self._token_counts + seen
         order = flat.argsort(stable=True)
         # the dispatch buffer: each token's k copies, sorted by expert (tokens x top_k x dim)
-        y = self.experts(x[order // self.top_k], counts.cumsum(0).to(torch.int32))
+        y = self.dispatch(self.experts, x[order // self.top_k], counts)
         y = y[order.argsort()].view(x.shape[0], self.top_k, -1)  # back in token order, then weighted and summed
         out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
         if self.shared is not None:

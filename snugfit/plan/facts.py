@@ -45,6 +45,8 @@ class ModelFacts:
     # context parallelism can split their sequences (runtime.context_parallel's all-to-alls around attention)
     attention: str | None = None
     sequence_splits: bool = True
+    # whether expert parallelism can split its experts (runtime.expert_parallel dispatches the built-in decoder's)
+    expert_splits: bool = True
 
     @classmethod
     def of_profile(cls, prof: ModelProfile) -> "ModelFacts":
@@ -58,6 +60,7 @@ class ModelFacts:
                    unsplittable_block="Mixture-of-Experts blocks" if experts else None,
                    attention="built-in" if builtin else c.get("model_type"),
                    sequence_splits=builtin or not c.get("attn_logit_softcapping"),  # runtime.context_parallel's
+                   expert_splits=builtin or not experts,
                    heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),

@@ -117,8 +117,8 @@ CP_MODEL_RULES: tuple[Rule, ...] = (
                    "load-balancing loss would count each rank's tokens apart); plan with cp 1"),
 )
 
-# Expert parallelism (issue 44 item 2): what the model must have for it, named before the runtime's absence (all
-# read beside the model's facts, as training and planning read them), so a user learns every fix at once
+# Expert parallelism (issue 44 item 2): what the model must have for it (all read beside the model's facts, as
+# training and planning read them), so a user learns every fix at once
 EP_RULES: tuple[Rule, ...] = (
     Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts == 0,
          lambda p: f"expert parallelism (ep {p.ep}) splits Mixture-of-Experts blocks, and this model is dense; "
@@ -126,8 +126,9 @@ EP_RULES: tuple[Rule, ...] = (
     Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts % p.ep,
          lambda p: f"ep {p.ep} does not divide the model's {p.model.n_experts} experts; choose an ep that divides "
                    "them"),
-    Rule(("ep", "model"), lambda p: p.ep > 1,
-         lambda p: f"expert parallelism (ep {p.ep}) is not built yet; use ep 1"),
+    Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts and not p.model.expert_splits,
+         lambda p: f"expert parallelism (ep {p.ep}) splits the built-in decoder's experts, not "
+                   f"{p.model.attention or 'this model'}'s Hugging Face ones yet; use ep 1"),
 )
 
 

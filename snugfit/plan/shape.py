@@ -21,13 +21,14 @@ class RankLayout:
     rank's tensor-parallel peers are its neighbours (one node: NVLink), then its context-parallel peers (the
     all-to-alls around attention), then its data-parallel peers, then the pipeline stages:
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. FSDP2 shards over dp x cp (the ranks of one
-    pipeline rank and tensor-parallel rank); expert-parallel groups (ep ranks) sit within those dp x cp ranks.
-    The one place these formulas are written."""
+    pipeline rank and tensor-parallel rank); expert-parallel groups sit within those dp x cp ranks, each ep
+    consecutive ones of them (in shard_group's order). The one place these formulas are written."""
 
     pp: int = 1
     dp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_rank, dp_rank, tp_rank) of a global rank (its cp_rank: `cp_rank`)."""
@@ -55,6 +56,19 @@ class RankLayout:
         pp_rank, _, tp_rank = self.coords(rank)
         return [self.rank(pp_rank, d, tp_rank, c) for d in range(self.dp) for c in range(self.cp)]
 
+    def ep_group(self, rank: int) -> list[int]:
+        """The expert-parallel peers of `rank` (itself among them), in ep order: its MoE layers' experts are split
+        over them, rank i of them holding the i-th E/ep."""
+        shard = self.shard_group(rank)
+        first = shard.index(rank) // self.ep * self.ep
+        return shard[first:first + self.ep]
+
+    def expert_shard_group(self, rank: int) -> list[int]:
+        """The ranks holding the same experts as `rank` (itself among them): its dp x cp peers at its place in
+        their ep groups; FSDP2 shards and reduces the experts over them."""
+        shard = self.shard_group(rank)
+        return shard[shard.index(rank) % self.ep::self.ep]
+
     def cp_group(self, rank: int) -> list[int]:
         """The context-parallel peers of `rank` (itself among them), in cp order: the all-to-alls' group."""
         pp_rank, dp_rank, tp_rank = self.coords(rank)
@@ -80,7 +94,7 @@ class Shape:
     Not in it: the sequence length and the dtypes. They are the workload's and the numerics' (the profile is
     taken at one sequence length and dtype, and every candidate of a search shares them), not a way of laying a
     step out over ranks; so is the optimizer setup (plan.OptimizerPlan), the user's choice, never searched.
-    cp and ep are here so that what lands on them has its place; only 1 runs yet (plan.rules)."""
+    """
 
     dp: int = 1
     tp: int = 1  # tensor-parallel degree: each block's linears split over tp ranks of one node
@@ -108,7 +122,7 @@ class Shape:
 
     @property
     def layout(self) -> RankLayout:
-        return RankLayout(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp)
+        return RankLayout(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep)
 
     def check(self, where: str = "plan") -> None:
         """Refuse values no layout has (what may not go together is plan.rules')."""

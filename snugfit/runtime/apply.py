@@ -1,7 +1,8 @@
 """parallelize: turn one part of a plain model (the whole model, or one pipeline stage) into what the Plan says.
 
 Reads like torchtitan's parallelize functions: one `apply_*` per technique, each taking only its part of the
-Plan, in the order they compose: context parallelism (`apply_cp`), tensor parallelism (`apply_tp`), tiled MLPs
+Plan, in the order they compose: context parallelism (`apply_cp`), tensor parallelism (`apply_tp`), expert
+parallelism (`shard_experts`), tiled MLPs
 (`apply_mlp_tiles`), activation policies, FSDP2 (`apply_fsdp`).
 Around them, once per rank and its whole (pruned) model: `place` casts frozen weights, sets up partial host
 offload and moves the model to its device; `read_weights` fills a model built on the meta device after
@@ -22,6 +23,7 @@ from snugfit.runtime.activations import apply_activation_policy
 from snugfit.runtime.compile import compile_block
 from snugfit.runtime.context_parallel import apply_cp
 from snugfit.runtime.dist import DistEnv
+from snugfit.runtime.expert_parallel import shard_experts
 from snugfit.runtime.mesh import ParallelDims
 from snugfit.runtime.offload import HostOffload
 from snugfit.runtime.sharding import DTYPES, apply_fsdp, store_frozen_in_compute_dtype, store_masters
@@ -96,6 +98,8 @@ def parallelize(part: nn.Module, plan: Plan, dims: ParallelDims, output_fp32: bo
         apply_cp(part, dims.cp_group, plan.cp, dims.cp_rank)
     if plan.tp > 1:
         apply_tp(part, dims.tp_mesh)
+    if plan.ep > 1:
+        shard_experts(part, dims.ep_mesh)
     apply_mlp_tiles(blocks, plan)
     apply_activations(blocks, plan)
     if not plan.runs_unwrapped:

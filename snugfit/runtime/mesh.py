@@ -3,8 +3,11 @@
 Every technique asks this object for its ranks and groups instead of computing them: FSDP2 shards over
 `shard` (dp x cp, flattened: context-parallel ranks hold the same parameters, as data-parallel ones do), zero-0
 units replicate over `replicate` (that x a size-1 dim, HSDP with one-rank shard groups), tensor parallelism splits
-over `tp`, context parallelism's all-to-alls run over `cp_group`, pipeline stages talk over `pipeline_group`. Rank arithmetic itself is
-`plan.RankLayout`'s (tp innermost, so tensor-parallel peers share a node).
+over `tp`, context parallelism's all-to-alls run over `cp_group`, pipeline stages talk over `pipeline_group`.
+Expert parallelism has a mesh of its own over the same ranks, `experts`: the dp x cp ranks split into
+(dp x cp / ep) x ep, experts split over `ep_mesh` and FSDP2-sharded over `expert_shard` (the ranks holding the
+same experts). Rank arithmetic itself is `plan.RankLayout`'s (tp innermost, so tensor-parallel peers share a node;
+an ep group is ep consecutive dp x cp ranks).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class ParallelDims:
     plan: Plan
     rank: int
     world: DeviceMesh  # dims ("pp", "dp", "cp", "one", "tp"), and "dp_cp": dp and cp flattened
+    experts: DeviceMesh | None = None  # at ep > 1: dims ("pp", "edp", "eone", "ep", "tp"), edp x ep = dp x cp
 
     @classmethod
     def of(cls, plan: Plan, env: DistEnv) -> "ParallelDims":
@@ -34,7 +38,13 @@ class ParallelDims:
         world = cached_group(("mesh", env.device.type, *shape, env.timeout_s), lambda: _bounded(
             _flattened(init_device_mesh(env.device.type, shape, mesh_dim_names=("pp", "dp", "cp", "one", "tp"))),
             env.timeout_s))
-        return cls(plan, env.rank, world)
+        experts = None
+        if plan.ep > 1:
+            shape = (plan.pp, plan.shard_ranks // plan.ep, 1, plan.ep, plan.tp)
+            experts = cached_group(("experts", env.device.type, *shape, env.timeout_s), lambda: _bounded(
+                init_device_mesh(env.device.type, shape, mesh_dim_names=("pp", "edp", "eone", "ep", "tp")),
+                env.timeout_s))
+        return cls(plan, env.rank, world, experts)
 
     @property
     def pp_rank(self) -> int:
@@ -70,6 +80,21 @@ class ParallelDims:
     def replicate(self) -> DeviceMesh:
         """(dp x cp) x 1: zero-0 units as HSDP whose shard groups have one rank (see runtime.sharding)."""
         return _flat(self.world, "dp_cp", "one")
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """This rank's expert-parallel group (ep > 1 only): the ranks its MoE layers' experts are split over."""
+        return self.experts["ep"]
+
+    @property
+    def expert_shard(self) -> DeviceMesh:
+        """The dp x cp / ep ranks holding the same experts as this one: what FSDP2 shards and reduces them over."""
+        return self.experts["edp"]
+
+    @property
+    def expert_replicate(self) -> DeviceMesh:
+        """`expert_shard` x 1: zero-0 experts as HSDP whose shard groups have one rank (as `replicate`)."""
+        return self.experts["edp", "eone"]
 
     @property
     def tp_mesh(self) -> DeviceMesh:

@@ -27,6 +27,11 @@ With tensor parallelism (runtime.tensor_parallel, applied first) a unit's weight
 are already DTensors split over tp; FSDP2 shards each rank's piece over dp on top
 (a 2-D shard), and zero 0 replicates it over dp.
 
+With expert parallelism (runtime.expert_parallel, applied first) each MoE layer's experts are split over ep, and
+are a unit of their own inside their block's, as the block's plan says, over the ranks holding the same experts
+(ParallelDims.expert_shard): its gradients are reduced there and divided by all dp x cp ranks, as the dense
+weights' are (every rank's loss weighs 1 / (dp x cp); the experts' gradients come from the tokens of all ep ranks).
+
 Gradients are reduced once a step (`Plan.grad_reduce` "step": the step runners turn FSDP2's gradient sync off
 for every microbatch but the last, so the unsharded gradient accumulates), or after every microbatch
 ("microbatch": sync stays on, so each backward reduce-scatters and only the fp32 shard accumulates, as FSDP2 and
@@ -53,6 +58,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from snugfit.model.moe import moe_layers
 from snugfit.model.quantize import check_shardable, is_quantized
 from snugfit.plan import BlockPlan, Plan
 from snugfit.runtime.mesh import ParallelDims
@@ -112,21 +118,33 @@ def needs_unit(module: nn.Module, block: BlockPlan) -> bool:
 
 
 def shard_unit(module: nn.Module, block: BlockPlan, dims: ParallelDims, mp: MixedPrecisionPolicy,
-               ignored: set[nn.Parameter] = frozenset()) -> None:
+               ignored: set[nn.Parameter] = frozenset(), experts: bool = False) -> None:
     """Make `module` one FSDP2 unit as `block.zero` says (see the module docstring); `ignored`: parameters of
-    its submodules that run without FSDP2 (`needs_unit`)."""
+    its submodules that run without FSDP2 (`needs_unit`); `experts`: split over ep (the module docstring)."""
+    shard, replicate = (dims.expert_shard, dims.expert_replicate) if experts else (dims.shard, dims.replicate)
     frozen = {p for p in module.parameters() if not p.requires_grad and (block.zero == 0 or (
-        dims.shard_size == 1 and is_quantized(p)))} | set(ignored)  # torchao's NF4 all-gather fails on one rank
+        shard.size() == 1 and is_quantized(p)))} | set(ignored)  # torchao's NF4 all-gather fails on one rank
     if block.zero > 0:
-        check_shardable(module, dims.shard_size)
+        check_shardable(module, shard.size())
     fully_shard(
         module,
-        mesh=dims.replicate if block.zero == 0 else dims.shard,
+        mesh=replicate if block.zero == 0 else shard,
         reshard_after_forward=block.zero == 3,
         mp_policy=mp,
         offload_policy=offload_policy(block),
         ignored_params=frozen or None,
     )
+    if experts:
+        divide_experts_gradients(module, dims.shard_size, reduce_scatters=block.zero > 0 and shard.size() > 1)
+
+
+def divide_experts_gradients(module: nn.Module, ranks: int, reduce_scatters: bool) -> None:
+    """Divide an experts unit's reduced gradients by all `ranks` (dp x cp) instead of the ranks it reduces over.
+    torch 2.13 runs a divide factor other than the group's size as PREMUL_SUM, which gloo lacks; summing then
+    dividing instead (`set_force_sum_reduction_for_comms`) is right where a reduce-scatter runs, but where none
+    does (one rank per shard group, zero 0's HSDP included) FSDP2 divides the copy by the factor and then again."""
+    module.set_gradient_divide_factor(float(ranks))
+    module.set_force_sum_reduction_for_comms(reduce_scatters)
 
 
 def requires_gradient_sync(plan: Plan, last: bool) -> bool:
@@ -146,6 +164,9 @@ def apply_fsdp(
     mp = mixed_precision(plan, root=False)
     plain: set[nn.Parameter] = set()  # of frozen blocks that need no unit
     for i, block in zip(indices, blocks.values()):
+        if plan.ep > 1:
+            for mlp in moe_layers(block):
+                shard_unit(mlp.experts, plan.blocks[i], dims, mp, experts=True)
         if needs_unit(block, plan.blocks[i]):
             shard_unit(block, plan.blocks[i], dims, mp)
         else:

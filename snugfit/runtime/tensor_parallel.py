@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 
 from snugfit.model.tiled_mlp import untileable
 from snugfit.runtime.context_parallel import hf_attention
+from snugfit.model.moe import moe_layers
 from snugfit.plan import Plan
 from snugfit.plan.facts import ModelFacts
 
@@ -121,16 +122,20 @@ def model_facts(model: nn.Module) -> ModelFacts:
         if head_dim and q and k:
             sizes = dict(heads=q // head_dim, kv_heads=k // head_dim)
         sizes["mlp_hidden"] = _out_features(block.get_submodule(f"{layout.mlp}.{layout.mlp_columns[-1]}"))
+    hf = getattr(model, "hf_config", None)  # a Hugging Face model's experts: its config's names (plan.facts)
+    experts = getattr(cfg, "n_experts", 0) or getattr(hf, "num_local_experts", 0) or getattr(hf, "num_experts", 0) or 0
     return ModelFacts(**sizes, vocabulary=getattr(cfg, "vocab_size", None),
                       max_seq_len=getattr(cfg, "max_seq_len", None),
                       tied_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
                       adapters=any(type(m).__name__.startswith("LoRA") for m in model.modules()),
-                      n_experts=getattr(cfg, "n_experts", 0) or 0, top_k=getattr(cfg, "top_k", 0) or 0,
-                      unsplittable_block="Mixture-of-Experts blocks" if getattr(cfg, "n_experts", 0)
+                      n_experts=experts,
+                      top_k=getattr(cfg, "top_k", 0) or getattr(hf, "num_experts_per_tok", 0) or 0 if experts else 0,
+                      unsplittable_block="Mixture-of-Experts blocks" if experts
                       else None if layout else type(getattr(block, "layer", block)).__name__,
                       untileable_mlp=untileable(block), attention=type(getattr(block, "layer", block)).__name__,
                       sequence_splits=hasattr(getattr(block, "attn", None), "attend")
-                      or hf_attention(block) is not None)
+                      or hf_attention(block) is not None,
+                      expert_splits=not experts or bool(moe_layers(model)))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
