@@ -29,8 +29,54 @@ PLANS = {  # name -> Plan.uniform arguments
     "dp4-ep2-zero3": dict(dp=4, ep=2, block=BlockPlan(zero=3)),
     "dp4-ep2-zero0": dict(dp=4, ep=2, block=BlockPlan(zero=0)),
     "dp4-ep4": dict(dp=4, ep=4),
+    "pp2xdp2-ep2-zero3": dict(pp=2, dp=2, ep=2, schedule="1f1b", block=BlockPlan(zero=3)),
 }
-RUNS = {2: ["dp2-ep2", "dp2-ep2-zero3-recompute", "dp2-ep2-zero0"], 4: ["dp4-ep2-zero3", "dp4-ep2-zero0", "dp4-ep4"]}
+RUNS = {2: ["dp2-ep2", "dp2-ep2-zero3-recompute", "dp2-ep2-zero0"], 4: ["dp4-ep2-zero3", "dp4-ep2-zero0", "dp4-ep4",
+                                                                       "pp2xdp2-ep2-zero3"]}
+
+
+# -- the dispatcher alone: equal to every expert on one rank, also when a rank receives no token --
+
+def dispatch_equals_local(env) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from snugfit.model.moe import MoEMLP
+    from snugfit.runtime.expert_parallel import shard_experts
+
+    torch.manual_seed(0)
+    mlp = MoEMLP(32, 4, 2, 16, aux_coef=0.0, shared=None)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    with torch.no_grad():  # experts 0 and 1 (rank 0's) win every token: rank 1 receives none
+        mlp.router.weight[:, 0] = torch.tensor([5.0, 4.0, -5.0, -5.0])
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(env.rank))
+    x[:, 0] = 3.0
+    full = {n: p.detach().clone() for n, p in mlp.experts.named_parameters()}
+    ref = mlp(x)
+    ref.square().sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in mlp.experts.named_parameters()}
+    for g in ref_grads.values():  # the experts' gradient over both ranks' tokens
+        torch.distributed.all_reduce(g)
+    mlp.zero_grad()
+    shard_experts(mlp, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+    out = mlp(x)
+    out.square().sum().backward()
+    held = {n: p.to_local() for n, p in mlp.experts.named_parameters()}
+    rows = slice(2 * env.rank, 2 * env.rank + 2)
+    return {"out": (out - ref).abs().max().item(), "counts": mlp.route(x)[1].flatten().bincount(minlength=4).tolist(),
+            "scale": max(g.abs().max().item() for g in ref_grads.values()),
+            "weights": max((held[n] - full[n][rows]).abs().max().item() for n in held),
+            "grads": max((p.grad.to_local() - ref_grads[n][rows]).abs().max().item()
+                         for n, p in mlp.experts.named_parameters()),
+            "rank1_grad": max(p.grad.to_local().abs().max().item() for p in mlp.experts.parameters()) if env.rank else None}
+
+
+def test_dispatch_equals_every_expert_on_one_rank():
+    results = run_ranks(dispatch_equals_local, 2)
+    for r in results:
+        assert r["counts"][2:] == [0, 0]  # rank 1's experts are chosen by no token
+        assert r["out"] < 1e-5 and r["weights"] == 0 and r["grads"] < 1e-6 * r["scale"], r
+    assert results[1]["rank1_grad"] == 0, results  # rank 1's experts got no copy, and ran
 
 
 def make_plan(spec: dict) -> Plan:
@@ -64,7 +110,7 @@ def train_and_check(env, name: str, steps: int = 2) -> dict:
         auxes.append(result.aux_loss)
         norms.append(result.grad_norm)
         engine._update = update
-    local = engine.model.blocks["0"].mlp.experts.gate_up_proj.to_local().shape[0]
+    local = next(iter(engine.model.blocks.values())).mlp.experts.gate_up_proj.to_local().shape[0]
     return {"losses": losses, "ref_losses": ref_losses, "aux": auxes, "ref_aux": ref_aux, "norms": norms,
             "ref_norm": ref_norm, "checked": checked, "bad": bad, "groups": groups, "local_rows": local}
 
@@ -103,7 +149,7 @@ def test_expert_parallel_matches_single_process(runs, name):
         zero = PLANS[name].get("block", BlockPlan()).zero
         assert r["local_rows"] == DIST.n_experts // ep // (1 if zero == 0 else len(want_shard))
     checked = set().union(*(r["checked"] for r in runs[name]))
-    assert {"blocks.0.mlp.router.weight", "blocks.1.mlp.experts.gate_up_proj",
+    assert {"blocks.0.mlp.router.weight", "blocks.1.mlp.router.weight", "blocks.1.mlp.experts.gate_up_proj",
             "blocks.1.mlp.experts.down_proj"} <= checked
 
 

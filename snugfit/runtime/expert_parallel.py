@@ -52,7 +52,10 @@ class ExpertParallel:
         # regroup by local expert: a stable sort of each arrived copy's local expert index
         expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), got.flatten())
         order = expert_of.argsort(stable=True)
-        y = experts(arrived[order], got.sum(0).cumsum(0).to(torch.int32))
+        # one zero row more, the last expert's: a rank that receives no copy still runs its experts (a grouped
+        # GEMM's backward over no rows fails), and the zero row adds nothing to their gradients
+        offs = got.sum(0).cumsum(0) + (torch.arange(local, device=x.device) == local - 1)
+        y = experts(torch.cat([arrived[order], arrived.new_zeros(1, x.shape[1])]), offs.to(torch.int32))[:-1]
         back = torch.empty_like(y).index_copy(0, order, y)  # y[order.argsort()], without a second sort
         return _exchange(back, send, recv, self.group)
 

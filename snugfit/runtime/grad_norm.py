@@ -1,5 +1,6 @@
-"""The global gradient norm the step clips by: over data-parallel shards, tensor-parallel pieces, pipeline
-ranks and gradients held on host."""
+"""The global gradient norm the step clips by: over data-parallel shards, tensor-parallel pieces, expert-parallel
+slices (runtime.expert_parallel: each rank of an ep group holds other experts, a mesh dimension that shards them
+as tp's does, so each expert counts once), pipeline ranks and gradients held on host."""
 
 from __future__ import annotations
 
