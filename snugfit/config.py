@@ -153,7 +153,7 @@ POSITIVE = {"train.steps", "train.seq_len", "train.batch_size", "train.log_every
             "model.norm_eps", "model.rope_theta", "parallel.timeout_s",
             # fixed parts of a plan (None: searched)
             "parallel.dp", "parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.num_microbatches",
-            "parallel.evict_bound", "parallel.cp", "parallel.mlp_tiles"}
+            "parallel.evict_bound", "parallel.cp", "parallel.ep", "parallel.mlp_tiles"}
 NON_NEGATIVE = {"train.micro_batch_size", "train.warmup_steps", "train.eval_every", "train.checkpoint_every",
                 "train.grad_clip", "train.weight_decay", "train.trace_step", "train.replan_after", "train.replan_gain",
                 "parallel.node_rank", "parallel.max_restarts",

@@ -217,3 +217,26 @@ def test_ep_on_hugging_face_experts_is_refused_in_one_line():
     facts = ModelFacts(n_experts=8, top_k=2, attention="qwen3_moe", expert_splits=False)
     message = problem(parts_of(Shape(ep=2, dp=2), model=facts))
     assert "not qwen3_moe's Hugging Face ones yet; use ep 1" in message and "\n" not in message
+
+
+def test_ep_with_adapters_is_refused_in_one_line():
+    message = problem(parts_of(Shape(ep=2, dp=2), model=ModelFacts(n_experts=8, top_k=2, adapters=True)))
+    assert "does not split LoRA adapters yet" in message and "\n" not in message
+
+
+# -- the CLI: --ep reaches the plan, and a bad one is one line before any rank --
+
+TINY_MOE = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-experts", "4", "--moe-ffn-dim", "16",
+            "--vocab-size", "64", "--seq", "16", "--global-batch", "4"]
+
+
+def test_plan_takes_ep(capsys):
+    import json
+
+    from snugfit.cli import main
+
+    assert main(["plan", *TINY_MOE, "--cluster", "2xcpu", "--ep", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shape"]["ep"] == 2
+    assert main(["plan", *TINY_MOE, "--cluster", "2xcpu", "--ep", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ep 4 does not divide the 2 ranks" in err[0], err

@@ -91,7 +91,7 @@ def plan_from_options(c: Constraints, *, seq: int, global_batch: int | None, dty
     offloaded = Placement.PARAMS_ON_HOST if c.offload_params else Placement.HOST_STEP  # the first n_off blocks'
     try:
         plan = Plan.uniform(
-            n_blocks, dp=dp, tp=tp, pp=pp, cp=cp, schedule=c.schedule, virtual_stages=c.virtual_stages,
+            n_blocks, dp=dp, tp=tp, pp=pp, cp=cp, ep=c.ep or 1, schedule=c.schedule, virtual_stages=c.virtual_stages,
             block=BlockPlan(zero=c.zero, placement=base, activations=policy, mlp_tiles=c.mlp_tiles or 1),
             root=BlockPlan(zero=c.zero, placement=offloaded if n_off == n_blocks > 0 else base),
             micro_batch_size=micro, num_microbatches=m, seq_len=seq, compute_dtype=dtype, reduce_dtype=reduce_dtype,
@@ -160,6 +160,7 @@ def format_prediction(plan: Plan, pred: Prediction) -> str:
     phase, step, the verdict naming the binding limit, and the notes."""
     lines = [describe_model(plan.model)] if plan.model else []
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
+    tp += (f" x cp {plan.cp}" if plan.cp > 1 else "") + (f", experts over ep {plan.ep}" if plan.ep > 1 else "")
     every = ", gradients reduced every microbatch" if plan.grad_reduce == "microbatch" else ""
     lines += [f"plan: dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
              f"{plan.num_microbatches} microbatches{every}, seq {plan.seq_len}, {plan.compute_dtype}; "

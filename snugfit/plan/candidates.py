@@ -43,7 +43,8 @@ class Candidate:
     @property
     def family(self) -> str:
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
-        return (f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}") + cp
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        return (f"dp {self.dp} x tp {self.tp} x pp {self.pp}" if self.tp > 1 else f"dp {self.dp} x pp {self.pp}") + cp + ep
 
 
 def nearest_to_fitting(members: list[Candidate], need: Callable[[Candidate], float]) -> Candidate:
@@ -80,6 +81,14 @@ def cp_degrees(prof: ModelProfile, ranks: int, tp: int, c: Constraints) -> list[
     facts = ModelFacts.of_profile(prof)
     return [1] + [k for k in divisors(ranks)[1:] if prof.seq_len >= MIN_CP_TOKENS * k
                   and allows(c.parts(cp=k, tp=tp, seq_len=prof.seq_len, model=facts))]
+
+
+def ep_degrees(ranks: int, c: Constraints) -> list[int]:
+    """Expert-parallel degrees among the dp x cp `ranks`: the fixed one where it divides them, else 1 (the
+    search does not weigh ep yet: the plan has no all-to-all term)."""
+    if c.ep:
+        return [c.ep] if ranks % c.ep == 0 else []
+    return [1]
 
 
 def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False,
@@ -124,8 +133,9 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                     continue
                 if sched.problem(pp, v, m) or n < pp * v:
                     continue
-                for g in grad_reduce_modes(dp, m, c, in_backward, to_host):
-                    shape = Shape(dp=dp, tp=tp, pp=pp, cp=cp, schedule=sched.name, virtual_stages=v, micro_batch_size=mbs,
+                for g, ep in [(g, ep) for g in grad_reduce_modes(dp, m, c, in_backward, to_host)
+                              for ep in ep_degrees(dp * cp, c)]:
+                    shape = Shape(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=sched.name, virtual_stages=v, micro_batch_size=mbs,
                                   num_microbatches=m, grad_reduce=g, compile=prof.compiled,
                                   evict_bound=c.evict_bound if sched.evicts else None)
                     # no rule forbids it beside the optimizer setup, and some option the fixed parts leave runs

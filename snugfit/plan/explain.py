@@ -24,6 +24,7 @@ def summary(plan: Plan) -> str:
     stages = f" stages {plan.stage_blocks}" if plan.pp > 1 else ""
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
     cp = f" x cp {plan.cp}" if plan.cp > 1 else ""  # each rank of a cp group holds 1/cp of every sequence
+    cp += f", experts over ep {plan.ep}" if plan.ep > 1 else ""
     every = " (gradients reduced every microbatch)" if plan.grad_reduce == "microbatch" else ""
     optimizer = "" if plan.optimizer == OptimizerPlan() else f"; {describe_optimizer(plan.optimizer, clip=False)}"
     return (f"dp {plan.dp}{tp} x pp {plan.pp}{cp} ({plan.schedule}{stages}), micro-batch {plan.micro_batch_size} x "

@@ -26,6 +26,7 @@ class Constraints:
     tp: int | None = None  # tensor-parallel degree (ranks of one node)
     pp: int | None = None
     cp: int | None = None  # context-parallel degree: each rank of a cp group holds 1/cp of every sequence
+    ep: int | None = None  # expert-parallel degree: MoE blocks' experts split over ep of the dp x cp ranks
     schedule: str | None = None  # plan.schedules
     virtual_stages: int | None = None
     num_microbatches: int | None = None
@@ -84,7 +85,7 @@ class Constraints:
     def checked(self, world_size: int) -> "Constraints":
         """These fixed parts, refused in one line naming the fix where they cannot work on `world_size` ranks or
         break a rule (plan.rules) among themselves."""
-        for flag, v in (("--dp", self.dp), ("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp)):
+        for flag, v in (("--dp", self.dp), ("--tp", self.tp), ("--pp", self.pp), ("--cp", self.cp), ("--ep", self.ep)):
             if v is not None and (v < 1 or world_size % v):
                 raise SnugfitError(f"{flag} {v} does not divide the {world_size} ranks (GPUs) of the launch")
         dp, tp, pp, cp = self.dp or 1, self.tp or 1, self.pp or 1, self.cp or 1

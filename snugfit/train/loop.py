@@ -161,7 +161,7 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
         (out / "plan.json").write_text(plan.to_json())
         log.info(
             "plan dp=%d tp=%d pp=%d%s micro-batch %d x %d, %d tokens/step, %s",
-            plan.dp, plan.tp, plan.pp, f" cp={plan.cp}" if plan.cp > 1 else "", plan.micro_batch_size, plan.num_microbatches,
+            plan.dp, plan.tp, plan.pp, (f" cp={plan.cp}" if plan.cp > 1 else "") + (f" ep={plan.ep}" if plan.ep > 1 else ""), plan.micro_batch_size, plan.num_microbatches,
             plan.tokens_per_step, f"resuming at step {run.step}" if run.step else "starting",
         )
     run.metrics = MetricsLog(out / "metrics.jsonl", env.is_main, t.tensorboard)
