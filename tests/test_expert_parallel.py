@@ -112,7 +112,22 @@ def train_and_check(env, name: str, steps: int = 2) -> dict:
         engine._update = update
     local = next(iter(engine.model.blocks.values())).mlp.experts.gate_up_proj.to_local().shape[0]
     return {"losses": losses, "ref_losses": ref_losses, "aux": auxes, "ref_aux": ref_aux, "norms": norms,
-            "ref_norm": ref_norm, "checked": checked, "bad": bad, "groups": groups, "local_rows": local}
+            "ref_norm": ref_norm, "checked": checked, "bad": bad, "groups": groups, "local_rows": local,
+            "peak": balanced_peak(env, plan) if name in MEMORY else None}
+
+
+MEMORY = ["dp2-ep2-zero0", "dp2-ep2-zero3-recompute", "dp4-ep2-zero3", "dp4-ep4"]  # test_memory_model_...
+
+
+def balanced_peak(env, plan: Plan) -> dict:
+    """The tracked peak of a step under balanced routing (model.moe.set_balanced), which the planner prices: each
+    rank's experts then receive as many copies as it sends."""
+    from snugfit.model.moe import set_balanced
+
+    engine = engine_of(env, plan)
+    set_balanced(engine.model)
+    engine.train_step(my_rows(plan, batches(1)[0], env.rank))
+    return engine.memory.peak()
 
 
 def reference_with_norm(plan: Plan, steps: int):
@@ -151,6 +166,36 @@ def test_expert_parallel_matches_single_process(runs, name):
     checked = set().union(*(r["checked"] for r in runs[name]))
     assert {"blocks.0.mlp.router.weight", "blocks.1.mlp.router.weight", "blocks.1.mlp.experts.gate_up_proj",
             "blocks.1.mlp.experts.down_proj"} <= checked
+
+
+def _predicted(name: str) -> dict:
+    from snugfit.hardware import parse_cluster
+    from snugfit.plan.estimate import estimate
+    from snugfit.profile import profile_model
+
+    plan = make_plan(PLANS[name])
+    prof = profile_model(DIST, micro_batch_size=plan.micro_batch_size, seq_len=SEQ, use_cache=False)
+    return estimate(plan, prof, parse_cluster(f"{plan.world_size}xcpu")).tracked_by_rank
+
+
+@pytest.mark.parametrize("name", MEMORY)
+def test_memory_model_holds_each_rank_its_experts(runs, name):
+    """Each rank's parameters and optimizer states as the memory model predicts: its E/ep experts' (then FSDP2's
+    share of them) beside the dense weights' shard (plan.piece_memory.ep_parts)."""
+    pred = _predicted(name)
+    for rank, r in enumerate(runs[name]):
+        for kind in ("device.parameters", "device.optimizer"):
+            assert r["peak"][kind] == pytest.approx(pred[rank][kind], rel=0.01), (rank, kind)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="at dp 2 the dispatch's activations (zero 0: +22%) and zero 3's buffers at the peak are "
+    "not modelled yet")) if n.startswith("dp2") else n for n in MEMORY])
+def test_memory_model_peak_per_rank(runs, name):
+    """The tracked peak of each rank within 5% of the memory model's."""
+    pred = _predicted(name)
+    for rank, r in enumerate(runs[name]):
+        assert r["peak"]["device.total"] == pytest.approx(pred[rank]["device.total"], rel=0.05), rank
 
 
 def test_rank_layout_ep_groups():

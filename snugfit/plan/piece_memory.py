@@ -28,13 +28,18 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
   stream_states: the states on host; the update runs on the device, which holds two units' states around each
               unit's step (the one stepping, the next copied in): `stream_windows`.
 
+Expert parallelism (plan.ep > 1): a block's experts are their own FSDP2 unit (runtime.sharding), each rank holding
+E/ep of them sharded over the dp x cp / ep ranks that hold the same ones; the rest of the block as above
+(`ep_parts`). Under ZeRO >= 1 the shards at rest come out as without ep; what ep saves is what is held whole: the
+gathered copies, the accumulating gradients, zero 0's replicas.
+
 A piece's saved activations (device_saved, host_saved) are the bytes it saves under its policy
 (profile.saved_bytes). footprint.py adds the pieces up at each moment of a rank's step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from snugfit.plan.optimizer import master_bytes, state_bytes
 from snugfit.plan.plan import BlockPlan, Plan
@@ -52,6 +57,8 @@ class StagePiece:
     decision: BlockPlan
     n_params: int  # parameters this rank holds for the piece (tied weights included on the last stage)
     n_trainable: int = -1  # of which trainable; -1: the piece's trainable count
+    experts: tuple[int, ...] = ()  # sizes of its 3-D expert weights (all E experts; in n_params), which ep splits
+    ranks: int = 0  # the ranks FSDP2 shards it over (`shard_ranks`); 0: the plan's dp x cp
 
     def __post_init__(self) -> None:
         if self.n_trainable < 0:
@@ -62,8 +69,41 @@ class StagePiece:
         return self.piece.name.startswith("block")
 
 
+def expert_tensors(prof: ModelProfile) -> tuple[int, ...]:
+    """The sizes of one MoE block's 3-D expert weights (E x 2 width x hidden, E x hidden x width: SwiGLU); none for
+    a dense model."""
+    c = prof.config
+    experts = c.get("n_experts") or c.get("num_experts") or c.get("num_local_experts") or 0
+    width = c.get("moe_ffn_dim") or c.get("moe_intermediate_size") or c.get("intermediate_size") or 0
+    one = experts * (c.get("dim") or c.get("hidden_size") or 0) * width
+    return (2 * one, one) if one else ()
+
+
+def shard_ranks(plan: Plan, sp: StagePiece) -> int:
+    """The ranks FSDP2 shards `sp` over: dp x cp, or for a piece's experts under ep those holding the same ones."""
+    return sp.ranks or plan.shard_ranks
+
+
+def ep_parts(plan: Plan, sp: StagePiece) -> list[StagePiece]:
+    """`sp` as its FSDP2 units hold it: whole, or under expert parallelism its dense part over dp x cp and this
+    rank's E/ep experts over the dp x cp / ep ranks holding the same ones (runtime.sharding)."""
+    if plan.ep == 1 or not sp.experts:
+        return [sp]
+    n = sum(sp.experts)
+    trained = n if sp.n_trainable == sp.n_params else 0  # adapters beside ep are refused (plan.rules)
+    dense = list(sp.piece.matrices)
+    for m in sp.experts:
+        if m in dense:
+            dense.remove(m)
+    return [replace(sp, piece=replace(sp.piece, matrices=dense), n_params=sp.n_params - n,
+                    n_trainable=sp.n_trainable - trained, experts=()),
+            replace(sp, piece=replace(sp.piece, matrices=[m // plan.ep for m in sp.experts]),
+                    n_params=n // plan.ep, n_trainable=trained // plan.ep, experts=(), ranks=plan.shard_ranks // plan.ep)]
+
+
 def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[StagePiece]]:
     """Global stage index -> its pieces, for the stages pipeline rank pp_rank runs."""
+    experts = expert_tensors(prof)
     ranges = plan.stage_ranges()
     last = len(ranges) - 1
     out: dict[int, list[StagePiece]] = {}
@@ -71,8 +111,8 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
         blocks = ranges[k]
         pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
         # a tiled MLP's block holds and runs what PieceProfile.tiled says
-        pieces += [StagePiece(prof.blocks[i].tiled(plan.blocks[i].mlp_tiles), plan.blocks[i], prof.blocks[i].num_params)
-                   for i in blocks]
+        pieces += [StagePiece(prof.blocks[i].tiled(plan.blocks[i].mlp_tiles), plan.blocks[i], prof.blocks[i].num_params,
+                              experts=experts) for i in blocks]
         if k == last:
             # the head's stage holds its own copy of tied weights (runtime.tied_embeddings), on the embedding's rank
             # too where a V folds the last stage back: the two stages are separate FSDP2 roots
@@ -98,8 +138,13 @@ def gathered_bytes(plan: Plan, sp: StagePiece) -> int:
     compute copies of its trainable parameters (runtime.precision), what a zero-0 unit gathers."""
     if plan.runs_unwrapped and plan.compute_dtype == "float32":
         return 0
-    nf4 = sp.piece.quantized if sp.decision.zero > 0 and plan.shard_ranks > 1 else 0
-    return (wrapped_params(sp, plan.shard_ranks) - nf4) * DTYPE_BYTES[plan.compute_dtype] + nf4_bytes(nf4)
+    return sum(_gathered_bytes(plan, part) for part in ep_parts(plan, sp))
+
+
+def _gathered_bytes(plan: Plan, sp: StagePiece) -> int:
+    ranks = shard_ranks(plan, sp)
+    nf4 = sp.piece.quantized if sp.decision.zero > 0 and ranks > 1 else 0
+    return (wrapped_params(sp, ranks) - nf4) * DTYPE_BYTES[plan.compute_dtype] + nf4_bytes(nf4)
 
 
 def stored_params(plan: Plan, sp: StagePiece, trainable_bytes: int = 4) -> dict[str, int]:
@@ -120,13 +165,13 @@ def _sharded(part: dict[str, int], div: int) -> dict[str, int]:
 
 def accumulating_grad_bytes(plan: Plan, sp: StagePiece) -> int:
     """Unsharded gradient held while gradient sync is off (microbatches before the last)."""
-    return sp.n_trainable * DTYPE_BYTES[plan.reduce_dtype]
+    return sum(part.n_trainable for part in ep_parts(plan, sp)) * DTYPE_BYTES[plan.reduce_dtype]
 
 
 def optimizer_state_bytes(plan: Plan, sp: StagePiece) -> int:
     """This rank's bytes of the piece's optimizer states (plan.optimizer), wherever they live."""
-    shards = plan.shard_ranks if sp.decision.zero >= 1 else 1
-    return state_bytes(plan.optimizer, sp.piece.matrices, sp.n_trainable, shards)
+    return sum(state_bytes(plan.optimizer, part.piece.matrices, part.n_trainable,
+                           shard_ranks(plan, part) if part.decision.zero >= 1 else 1) for part in ep_parts(plan, sp))
 
 
 def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, int]]:
@@ -135,7 +180,18 @@ def param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, i
     Device gradients are the reduced shard; comm_buffers the compute copy a zero 0-2
     piece keeps from forward through backward (a zero-3 one gathers only while it runs).
     """
-    t, d, dp = sp.n_trainable, sp.decision, plan.shard_ranks
+    dev: dict[str, int] = {}
+    host: dict[str, int] = {}
+    for part in ep_parts(plan, sp):
+        d, h = _param_state(plan, part)
+        for total, more in ((dev, d), (host, h)):
+            for k, v in more.items():
+                total[k] = total.get(k, 0) + v
+    return dev, host
+
+
+def _param_state(plan: Plan, sp: StagePiece) -> tuple[dict[str, int], dict[str, int]]:
+    t, d, dp = sp.n_trainable, sp.decision, shard_ranks(plan, sp)
     div = dp if d.zero >= 1 else 1
     mb, states = master_bytes(plan.optimizer), optimizer_state_bytes(plan, sp)
     if d.placement.params_on_host:  # host shards serve as master weights; the device only gathers
