@@ -5,6 +5,8 @@ checkpoint saved at ep 2 resumes at ep 1 and one saved at ep 1 resumes at ep 2, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -281,7 +283,21 @@ def test_plan_takes_ep(capsys):
     from snugfit.cli import main
 
     assert main(["plan", *TINY_MOE, "--cluster", "2xcpu", "--ep", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["shape"]["ep"] == 2
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["shape"]["ep"] == 2 and plan["predicted"]["time_by_phase"]["ep_comm"] > 0  # the all-to-alls
     assert main(["plan", *TINY_MOE, "--cluster", "2xcpu", "--ep", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ep 4 does not divide the 2 ranks" in err[0], err
+
+
+def test_the_search_weighs_the_ep_degrees_the_experts_allow():
+    from snugfit.plan.candidates import ep_degrees
+    from snugfit.plan.options import Constraints
+    from snugfit.profile import profile_model
+
+    prof = profile_model(DIST, micro_batch_size=1, seq_len=SEQ, use_cache=False)
+    assert ep_degrees(prof, 8, Constraints()) == [1, 2, 4]  # 8 does not divide the 4 experts
+    assert ep_degrees(prof, 6, Constraints()) == [1, 2]
+    assert ep_degrees(prof, 4, Constraints(ep=2)) == [2]
+    dense = profile_model(replace(DIST, n_experts=0), micro_batch_size=1, seq_len=SEQ, use_cache=False)
+    assert ep_degrees(dense, 4, Constraints()) == [1]

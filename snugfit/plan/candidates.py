@@ -1,6 +1,6 @@
-"""The search's outer candidates: data, tensor, pipeline and context degrees, micro-batch size and schedule.
+"""The search's outer candidates: data, tensor, pipeline, context and expert degrees, micro-batch size and schedule.
 
-Every (dp, tp, pp, cp, micro-batch, schedule, gradient reduction) the launch and the fixed parts allow, with global
+Every (dp, tp, pp, cp, ep, micro-batch, schedule, gradient reduction) the launch and the fixed parts allow, with global
 batch = micro-batch x microbatches x dp, data- and tensor-parallel groups only of like GPUs, and tensor parallelism
 within a node.
 search.py solves each candidate's per-block decisions.
@@ -83,12 +83,15 @@ def cp_degrees(prof: ModelProfile, ranks: int, tp: int, c: Constraints) -> list[
                   and allows(c.parts(cp=k, tp=tp, seq_len=prof.seq_len, model=facts))]
 
 
-def ep_degrees(ranks: int, c: Constraints) -> list[int]:
-    """Expert-parallel degrees among the dp x cp `ranks`: the fixed one where it divides them, else 1 (the
-    search does not weigh ep yet: the plan has no all-to-all term)."""
+def ep_degrees(prof: ModelProfile, ranks: int, c: Constraints) -> list[int]:
+    """Expert-parallel degrees among the dp x cp `ranks`: the fixed one where it divides them, else 1 and those
+    dividing them that the rules allow beside the model (its experts, which ep must divide; built-in ones)."""
     if c.ep:
         return [c.ep] if ranks % c.ep == 0 else []
-    return [1]
+    facts = ModelFacts.of_profile(prof)
+    if not facts.n_experts:
+        return [1]
+    return [1] + [k for k in divisors(ranks)[1:] if allows(c.parts(ep=k, model=facts))]
 
 
 def grad_reduce_modes(dp: int, m: int, c: Constraints, in_backward: bool = False,
@@ -134,7 +137,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                 if sched.problem(pp, v, m) or n < pp * v:
                     continue
                 for g, ep in [(g, ep) for g in grad_reduce_modes(dp, m, c, in_backward, to_host)
-                              for ep in ep_degrees(dp * cp, c)]:
+                              for ep in ep_degrees(prof, dp * cp, c)]:
                     shape = Shape(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=sched.name, virtual_stages=v, micro_batch_size=mbs,
                                   num_microbatches=m, grad_reduce=g, compile=prof.compiled,
                                   evict_bound=c.evict_bound if sched.evicts else None)

@@ -26,6 +26,7 @@ from snugfit.plan.schedules import SCHEDULES
 from snugfit.plan.simulate import bubble_microbatches, resident_microbatches, unit_run
 from snugfit.plan.stage_costs import SharedCosts, StageCosts, usable, with_reserve
 from snugfit.plan.context_parallel import ContextParallel, context_split
+from snugfit.plan.expert_parallel import ExpertParallel
 from snugfit.plan.timing import TensorParallel, gather_every, weight_share
 from snugfit.profile.types import ModelProfile, PieceProfile
 
@@ -103,14 +104,14 @@ class CostModel:
         gathers = gather_every(cand.pp, cand.num_microbatches)
         replays = 2 if SCHEDULES[cand.schedule].splits_backward else 1
         rdtype = self.reduce_dtype_of(cand)
-        at = (first, cand.dp, cand.cp, cand.tp, cand.micro_batch_size, busy, gathers, cand.grad_reduce, replays, rdtype)
+        at = (first, cand.dp, cand.cp, cand.ep, cand.tp, cand.micro_batch_size, busy, gathers, cand.grad_reduce, replays, rdtype)
         if at in self._costs_at:
             return self._costs_at[at]
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
         # is named by all its fields (one across nodes has the bandwidth and node count of the group it serves)
         dp_group, tp_group = layout.shard_group(first), layout.tp_group(first)
         dp_link, tp_link = astuple(self.cluster.link_for(dp_group)), astuple(self.cluster.link_for(tp_group))
-        alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.cp, cand.tp,
+        alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.cp, cand.ep, cand.tp,
                  cand.micro_batch_size, busy, gathers, rdtype)  # the stage's costs share their parts (SharedCosts)
         key = alike + (cand.grad_reduce, replays)
         if key not in self._costs:
@@ -122,9 +123,12 @@ class CostModel:
             context = None
             if cand.cp > 1:
                 context = ContextParallel.of(prof, cand.cp, self.cluster.link_for(layout.cp_group(first)), cand.tp)
+            experts = None
+            if cand.ep > 1:
+                experts = ExpertParallel.of(prof, cand.ep, self.cluster.link_for(layout.ep_group(first)))
             shared = self._shared.setdefault(alike, SharedCosts())
             self._costs[key] = StageCosts(prof, self.cluster, dp_group, rdtype, busy, tensor,
-                                          gathers, cand.grad_reduce, replays, self.optimizer, shared, context)
+                                          gathers, cand.grad_reduce, replays, self.optimizer, shared, context, experts)
         self._costs_at[at] = self._costs[key]
         return self._costs[key]
 

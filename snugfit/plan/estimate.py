@@ -21,6 +21,7 @@ from snugfit.plan.timing import (
     transfer_time,
 )
 from snugfit.plan.context_parallel import ContextParallel, context_split
+from snugfit.plan.expert_parallel import ExpertParallel
 from snugfit.profile.types import ModelProfile
 
 HOST_USABLE = 0.9  # leave the OS and the data loader some host memory
@@ -57,6 +58,12 @@ def _context_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: in
     if plan.cp == 1:
         return None
     return ContextParallel.of(prof, plan.cp, cluster.link_for(plan.layout.cp_group(rank)), plan.tp)
+
+
+def _expert_parallel(plan: Plan, prof: ModelProfile, cluster: Cluster, rank: int) -> ExpertParallel | None:
+    if plan.ep == 1:
+        return None
+    return ExpertParallel.of(prof, plan.ep, cluster.link_for(plan.layout.ep_group(rank)))
 
 
 def _rank_kinds(plan: Plan, cluster: Cluster) -> dict[int, int]:
@@ -125,7 +132,8 @@ def _stage_times(plan: Plan, prof: ModelProfile, cluster: Cluster, busy: float =
             k: stage_time(sps, node=node, dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype, dp=plan.shard_ranks,
                           dp_link=dp_link, measured_on=prof.device, wrapped=not plan.runs_unwrapped,
                           pipelined=plan.pp > 1, busy=busy, tensor=_tensor_parallel(plan, prof, cluster, rank),
-                          context=_context_parallel(plan, prof, cluster, rank), gathers=gather_every(plan.pp, plan.num_microbatches))
+                          context=_context_parallel(plan, prof, cluster, rank),
+                          experts=_expert_parallel(plan, prof, cluster, rank), gathers=gather_every(plan.pp, plan.num_microbatches))
             for k, sps in stages_of[pp_rank].items()
         }
     return stages_of, kind, times

@@ -15,7 +15,7 @@ from snugfit.plan.corrections import corrected
 from snugfit.plan.memory import FRAGMENTATION
 from snugfit.plan.optimizer import master_bytes
 from snugfit.plan.piece_memory import (
-    StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, param_state,
+    StagePiece, accumulating_grad_bytes, device_saved, expert_tensors, gathered_bytes, host_saved, param_state,
 )
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
 from snugfit.plan.shape import Shape
@@ -105,7 +105,7 @@ class StageCosts:
     def __init__(self, prof: ModelProfile, cluster: Cluster, dp_group: list[int], reduce_dtype: str,
                  busy: float = 1.0, tensor: TensorParallel | None = None, gathers: int = 1,
                  grad_reduce: str = "step", replays: int = 1, optimizer: OptimizerPlan | None = None,
-                 shared: SharedCosts | None = None, context=None):
+                 shared: SharedCosts | None = None, context=None, experts=None):
         self.node = cluster.nodes[cluster.node_of(dp_group[0])]  # dp_group: the stage's first (RankLayout)
         self.gpu = self.node.gpu
         dp = len(dp_group)
@@ -113,11 +113,14 @@ class StageCosts:
         self.busy = busy  # the share of the node's ranks working at once (cpu_ranks.local_ranks)
         self.tensor = tensor  # prof is then one tensor-parallel rank's (ModelProfile.split)
         self.context = context  # prof is then one context-parallel rank's (plan.context_parallel.context_split)
+        self.experts = experts  # its MoE blocks dispatch over this ep group (plan.expert_parallel.ExpertParallel)
+        self.expert_tensors = expert_tensors(prof)  # a block's 3-D expert weights, which ep splits (piece_memory)
         self.gathers = gathers  # microbatches one gather of a ZeRO-1/2 unit serves (timing.gather_every)
         self.grad_reduce = grad_reduce  # plan.GRAD_REDUCE: when gradients are reduced
         self.replays = replays  # times a backward recomputes what the policy dropped (2 where the schedule splits it)
         self.dp_link = cluster.link_for(dp_group)
-        self.stub = Plan(shape=Shape(dp=dp, grad_reduce=grad_reduce), compute_dtype=prof.dtype,
+        self.stub = Plan(shape=Shape(dp=dp, ep=experts.size if experts else 1, grad_reduce=grad_reduce),
+                         compute_dtype=prof.dtype,
                          reduce_dtype=reduce_dtype, optimizer=optimizer or OptimizerPlan())
         # one process whose blocks shard and offload nothing runs the model unwrapped (Plan.runs_unwrapped)
         self.unwrapped = cluster.world_size == 1 and self.stub.optimizer.master_weights == "fp32"
@@ -152,7 +155,7 @@ class StageCosts:
         unwrapped (nearly always)."""
         if self.unwrapped:
             return 0.0
-        freed = gathered_bytes(self.stub, StagePiece(blk, block, blk.num_params)) if block.zero < 3 else 0
+        freed = gathered_bytes(self.stub, self._piece(blk, block)) if block.zero < 3 else 0
         return max(0.0, DTYPE_BYTES[self.rdtype] * blk.num_trainable - freed)
 
     def _head_held(self, roots: list[PieceProfile], root: BlockPlan) -> float:
@@ -178,7 +181,11 @@ class StageCosts:
         leanest option), which the costs leave out (Cost.grads_reduced)."""
         if not self.stub.optimizer.in_backward:
             return 0.0
-        return min(param_state(self.stub, StagePiece(blk, o, blk.num_params))[0].get("gradients", 0) for o in opts)
+        return min(param_state(self.stub, self._piece(blk, o))[0].get("gradients", 0) for o in opts)
+
+    def _piece(self, p: PieceProfile, o: BlockPlan) -> StagePiece:
+        """p under option o, as piece_memory counts it (a block's experts named, which ep splits)."""
+        return StagePiece(p, o, p.num_params, experts=self.expert_tensors if p.name.startswith("block") else ())
 
     def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
         """A block under option o (what one more such block adds to the stage). Called in the search's inner
@@ -215,7 +222,7 @@ class StageCosts:
                     parts.host_act, parts.at_root)
 
     def _parts(self, pieces: tuple[PieceProfile, ...], o: BlockPlan) -> _Parts:
-        sps = [StagePiece(p.tiled(o.mlp_tiles) if p.name.startswith("block") else p, o, p.num_params) for p in pieces]
+        sps = [self._piece(p.tiled(o.mlp_tiles) if p.name.startswith("block") else p, o) for p in pieces]
         block = sps[0].is_block
         static = reduced = grads = host_bytes = act = host_act = at_root = 0
         for sp in sps:
@@ -234,6 +241,7 @@ class StageCosts:
         unwrapped = self.unwrapped and replace(self.stub, root=o, blocks=[o]).runs_unwrapped
         kw = dict(node=self.node, dtype=self.dtype, reduce_dtype=self.rdtype, dp=self.dp, dp_link=self.dp_link,
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor, context=self.context,
+                  experts=self.experts,
                   computed=self.shared.computed, gathers=self.gathers)
         one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
         # a block: what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit

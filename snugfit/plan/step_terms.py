@@ -67,7 +67,7 @@ def step_terms(stages: list[tuple[StageTime, int]], *, reduce: float, host_step:
     StageTime.split_host); passes: the forward and backward seconds where they are not the stages' own (what one
     more alike block adds to a stage, stage_costs); sync: collectives made once a step besides the reductions
     (estimate.tied_sync_time)."""
-    per_mb = dict.fromkeys(("compute", "recompute", "dp_comm_exposed", "tp_comm", "cp_comm", "offload_exposed",
+    per_mb = dict.fromkeys(("compute", "recompute", "dp_comm_exposed", "tp_comm", "cp_comm", "ep_comm", "offload_exposed",
                             "pipeline_runtime", "optimizer"), 0.0)
     own = replayed = update = 0.0
     for st, replays in stages:
@@ -76,6 +76,7 @@ def step_terms(stages: list[tuple[StageTime, int]], *, reduce: float, host_step:
         per_mb["dp_comm_exposed"] += st.comm_exposed
         per_mb["tp_comm"] += st.tp_fwd + st.tp_bwd
         per_mb["cp_comm"] += st.cp_fwd + st.cp_bwd
+        per_mb["ep_comm"] += st.ep_fwd + st.ep_bwd
         per_mb["offload_exposed"] += st.offload_exposed
         per_mb["pipeline_runtime"] += st.pipe + (st.split_host if split else 0.0)
         own += st.f_total + st.b_total

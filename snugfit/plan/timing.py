@@ -234,15 +234,17 @@ class StageTime:
     tp_bwd: float = 0.0  # and in backward, recomputation's included
     cp_fwd: float = 0.0  # context parallelism's all-to-alls in forward (plan.context_parallel, all exposed)
     cp_bwd: float = 0.0  # and in backward, recomputation's included
+    ep_fwd: float = 0.0  # expert parallelism's all-to-alls in forward (plan.expert_parallel, all exposed)
+    ep_bwd: float = 0.0  # and in backward, recomputation's included
     sm_share: float = 0.0  # of the GPU's SMs, what NCCL holds while a dp collective overlaps compute
 
     @property
     def f_total(self) -> float:
-        return self.fwd + self.tp_fwd + self.cp_fwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
+        return self.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
     @property
     def b_total(self) -> float:
-        return self.bwd + self.recompute + self.tp_bwd + self.cp_bwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
+        return self.bwd + self.recompute + self.tp_bwd + self.cp_bwd + self.ep_bwd + (self.comm_exposed + self.offload_exposed + self.pipe) / 2
 
 
 def gather_every(pp: int, m: int) -> int:
@@ -257,14 +259,15 @@ def stage_time(
     pieces: list[StagePiece], *, node: Node, dtype: str, reduce_dtype: str, dp: int, dp_link: Link,
     measured_on: str | None, wrapped: bool = True, pipelined: bool = False, busy: float = 1.0,
     tensor: TensorParallel | None = None, computed: dict[tuple, tuple[float, float]] | None = None,
-    gathers: int = 1, context=None,
+    gathers: int = 1, context=None, experts=None,
 ) -> StageTime:
     """wrapped: the pieces run under FSDP2 (every plan but Plan.runs_unwrapped); pipelined: they are a stage
     of a pipeline (pp > 1); busy: the share of the node's ranks working at once (`local_ranks`); tensor: the
     pieces are one tensor-parallel rank's (ModelProfile.split) and talk over this group; computed: piece_compute's
     results by piece name and host share, kept across calls on the same pieces and node (the search costs every
     option); gathers: the microbatches one gather of a ZeRO-1/2 unit serves (`gather_every`); context: the pieces
-    are one context-parallel rank's and exchange over this group (plan.context_parallel.ContextParallel)."""
+    are one context-parallel rank's and exchange over this group (plan.context_parallel.ContextParallel); experts:
+    their MoE blocks dispatch over this expert-parallel group (plan.expert_parallel.ExpertParallel)."""
     gpu, pcie = node.gpu, node.pcie
     c, g = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype]
     on_cpu, share = gpu.name == "cpu", cpu_share(node, busy)
@@ -298,6 +301,9 @@ def stage_time(
         if context is not None:
             cf, cb = context.times(p, policy)
             st.cp_fwd, st.cp_bwd = st.cp_fwd + cf, st.cp_bwd + cb
+        if experts is not None:
+            ef, eb = experts.times(p, policy)
+            st.ep_fwd, st.ep_bwd = st.ep_fwd + ef, st.ep_bwd + eb
         if d.zero >= 1 and dp > 1 and not on_cpu:  # CPU ranks: FSDP2's measured costs below
             gather = collective_time("all_gather", sp.n_params * c, dp, dp_link)
             if d.placement.params_on_host:
