@@ -301,3 +301,18 @@ def test_the_search_weighs_the_ep_degrees_the_experts_allow():
     assert ep_degrees(prof, 4, Constraints(ep=2)) == [2]
     dense = profile_model(replace(DIST, n_experts=0), micro_batch_size=1, seq_len=SEQ, use_cache=False)
     assert ep_degrees(dense, 4, Constraints()) == [1]
+
+
+def test_a_hugging_face_moe_model_is_refused_ep_before_any_rank():
+    """The launch's own facts (runtime.tensor_parallel.model_facts) name a Hugging Face model's experts, so
+    build_engine refuses ep for it as the planner does."""
+    pytest.importorskip("transformers")
+    from snugfit.model.hf_model import HFCausalLM
+    from snugfit.runtime.tensor_parallel import model_facts
+    from tests.test_hf_moe import hf_moe
+
+    facts = model_facts(HFCausalLM(hf_moe("qwen3_moe")))
+    assert (facts.n_experts, facts.top_k, facts.expert_splits) == (4, 2, False)
+    message = Plan.uniform(2, dp=2, ep=2, seq_len=SEQ).rule_broken(facts)
+    assert "Hugging Face ones yet; use ep 1" in message
+    assert model_facts(Decoder(DIST)).expert_splits
