@@ -261,9 +261,9 @@ def test_checkpoint_resumes_under_another_ep(tmp_path):
 
 
 def test_ep_on_hugging_face_experts_is_refused_in_one_line():
-    facts = ModelFacts(n_experts=8, top_k=2, attention="qwen3_moe", expert_splits=False)
+    facts = ModelFacts(n_experts=8, top_k=2, attention="gpt_oss", expert_splits=False)
     message = problem(parts_of(Shape(ep=2, dp=2), model=facts))
-    assert "not qwen3_moe's Hugging Face ones yet; use ep 1" in message and "\n" not in message
+    assert "not gpt_oss's Hugging Face ones yet; use ep 1" in message and "\n" not in message
 
 
 def test_ep_with_adapters_is_refused_in_one_line():
@@ -304,15 +304,81 @@ def test_the_search_weighs_the_ep_degrees_the_experts_allow():
 
 
 def test_a_hugging_face_moe_model_is_refused_ep_before_any_rank():
-    """The launch's own facts (runtime.tensor_parallel.model_facts) name a Hugging Face model's experts, so
-    build_engine refuses ep for it as the planner does."""
+    """The launch's own facts (runtime.tensor_parallel.model_facts) name a Hugging Face model's experts and whether
+    ep runs them (transformers' fused SwiGLU experts of plan.facts.EXPERT_PARALLEL_HF), so build_engine refuses
+    the others (gpt-oss: biases, a clamped SwiGLU) as the planner does."""
     pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from snugfit.model.hf_model import HFCausalLM
     from snugfit.runtime.tensor_parallel import model_facts
-    from tests.test_hf_moe import hf_moe
+    from tests.test_hf_moe import OTHERS, hf_moe
 
     facts = model_facts(HFCausalLM(hf_moe("qwen3_moe")))
-    assert (facts.n_experts, facts.top_k, facts.expert_splits) == (4, 2, False)
-    message = Plan.uniform(2, dp=2, ep=2, seq_len=SEQ).rule_broken(facts)
-    assert "Hugging Face ones yet; use ep 1" in message
+    assert (facts.n_experts, facts.top_k, facts.expert_splits) == (4, 2, True)
+    gpt_oss = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **OTHERS["gpt_oss"]))
+    facts = model_facts(HFCausalLM(gpt_oss))
+    assert facts.n_experts == 4 and not facts.expert_splits
+    assert "Hugging Face ones yet; use ep 1" in Plan.uniform(2, dp=2, ep=2, seq_len=SEQ).rule_broken(facts)
     assert model_facts(Decoder(DIST)).expert_splits
+
+
+# -- Hugging Face experts (transformers 5's fused 3-D experts) through the same dispatcher --
+
+HF_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+
+
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_dispatched_hugging_face_experts_equal_transformers(arch):
+    pytest.importorskip("transformers")
+    from snugfit.model.hf_model import HFCausalLM
+    from snugfit.runtime.expert_parallel import DispatchedExperts, hf_experts
+    from tests.test_hf_moe import hf_moe
+
+    model = HFCausalLM(hf_moe(arch))
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref = model(tokens, tokens)
+    found = hf_experts(model)
+    assert len(found) == len(model.blocks)
+    for parent, name in found:
+        setattr(parent, name, DispatchedExperts(getattr(parent, name)))
+    assert model(tokens, tokens).item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def _hf_ep_ranks(env, folder: str) -> dict:
+    from pathlib import Path
+
+    from torch.distributed.tensor import DTensor
+
+    from snugfit.model.hf import FolderWeights, load_hf
+    from tests.test_hf_moe import MBS as HF_MBS, NMB, SEQ as HF_SEQ, _batches, _one_process
+
+    optim = OptimConfig(lr=1e-2, grad_clip=0.5)
+    model = load_hf(folder, device="meta")
+    plan = Plan.uniform(2, dp=2, ep=2, block=BlockPlan(zero=3), root=BlockPlan(zero=3), micro_batch_size=HF_MBS,
+                        num_microbatches=NMB, seq_len=HF_SEQ)
+    engine = build_engine(model, plan, optim, env, weights=FolderWeights(Path(folder)))
+    rows = HF_MBS * NMB
+    losses = [engine.train_step(b[env.rank * rows:(env.rank + 1) * rows]).loss for b in _batches()]
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
+             for k, v in model.state_dict().items()}
+    held = model.blocks["0"].layer.mlp.experts.gate_up_proj.to_local().shape[0]
+    return {"losses": losses, "state": state, "held": held,
+            "ref": _one_process(folder, optim) if env.rank == 0 else None}
+
+
+def test_hugging_face_qwen3_moe_at_ep_2_matches_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_hf_moe import hf_moe, write
+
+    write(hf_moe("qwen3_moe"), tmp_path / "base", "per-expert")
+    results = run_ranks(_hf_ep_ranks, 2, str(tmp_path / "base"))
+    ref_losses, ref_state = results[0]["ref"]
+    assert results[0]["held"] == 2  # 4 experts over ep 2, then ZeRO-3 over the one rank holding the same ones
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    # equal weights after two AdamW steps: equal gradients (AdamW divides a tiny gradient's float-order noise by
+    # its own size: 2 of 4096 expert weights moved 2.6e-6 apart, a 4000th of a step of lr 1e-2)
+    for name, t in results[0]["state"].items():
+        torch.testing.assert_close(torch.from_numpy(t), torch.from_numpy(ref_state[name]), rtol=1e-5, atol=1e-5,
+                                   msg=name)

@@ -23,6 +23,11 @@ def untileable_config(c: dict) -> str | None:
     return MOE_UNTILEABLE if experts else None
 
 
+# Hugging Face model types whose experts expert parallelism runs (transformers 5's fused SwiGLU experts, gate first:
+# runtime.expert_parallel.DispatchedExperts); gpt-oss (biases, a clamped SwiGLU) and DeepSeek-V3 are not among them
+EXPERT_PARALLEL_HF = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """The model's sizes tensor parallelism splits, its length limit and what no split handles yet; None where it is
@@ -60,7 +65,7 @@ class ModelFacts:
                    unsplittable_block="Mixture-of-Experts blocks" if experts else None,
                    attention="built-in" if builtin else c.get("model_type"),
                    sequence_splits=builtin or not c.get("attn_logit_softcapping"),  # runtime.context_parallel's
-                   expert_splits=builtin or not experts,
+                   expert_splits=builtin or not experts or c.get("model_type") in EXPERT_PARALLEL_HF,
                    heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),

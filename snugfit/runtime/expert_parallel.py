@@ -17,6 +17,10 @@ to their experts' ranks and back by all-to-all (as torchtitan's ExpertParallel).
                 each expert counted once
 
 The router, its aux loss and the routing report run on each rank's own tokens before dispatch, unchanged.
+Hugging Face experts (transformers 5's fused 3-D experts of the models in plan.facts.EXPERT_PARALLEL_HF) are
+run the same way: each experts module becomes a `DispatchedExperts` holding the same parameters under the same
+names (so weights and checkpoints read alike), called as transformers calls it, with the tokens' top-k experts and
+weights from the model's own router.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from snugfit.model.moe import GroupedExperts, moe_layers
+from snugfit.model.moe import GroupedExperts, grouped_mm, local_experts, moe_layers
+from snugfit.plan.facts import EXPERT_PARALLEL_HF
 
 
 class ExpertParallel:
@@ -65,16 +70,61 @@ def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     return wait_tensor(all_to_all_single_autograd(t.contiguous(), out_splits, in_splits, group))
 
 
+class DispatchedExperts(nn.Module):
+    """A Hugging Face experts module (gate_up_proj E x 2f x d, gate first; down_proj E x d x f; act_fn between),
+    called as transformers calls it (tokens, their top-k experts, their weights), its tokens' copies sorted by
+    expert and run through `dispatch` as model.moe.MoEMLP runs its own."""
+
+    def __init__(self, experts: nn.Module, dispatch=local_experts):
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
+        self.n_experts, self.dispatch = experts.gate_up_proj.shape[0], dispatch
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        flat = top_k_index.flatten()
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        order = flat.argsort(stable=True)
+        y = self.dispatch(self._grouped, x[order // k], counts)
+        y = y[order.argsort()].view(x.shape[0], k, -1)
+        return (y * top_k_weights.to(y.dtype).unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+    def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over x, sorted by expert (GroupedExperts' GEMMs with the model's activation)."""
+        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+        gate, up = grouped_mm(x, gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+        return grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), offs)
+
+
+def hf_experts(part: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, name) of each Hugging Face experts module of `part` that `DispatchedExperts` runs: fused 3-D
+    experts of a model type plan.facts.EXPERT_PARALLEL_HF names."""
+    holders = [part, *getattr(part, "blocks", {}).values()]  # a pipeline stage's config: its HF blocks' (HFBlock)
+    config = next((c for m in holders if (c := getattr(m, "hf_config", None) or getattr(m, "_config", None))), None)
+    if getattr(config, "model_type", None) not in EXPERT_PARALLEL_HF:
+        return []
+    return [(parent, name) for parent in part.modules() for name, m in parent.named_children()
+            if name == "experts" and getattr(getattr(m, "gate_up_proj", None), "dim", lambda: 0)() == 3]
+
+
 def shard_experts(part: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Keep this rank's E/ep experts of every MoE layer of `part` (a model or a pipeline stage, on the meta device
     or not) as DTensors sharded on dim 0 over `ep_mesh`, and make the layer dispatch through `ExpertParallel`."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    for mlp in moe_layers(part):
-        experts = mlp.experts
-        for name, p in list(experts.named_parameters(recurse=False)):
+    dispatch = ExpertParallel(ep_mesh.get_group(), ep)
+    for parent, name in hf_experts(part):
+        setattr(parent, name, DispatchedExperts(getattr(parent, name)))
+    layers = [(m.experts, m) for m in moe_layers(part)] + [
+        (m, m) for m in part.modules() if isinstance(m, DispatchedExperts)]
+    for experts, caller in layers:
+        for pname, p in list(experts.named_parameters(recurse=False)):
             n = p.shape[0] // ep
             piece = p.detach()[rank * n:(rank + 1) * n].clone()
             held = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
-            experts.register_parameter(name, nn.Parameter(held, requires_grad=p.requires_grad))
-        mlp.dispatch = ExpertParallel(ep_mesh.get_group(), ep)
+            experts.register_parameter(pname, nn.Parameter(held, requires_grad=p.requires_grad))
+        caller.dispatch = dispatch
 
+
+def expert_modules(block: nn.Module) -> list[nn.Module]:
+    """The experts modules of `block` that expert parallelism split: each its own FSDP2 unit (runtime.sharding)."""
+    return [m.experts for m in moe_layers(block)] + [m for m in block.modules() if isinstance(m, DispatchedExperts)]

@@ -58,9 +58,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from snugfit.model.moe import moe_layers
 from snugfit.model.quantize import check_shardable, is_quantized
 from snugfit.plan import BlockPlan, Plan
+from snugfit.runtime.expert_parallel import expert_modules
 from snugfit.runtime.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,8 @@ def apply_fsdp(
     plain: set[nn.Parameter] = set()  # of frozen blocks that need no unit
     for i, block in zip(indices, blocks.values()):
         if plan.ep > 1:
-            for mlp in moe_layers(block):
-                shard_unit(mlp.experts, plan.blocks[i], dims, mp, experts=True)
+            for experts in expert_modules(block):
+                shard_unit(experts, plan.blocks[i], dims, mp, experts=True)
         if needs_unit(block, plan.blocks[i]):
             shard_unit(block, plan.blocks[i], dims, mp)
         else:

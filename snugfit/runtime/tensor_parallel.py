@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 from snugfit.model.tiled_mlp import untileable
 from snugfit.runtime.context_parallel import hf_attention
 from snugfit.model.moe import moe_layers
+from snugfit.runtime.expert_parallel import hf_experts
 from snugfit.plan import Plan
 from snugfit.plan.facts import ModelFacts
 
@@ -135,7 +136,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       untileable_mlp=untileable(block), attention=type(getattr(block, "layer", block)).__name__,
                       sequence_splits=hasattr(getattr(block, "attn", None), "attend")
                       or hf_attention(block) is not None,
-                      expert_splits=not experts or bool(moe_layers(model)))
+                      expert_splits=not experts or bool(moe_layers(model)) or bool(hf_experts(model)))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
