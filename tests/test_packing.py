@@ -3,7 +3,7 @@
 Each packed example's loss (and the gradients of their sum) equals that example run alone, through the built-in
 decoder (rotary and learned positions, SDPA and eager attention) and transformers' own layers (a tiny Llama and
 Qwen2 folder, against transformers' forward on each example alone); at 2 gloo ranks with cp 2 (built-in and Hugging
-Face), tp 2 and pp 2 the packed batch's loss and gradients equal one process. Short chat examples take fewer steps
+Face), tp 2 and pp 2 (1F1B and BPipe) the packed batch's loss and gradients equal one process. Short chat examples take fewer steps
 per epoch by the packing ratio, and the data line counts what it says.
 """
 
@@ -135,7 +135,8 @@ PLANS = {"cp2": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block
          "cp2-gpt2": (GPT2, dict(cp=2, micro_batch_size=4, num_microbatches=1)),
          "hf-cp2": (HF_LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
          "tp2": (LLAMA, dict(tp=2, micro_batch_size=2, num_microbatches=2)),
-         "pp2": (LLAMA, dict(pp=2, schedule="1f1b", micro_batch_size=1, num_microbatches=4))}
+         "pp2": (LLAMA, dict(pp=2, schedule="1f1b", micro_batch_size=1, num_microbatches=4)),
+         "pp2-bpipe": (LLAMA, dict(pp=2, schedule="bpipe", micro_batch_size=2, num_microbatches=2))}
 
 
 def packed_batch() -> torch.Tensor:
@@ -255,3 +256,22 @@ def test_pack_is_for_examples_only():
     assert not build_config(None, {}).data.packs
     with pytest.raises(SnugfitError, match="data.pack packs instruct and chat examples.*drop --pack"):
         build_config(None, {"data.format": "text", "data.pack": True})
+
+
+def test_a_packed_run_trains_and_counts_its_real_tokens(tmp_path, caplog):
+    from snugfit.train.loop import train
+    from snugfit.train.metrics import read_metrics
+    from tests.test_train import tiny
+
+    rows = [{"prompt": f"Q{i}: {i}+1? ", "response": f"{i + 1}"} for i in range(40)]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    with caplog.at_level(logging.INFO, logger="snugfit"):
+        result = train(tiny(tmp_path / "run", format="instruct", path=str(tmp_path / "sft.jsonl"), steps=4,
+                            log_every=2, eval_every=0, checkpoint_every=0, val_fraction=0.1))
+    assert all(np.isfinite(v) for v in result.val_losses.values())
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("data:"))
+    share = 1 - float(line.split("padding ")[1].split("%")[0]) / 100
+    plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("plan dp="))
+    assert "tokens/step (of 128 positions; the rest padding)" in plan  # batch 4 x seq 32
+    record = next(r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train")
+    assert record["tokens_per_s"] * record["step_time_s"] == pytest.approx(128 * share, abs=2)

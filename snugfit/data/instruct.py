@@ -60,11 +60,6 @@ class Examples:
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
-    def targets_per_example(self) -> float:
-        """Learned tokens of a kept example, on average."""
-        return float((self.rows[:, 1, 1:] != IGNORE).sum()) / max(len(self.rows), 1)
-
     def describe(self, seq_len: int) -> str:
         """'200 examples read, 125 dropped (nothing to learn within 34 tokens), 75 truncated at 34 tokens'."""
         parts = [f"{self.read} {self.noun} read"]

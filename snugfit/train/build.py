@@ -233,8 +233,8 @@ def data_line(examples: Examples, train: Packed, batch: int) -> str:
     4%); about 310 learned tokens a step (of 2,048 positions)'."""
     rows = train.rows
     learned = float((rows[:, 1, 1:] != IGNORE).sum()) / max(len(rows), 1) * batch
-    into = (f"packed into {len(rows):,} sequences (packing ratio {train.ratio:.2f}, " if rows.shape[1] == 3
-            else f"one a sequence, unpacked ({train.ratio:.2f} a sequence, ")
-    return (f"{train.tokens:,} tokens in {train.examples:,} training {examples.noun} {into}padding "
+    into = (f" packed into {len(rows):,} sequences (packing ratio {train.ratio:.2f}, " if rows.shape[1] == 3
+            else ", one a sequence (unpacked, ")
+    return (f"{train.tokens:,} tokens in {train.examples:,} training {examples.noun}{into}padding "
             f"{train.padding:.0%}); about {learned:.0f} learned tokens a step (of {batch * (rows.shape[-1] - 1):,} "
             "positions)")
