@@ -88,7 +88,16 @@ def test_builtin_packed_loss_equals_each_example_alone(cfg):
     batch = torch.from_numpy(packed(exs).rows)
     torch.manual_seed(0)
     model = Decoder(cfg)
-    logits = model(batch[:, 0, :-1], None, batch[:, DOCS, :-1])
+    masks = set()  # what the layers save of the document mask: one tensor, built once per forward (Documents)
+
+    def saved(t):
+        if t.shape[-2:] == (SEQ, SEQ) and t.shape[1] == 1:
+            masks.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t):
+        logits = model(batch[:, 0, :-1], None, batch[:, DOCS, :-1])
+    assert len(masks) == (cfg.attention == "sdpa")  # eager adds it to the scores: nothing saved
     token_losses = F.cross_entropy(logits.flatten(0, 1), batch[:, 1, 1:].flatten(), reduction="none",
                                    ignore_index=IGNORE).view(len(batch), -1)
     alone = [model(torch.tensor(i[:-1])[None], torch.tensor(lab[1:])[None]) for i, lab in exs]

@@ -14,6 +14,7 @@ skipped by forward.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import asdict, dataclass, fields
@@ -219,12 +220,37 @@ def document_mask(docs: torch.Tensor) -> torch.Tensor:
     return (docs[:, :, None] == docs[:, None, :]).logical_and(causal)[:, None]
 
 
+class Documents:
+    """Packed examples' document ids over the whole sequence (batch, seq), and what the blocks derive from them, each
+    once per forward: every block reads the same positions and mask. The mask is additive, in the attention's
+    dtype: SDPA turns a boolean one into that in every layer, and saves each layer's copy for backward; given it,
+    one is held however many layers save it (and a recomputed block finds it again). A plain class, not a
+    dataclass: FSDP2 rebuilds dataclass arguments when it casts a forward's inputs, which would drop what is
+    derived."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        return document_positions(self.ids)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """(batch, 1, seq, seq): 0 where `document_mask` lets a token attend, -inf elsewhere."""
+        if dtype not in self._masks:
+            allowed = document_mask(self.ids)
+            self._masks[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._masks[dtype]
+
+
 class LocalAttention(nn.Module):
     """Causal attention over sequences this rank holds whole: (batch, heads, seq, head_dim) q, k, v -> the same
     shape. Grouped key/value heads are repeated here, counted from the tensors (a tensor- or context-parallel rank
     holds a slice of the heads). Attention's `attend` by default; context parallelism (runtime.context_parallel)
-    puts its all-to-alls around it. mask: packed documents' (`document_mask`, over the whole sequence); None:
-    causal, SDPA's fast kernel."""
+    puts its all-to-alls around it. mask: packed documents' (`Documents.mask`, additive, over the whole sequence);
+    None: causal, SDPA's fast kernel."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -239,9 +265,10 @@ class LocalAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         s = q.shape[2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        if mask is None:
-            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+        if mask is not None:
+            return (scores + mask).softmax(dim=-1) @ v
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
 
 
 class Attention(nn.Module):
@@ -256,7 +283,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(cfg.dim, cfg.dim, bias=bias)
         self.attend: nn.Module = LocalAttention(cfg)  # no parameters: replaced freely (runtime.context_parallel)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, docs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, docs: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         cfg = self.cfg
         # Heads counted from the projections (-1), not the config: a tensor-parallel rank holds a slice of them.
@@ -265,7 +292,7 @@ class Attention(nn.Module):
         v = self.v(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        y = self.attend(q, k, v, None if docs is None else document_mask(docs))
+        y = self.attend(q, k, v, None if docs is None else docs.mask(q.dtype))
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -304,9 +331,8 @@ class Block(nn.Module):
         self.mlp = make_mlp(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
-        """docs: packed documents' ids over the whole sequence (None: one sequence a row), which attention keeps
-        apart."""
+                docs: Documents | None = None) -> torch.Tensor:
+        """docs: packed documents over the whole sequence (None: one sequence a row), which attention keeps apart."""
         x = x + self.attn(self.attn_norm(x), rope, docs)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -367,17 +393,17 @@ class Decoder(nn.Module):
         if self.cfg.arch == "llama" and self.rope is not None and not self.rope.is_meta:
             self.rope.copy_(rope_table(self.cfg, self.rope.device))
 
-    def placed(self, length: int, docs: torch.Tensor | None = None
+    def placed(self, length: int, docs: Documents | None = None
                ) -> tuple[int | torch.Tensor, torch.Tensor | nn.Module | None]:
         """Where this rank's `length` tokens of each sequence start (context parallelism: cp_rank x length), and
         the rotary input the blocks take for them: the table's rows from there, or a Hugging Face rotary module
         as it is (HFBlock places its positions itself). Pipeline stages ask it too (runtime.pipeline).
 
-        Packed documents (docs, their ids over the whole sequence): each token's own position in its document
-        instead of the start, (batch, length), and the table's rows at those positions."""
+        Packed documents (docs, over the whole sequence): each token's own position in its document instead of the
+        start, (batch, length), and the table's rows at those positions."""
         start = self.cp_rank * length
         if docs is not None:
-            positions = document_positions(docs)[:, start:start + length]
+            positions = docs.positions[:, start:start + length]
             return positions, self.rope[positions] if isinstance(self.rope, torch.Tensor) else self.rope
         if isinstance(self.rope, torch.Tensor) and start:
             return start, self.rope[start:start + length]
@@ -391,6 +417,7 @@ class Decoder(nn.Module):
         one without the head returns hidden states. docs: packed examples' document ids over the whole sequence
         (runtime.microbatches): positions restart and attention stays within each document.
         """
+        docs = Documents(docs) if docs is not None else None
         start, rope = self.placed(tokens.shape[1], docs)
         h = self.embed(tokens, start) if self.embed is not None else tokens
         for block in self.blocks.values():

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from snugfit.errors import SnugfitError
-from snugfit.model.decoder import Decoder, document_positions, positions_from
+from snugfit.model.decoder import Decoder, Documents, positions_from
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +182,11 @@ class HFBlock(nn.Module):
         return make(config=self._config, inputs_embeds=shaped, attention_mask=None, cache=None,
                     position_ids=positions if positions is not None else torch.arange(length, device=h.device)[None])
 
-    def forward(self, h: torch.Tensor, rope: nn.Module | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
-        """docs: packed examples' document ids over the whole sequence: positions restart at each document (this cp
-        rank's slice of them), and the mask keeps each document to itself."""
+    def forward(self, h: torch.Tensor, rope: nn.Module | None = None, docs: Documents | None = None) -> torch.Tensor:
+        """docs: packed examples over the whole sequence: positions restart at each document (this cp rank's slice
+        of them), and the mask keeps each document to itself."""
         start = self.cp_rank * h.shape[1]
-        whole = document_positions(docs) if docs is not None else None
+        whole = docs.positions if docs is not None else None
         pos = (whole[:, start:start + h.shape[1]] if whole is not None
                else torch.arange(start, start + h.shape[1], device=h.device)[None])
         extra = {}

@@ -38,7 +38,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from snugfit.model.decoder import cross_entropy
+from snugfit.model.decoder import Documents, cross_entropy
 from snugfit.model.moe import unrecorded
 from snugfit.plan import Plan
 from snugfit.runtime.dist import DistEnv
@@ -89,6 +89,7 @@ class StageModule(nn.Module):
         elif grad:
             self.untracked -= 1
         with self.acts.microbatch(key) if tracked else unrecorded(self):
+            docs = Documents(docs) if docs is not None else None
             start, rope = self.model.placed(x.shape[1], docs)  # this cp rank's part of each sequence
             h = self.embed(x, start) if self.embed is not None else x
             if self.embed is None and self.tp_mesh is not None:
