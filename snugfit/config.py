@@ -56,6 +56,12 @@ class DataConfig:
         return self.pack if self.pack is not None else self.format in EXAMPLE_FORMATS
 
 
+def packed_in(saved: dict) -> bool:
+    """Whether the run whose `RunConfig.to_dict()` this is packed its examples (runs from before packing did not)."""
+    data = saved.get("data", {})
+    return "pack" in data and DataConfig(format=data.get("format", "auto"), pack=data["pack"]).packs
+
+
 @dataclass
 class TrainConfig:
     steps: int = 300

@@ -284,3 +284,9 @@ def test_a_packed_run_trains_and_counts_its_real_tokens(tmp_path, caplog):
     assert "tokens/step (of 128 positions; the rest padding)" in plan  # batch 4 x seq 32
     record = next(r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train")
     assert record["tokens_per_s"] * record["step_time_s"] == pytest.approx(128 * share, abs=2)
+    # resuming it unpacked would change the data order under the saved position: one line, naming the fix
+    from snugfit.errors import SnugfitError
+
+    with pytest.raises(SnugfitError, match="trained on examples packed, this run does not pack them.*--pack true"):
+        train(tiny(tmp_path / "run", format="instruct", path=str(tmp_path / "sft.jsonl"), steps=6, resume=True,
+                   pack=False, eval_every=0, checkpoint_every=0, val_fraction=0.1))
