@@ -3,7 +3,7 @@
 Each packed example's loss (and the gradients of their sum) equals that example run alone, through the built-in
 decoder (rotary and learned positions, SDPA and eager attention) and transformers' own layers (a tiny Llama and
 Qwen2 folder, against transformers' forward on each example alone); at 2 gloo ranks with cp 2 (built-in and Hugging
-Face), tp 2 and pp 2 (1F1B and BPipe) the packed batch's loss and gradients equal one process. Short chat examples take fewer steps
+Face), tp 2 and pp 2 (1F1B and BPipe; built-in and Hugging Face) the packed batch's loss and gradients equal one process. Short chat examples take fewer steps
 per epoch by the packing ratio, and the data line counts what it says.
 """
 
@@ -144,7 +144,9 @@ PLANS = {"cp2": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block
          "cp2-gpt2": (GPT2, dict(cp=2, micro_batch_size=4, num_microbatches=1)),
          "hf-cp2": (HF_LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
          "tp2": (LLAMA, dict(tp=2, micro_batch_size=2, num_microbatches=2)),
+         "hf-tp2": (HF_LLAMA, dict(tp=2, micro_batch_size=2, num_microbatches=2)),
          "pp2": (LLAMA, dict(pp=2, schedule="1f1b", micro_batch_size=1, num_microbatches=4)),
+         "hf-pp2": (HF_LLAMA, dict(pp=2, schedule="1f1b", micro_batch_size=2, num_microbatches=2)),
          "pp2-bpipe": (LLAMA, dict(pp=2, schedule="bpipe", micro_batch_size=2, num_microbatches=2))}
 
 
