@@ -2,9 +2,10 @@
 
 Each packed example's loss (and the gradients of their sum) equals that example run alone, through the built-in
 decoder (rotary and learned positions, SDPA and eager attention) and transformers' own layers (a tiny Llama and
-Qwen2 folder, against transformers' forward on each example alone); at 2 gloo ranks with cp 2 (built-in and Hugging
-Face), tp 2 and pp 2 (1F1B and BPipe; built-in and Hugging Face) the packed batch's loss and gradients equal one process. Short chat examples take fewer steps
-per epoch by the packing ratio, and the data line counts what it says.
+Qwen2 folder, against transformers' forward on each example alone); at 2 gloo ranks with cp 2, tp 2 and pp 2 (1F1B
+and BPipe), built-in and Hugging Face, the packed batch's loss and gradients equal one process. Short chat examples
+take fewer steps per epoch by the packing ratio, the data line counts what it says, and a packed run's tokens/s
+counts tokens, not padding.
 """
 
 from __future__ import annotations
