@@ -237,7 +237,7 @@ def test_short_chat_examples_pack_and_the_data_line_counts_them(chat_folder, tmp
 
     def data(pack: bool | None):
         overrides = {"data.format": "chat", "data.path": str(chat_file(tmp_path)), "data.tokenizer": str(chat_folder),
-                     "data.val_fraction": 0.0, "train.seq_len": 64, "train.batch_size": 4}
+                     "data.val_fraction": 0.1, "train.seq_len": 64, "train.batch_size": 4}
         cfg = build_config(None, {**overrides, **({} if pack is None else {"data.pack": pack})})
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="snugfit"):
@@ -247,14 +247,16 @@ def test_short_chat_examples_pack_and_the_data_line_counts_them(chat_folder, tmp
     padded, plain_line = data(False)
     packed_data, line = data(None)  # the default for chat data: packed
     assert padded.train.shape[1] == 2 and packed_data.train.shape[1] == 3
+    assert np.array_equal(padded.val, packed_data.val)  # validation: the same rows, so the same loss, packed or not
     ratio = len(padded.train) / len(packed_data.train)  # steps per epoch drop by it
     assert ratio > 2.5, ratio
     assert f"packing ratio {ratio:.2f}" in line
-    assert "62 conversations read, 1 dropped (nothing to learn within 64 tokens), 1 truncated at 64 tokens" in line
+    assert ("62 conversations read, 1 dropped (nothing to learn within 64 tokens), 1 truncated at 64 tokens from "
+            f"{tmp_path / 'chat.jsonl'}, 6 held out for validation") in line
     learned = [int((d.train[:, 1, 1:] != IGNORE).sum()) for d in (padded, packed_data)]
     assert learned[0] == learned[1] > 0  # the same targets, packed or not
     n_tokens = int(sum(np.count_nonzero(row[DOCS]) for row in packed_data.train))
-    assert f"{n_tokens:,} tokens in 61 training conversations packed into {len(packed_data.train)} sequences" in line
+    assert f"{n_tokens:,} tokens in 55 training conversations packed into {len(packed_data.train)} sequences" in line
     assert "unpacked" in plain_line and packed_data.real_share == pytest.approx(
         n_tokens / packed_data.train[:, 0].size)
 
@@ -280,7 +282,7 @@ def test_a_packed_run_trains_and_counts_its_real_tokens(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="snugfit"):
         result = train(tiny(tmp_path / "run", format="instruct", path=str(tmp_path / "sft.jsonl"), steps=4,
                             log_every=2, eval_every=0, checkpoint_every=0, val_fraction=0.1))
-    assert all(np.isfinite(v) for v in result.val_losses.values())
+    assert result.val_losses and all(np.isfinite(v) for v in result.val_losses.values())
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("data:"))
     share = 1 - float(line.split("padding ")[1].split("%")[0]) / 100
     plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("plan dp="))

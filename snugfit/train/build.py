@@ -212,20 +212,13 @@ def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
     n_val = int(len(examples) * d.val_fraction)
     if len(examples) - n_val < 1:
         raise SnugfitError(f"{d.path} has too few examples to hold out {d.val_fraction:.0%} for validation")
-    train, val = example_rows(examples, n_val, d.packs)
+    n = len(examples) - n_val
+    train = (pack(examples.rows[:n], examples.lengths[:n], examples.pad_id) if d.packs
+             else Packed(examples.rows[:n], n, int(examples.lengths[:n].sum())))
     log.info("data: %s from %s, %d held out for validation; %s; %s", examples.describe(seq), d.path, n_val,
              tokens_from, data_line(examples, train, cfg.train.batch_size))
-    return RunData(train.rows, val.rows, instruct=True, real_share=1 - train.padding)
-
-
-def example_rows(examples: Examples, n_val: int, packs: bool) -> tuple[Packed, Packed]:
-    """The training and validation rows: the examples split (the last n_val held out), each part packed (data.packing)
-    or left padded, one example a row."""
-    n = len(examples) - n_val
-    parts = (slice(0, n), slice(n, len(examples)))
-    if packs:
-        return tuple(pack(examples.rows[p], examples.lengths[p], examples.pad_id) for p in parts)
-    return tuple(Packed(examples.rows[p], len(examples.rows[p]), int(examples.lengths[p].sum())) for p in parts)
+    # validation stays one example a row: the same held-out examples, and so the same loss, packed or not
+    return RunData(train.rows, examples.rows[n:], instruct=True, real_share=1 - train.padding)
 
 
 def data_line(examples: Examples, train: Packed, batch: int) -> str:
