@@ -89,7 +89,7 @@ class Ulysses(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: packed documents' (model.decoder.document_mask), already over the whole sequence, as attention
+        """mask: packed documents' (model.decoder.Documents.mask), already over the whole sequence, as attention
         runs here."""
         return _heads_to_seq(self.inner(*_whole_sequence(q, k, v, self.group, self.cp), mask), self.group, self.cp)
 

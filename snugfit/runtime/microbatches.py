@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from snugfit.data.instruct import IGNORE
+from snugfit.data.packing import DOCS
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.context_parallel import sequence_part
 
@@ -43,7 +44,8 @@ def split_batch(batch: torch.Tensor, plan: Plan, cp_rank: int = 0) -> list[Micro
     tokens, labels = (batch, batch) if batch.dim() == 2 else (batch[:, 0], batch[:, 1])
     inputs, targets = (sequence_part(t, plan.cp, cp_rank) for t in (tokens[:, :-1], labels[:, 1:]))
     size = plan.micro_batch_size
-    docs = batch[:, 2, :-1].split(size) if batch.dim() == 3 and batch.shape[1] == 3 else [None] * plan.num_microbatches
+    packed = batch.dim() == 3 and batch.shape[1] == 3
+    docs = batch[:, DOCS, :-1].split(size) if packed else [None] * plan.num_microbatches
     return [Microbatch(i, _one_target(t) if plan.cp > 1 else t, d)
             for i, t, d in zip(inputs.split(size), targets.split(size), docs)]
 

@@ -149,7 +149,8 @@ class PipelineRunner:
         # BPipe evicts what it records; others record only on the steps whose memory is counted
         self.acts.recording = ctx.memory is not None or self.plan.schedule_entry.evicts
         feed = self.feed(micro)
-        self.acts.reset(external=(*(t for mb in micro for t in mb if t is not None), *feed))  # the step's input: never counted
+        # the step's input: never counted
+        self.acts.reset(external=(*(t for mb in micro for t in mb if t is not None), *feed))
         ctx.wait_updates()  # the root unit waits in a model forward hook, and stages never call the model
         for s in self.stages:
             s.microbatch = 0
