@@ -59,7 +59,7 @@ class BlockLayout:
     mlp: str
     mlp_columns: tuple[str, ...]  # split by the hidden size (gate where the MLP has one, up)
     mlp_row: str  # down
-    attn_takes_keywords: bool  # HF attention takes hidden_states by keyword, the built-in one (x, rope)
+    attn_takes_keywords: bool  # HF attention takes hidden_states by keyword, the built-in one (x, rope, docs)
 
     def missing(self, block: nn.Module) -> set[str]:
         """The modules this layout needs that `block` lacks."""
@@ -73,8 +73,9 @@ class BlockLayout:
         if self.attn_takes_keywords:
             gather_attn = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                              desired_input_kwarg_layouts={"hidden_states": Replicate()})
-        else:  # attn(x, rope): gather x, leave the rotary table
-            gather_attn = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        else:  # attn(x, rope, docs): gather x, leave the rotary table and the document ids
+            gather_attn = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                             desired_input_layouts=(Replicate(), None, None))
         have = {n for n, _ in block.named_modules()}
         return {
             self.attn_norm: SequenceParallel(),
