@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 
 import numpy as np
 import pytest
@@ -295,3 +296,68 @@ def test_a_packed_run_trains_and_counts_its_real_tokens(tmp_path, caplog):
     with pytest.raises(SnugfitError, match="trained on examples packed, this run does not pack them.*--pack true"):
         train(tiny(tmp_path / "run", format="instruct", path=str(tmp_path / "sft.jsonl"), steps=6, resume=True,
                    pack=False, eval_every=0, checkpoint_every=0, val_fraction=0.1))
+
+
+# -- what a packed step holds: its documents' mask, dense on CPU, FlexAttention's block mask on GPUs --
+LONG = 512  # where the dense mask (seq x seq per row) is a good part of what a step holds
+
+
+def _packed_rows(rows: int, seq: int) -> torch.Tensor:
+    """(rows, 3, seq + 1) packed rows of three documents each (and padding), random tokens."""
+    g = torch.Generator().manual_seed(0)
+    out = torch.zeros(rows, 3, seq + 1, dtype=torch.long)
+    out[:, 0] = out[:, 1] = torch.randint(0, VOCAB, (rows, seq + 1), generator=g)
+    at = [0, seq // 2, 3 * seq // 4, seq - 7]  # the last 7 positions padding (document 0)
+    for doc, (a, b) in enumerate(zip(at, at[1:]), start=1):
+        out[:, DOCS, a:b] = doc
+    return out
+
+
+def test_packed_plan_charges_the_mask_the_runtime_holds():
+    """The packed profile charges the dense mask a CPU rank holds (batch x seq x seq, once however many blocks save
+    it) and no more: the plan's tracked peak is within 5% of the runtime's, and above the unpacked plan's by the
+    mask. A GPU cluster's profile charges FlexAttention's block mask instead, a few KiB."""
+    from snugfit.hardware import parse_cluster
+    from snugfit.plan.estimate import estimate
+    from snugfit.profile import profile_model
+    from snugfit.runtime.build import build_engine
+
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=LONG)
+    plan = Plan.uniform(cfg.n_layers, micro_batch_size=2, num_microbatches=1, seq_len=LONG)
+    profiles = {pack: profile_model(cfg, micro_batch_size=2, seq_len=LONG, use_cache=False, pack=pack)
+                for pack in (False, True)}
+    mask = 2 * LONG * LONG * 4
+    assert profiles[True].mask_bytes == mask and profiles[False].mask_bytes == 0
+    want = {pack: estimate(plan, p, parse_cluster("cpu")).tracked_by_rank[0]["device.total"]
+            for pack, p in profiles.items()}
+    torch.manual_seed(0)
+    engine = build_engine(Decoder(cfg), plan, OptimConfig(), DistEnv())
+    for _ in range(2):
+        engine.train_step(_packed_rows(2, LONG))
+    got = engine.memory.peak()["device.total"]
+    print(f"tracked peak {got}, packed estimate {want[True]}, unpacked {want[False]}, mask {mask}")
+    assert got == pytest.approx(want[True], rel=0.05)
+    assert want[True] - want[False] == pytest.approx(mask, rel=0.05)
+    assert mask > 0.2 * want[False]  # the gap it closes is no rounding error
+    gpu = profile_model(cfg, micro_batch_size=2, seq_len=LONG, use_cache=False, pack=True, kernels="gpu")
+    assert 0 < gpu.mask_bytes < mask / 100
+
+
+def test_flex_block_mask_attends_as_the_dense_mask():
+    """The GPU path's block mask (Documents with flex) keeps attention where the dense mask does: FlexAttention's
+    forward (without gradients: torch has no FlexAttention backward on CPU) equals SDPA under the dense mask."""
+    from snugfit.model.decoder import Documents, LocalAttention, flex_trains_on
+
+    assert flex_trains_on("cuda") and not flex_trains_on("cpu")
+    assert not Documents(torch.ones(1, 4, dtype=torch.long)).flex  # a CPU tensor's documents: the dense mask
+    docs = _packed_rows(2, 200)[:, DOCS, :-1]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 200, 8, generator=g) for _ in range(3))
+    attend = LocalAttention(LLAMA)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")  # eager on CPU: unfused, as wanted here
+        dense = attend(q, k, v, Documents(docs, flex=False).mask(torch.float32))
+        block = attend(q, k, v, Documents(docs, flex=True).mask(torch.float32))
+    torch.testing.assert_close(block, dense, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # and masked: no document attends across its edges, nor to the padding
+        assert not torch.allclose(dense, attend(q, k, v, None))

@@ -117,6 +117,7 @@ class Target:
     cache_dir: str | None = None
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
     lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
+    pack: bool = False  # data.packs: packed examples' attention mask charged (profile_model's pack)
 
     def varied(self, v: Variant) -> "Target":
         """This target under the advice's change (plan.advice.Variant): LoRA on the default targets, QLoRA."""
@@ -136,7 +137,7 @@ class Target:
                              cache_dir=self.cache_dir, lora_rank=self.lora_rank or None,
                              lora_targets=self.lora_targets, frozen=self.frozen or None,
                              quantize_base=self.quantize_base, kernels=self.kernels,
-                             compile=compile)
+                             compile=compile, pack=self.pack)
 
 
 def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
@@ -204,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     named = cfg.model.name
     model = resolve_model(named, cfg.model.attention) if named else cfg.model
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
-                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets)
+                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets,
+                    pack=cfg.data.packs)
     cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
     for note in cluster.notes:  # first, before the search: which card a short name took
         print(note, file=sys.stderr if args.json else sys.stdout)

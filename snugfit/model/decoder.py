@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from snugfit.model.moe import MoEMLP
@@ -220,47 +221,94 @@ def document_mask(docs: torch.Tensor) -> torch.Tensor:
     return (docs[:, :, None] == docs[:, None, :]).logical_and(causal)[:, None]
 
 
+def flex_trains_on(device: torch.device | str) -> bool:
+    """Whether packed attention runs FlexAttention with a block mask on `device` (`Documents.mask`): O(seq) memory
+    and a flash-like kernel, where a dense seq x seq mask forces SDPA's memory-efficient kernel and O(seq^2)
+    memory. CUDA only: torch 2.13's FlexAttention has no backward on CPU, which keeps the dense mask."""
+    return torch.device(device).type == "cuda"
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """FlexAttention under a block mask: compiled on CUDA (eager FlexAttention materialises the scores), eager
+    elsewhere (a forward without gradients on CPU, as tests check the mask)."""
+    return (_compiled_flex() if q.is_cuda else flex_attention)(q, k, v, block_mask=mask)
+
+
 class Documents:
     """Packed examples' document ids over the whole sequence (batch, seq), and what the blocks derive from them, each
-    once per forward: every block reads the same positions and mask. The mask is additive, in the attention's
-    dtype: SDPA turns a boolean one into that in every layer, and saves each layer's copy for backward; given it,
-    one is held however many layers save it (and a recomputed block finds it again). A plain class, not a
-    dataclass: FSDP2 rebuilds dataclass arguments when it casts a forward's inputs, which would drop what is
-    derived."""
+    once per forward: every block reads the same positions and mask. The mask is a FlexAttention block mask where
+    `flex_trains_on` the device, else dense and additive, in the attention's dtype: SDPA turns a boolean one into
+    that in every layer, and saves each layer's copy for backward; given it, one is held however many layers save
+    it (and a recomputed block finds it again). A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments
+    when it casts a forward's inputs, which would drop what is derived.
 
-    def __init__(self, ids: torch.Tensor):
+    flex: the block mask or the dense one, None: as `flex_trains_on` the ids' device (the profile asks for its
+    target's)."""
+
+    def __init__(self, ids: torch.Tensor, flex: bool | None = None):
         self.ids = ids
-        self._masks: dict[torch.dtype, torch.Tensor] = {}
+        self.flex = flex_trains_on(ids.device) if flex is None else flex
+        self._masks: dict[torch.dtype | None, torch.Tensor | BlockMask] = {}
 
     @functools.cached_property
     def positions(self) -> torch.Tensor:
         return document_positions(self.ids)
 
-    def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """(batch, 1, seq, seq): 0 where `document_mask` lets a token attend, -inf elsewhere."""
-        if dtype not in self._masks:
-            allowed = document_mask(self.ids)
-            self._masks[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-                ~allowed, float("-inf"))
-        return self._masks[dtype]
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | BlockMask:
+        """What attention masks with: the block mask of `document_mask` (`flex`), or (batch, 1, seq, seq), 0 where
+        `document_mask` lets a token attend, -inf elsewhere."""
+        key = None if self.flex else dtype
+        if key not in self._masks:
+            self._masks[key] = self._block_mask() if self.flex else self._dense(dtype)
+        return self._masks[key]
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        allowed = document_mask(self.ids)
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+    def _block_mask(self) -> BlockMask:
+        ids = self.ids
+
+        def same_document(b, h, q, kv):
+            return (ids[b, q] == ids[b, kv]) & (kv <= q)
+
+        batch, seq = ids.shape
+        # compiled, the block mask is made block by block; else it materialises seq x seq first
+        return create_block_mask(same_document, batch, None, seq, seq, device=ids.device, _compile=ids.is_cuda)
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors of the masks made so far: what a forward holds until its first block's backward."""
+        tensors = [t for m in self._masks.values() for t in ([m] if isinstance(m, torch.Tensor) else m.as_tuple())
+                   if isinstance(t, torch.Tensor)]
+        return list({id(t): t for t in tensors}.values())
+
+    def held_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.held())
 
 
 class LocalAttention(nn.Module):
     """Causal attention over sequences this rank holds whole: (batch, heads, seq, head_dim) q, k, v -> the same
     shape. Grouped key/value heads are repeated here, counted from the tensors (a tensor- or context-parallel rank
     holds a slice of the heads). Attention's `attend` by default; context parallelism (runtime.context_parallel)
-    puts its all-to-alls around it. mask: packed documents' (`Documents.mask`, additive, over the whole sequence);
-    None: causal, SDPA's fast kernel."""
+    puts its all-to-alls around it. mask: packed documents' (`Documents.mask`, over the whole sequence): a block
+    mask runs FlexAttention, an additive one SDPA (or the eager scores); None: causal, SDPA's fast kernel."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.eager, self.head_dim = cfg.attention == "eager", cfg.head_dim
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         if k.shape[1] != q.shape[1]:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if isinstance(mask, BlockMask):
+            return flex(q, k, v, mask)
         if not self.eager:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         s = q.shape[2]
@@ -410,14 +458,15 @@ class Decoder(nn.Module):
         return start, self.rope
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
+                docs: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """tokens -> logits, or the mean cross-entropy loss when targets are given.
 
         A pipeline stage without the embedding takes hidden states as `tokens`;
         one without the head returns hidden states. docs: packed examples' document ids over the whole sequence
-        (runtime.microbatches): positions restart and attention stays within each document.
+        (runtime.microbatches), or their Documents (the profile's, its mask made for its target): positions restart
+        and attention stays within each document.
         """
-        docs = Documents(docs) if docs is not None else None
+        docs = Documents(docs) if isinstance(docs, torch.Tensor) else docs
         start, rope = self.placed(tokens.shape[1], docs)
         h = self.embed(tokens, start) if self.embed is not None else tokens
         for block in self.blocks.values():

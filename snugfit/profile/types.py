@@ -150,6 +150,11 @@ class ModelProfile:
     tied_params: int = 0  # parameters shared by embedding and head (counted in embed)
     device: str | None = None  # where fwd/bwd times were measured
     version: int = PROFILE_VERSION
+    # packed examples (data.packing): the attention mask of one microbatch's documents, which a stage makes in its
+    # first block's forward and every block shares until that block's backward (model.decoder.Documents), as the
+    # target device runs it: dense seq x seq on CPU, a FlexAttention block mask on GPUs. Per row of the whole
+    # sequence: a context-parallel rank holds all of it. 0: not packed
+    mask_bytes: int = 0
 
     @property
     def compiled(self) -> bool:
@@ -237,7 +242,8 @@ class ModelProfile:
             )
 
         return replace(self, micro_batch_size=micro_batch_size, embed=piece(self.embed),
-                       blocks=[piece(b) for b in self.blocks], head=piece(self.head))
+                       blocks=[piece(b) for b in self.blocks], head=piece(self.head),
+                       mask_bytes=int(self.mask_bytes * r))
 
     def split(self, tp: int) -> "ModelProfile":
         """This profile as one of `tp` tensor-parallel ranks holds and runs it (runtime.tensor_parallel).

@@ -165,7 +165,7 @@ def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device, compil
                          lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
                          frozen=cfg.finetune.freeze or None,
                          quantize_base=cfg.finetune.quantize_base, kernels="cpu" if device.type == "cpu" else "gpu",
-                         compile=compile)
+                         compile=compile, pack=cfg.data.packs)
 
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
