@@ -313,30 +313,34 @@ def _packed_rows(rows: int, seq: int) -> torch.Tensor:
     return out
 
 
-def test_packed_plan_charges_the_mask_the_runtime_holds():
-    """The packed profile charges the dense mask a CPU rank holds (batch x seq x seq, once however many blocks save
-    it) and no more: the plan's tracked peak is within 5% of the runtime's, and above the unpacked plan's by the
-    mask. A GPU cluster's profile charges FlexAttention's block mask instead, a few KiB."""
+@pytest.mark.parametrize("hf", [False, True], ids=["builtin", "hf"])
+def test_packed_plan_charges_the_mask_the_runtime_holds(hf):
+    """The packed profile charges the masks a CPU rank holds: the built-in decoder's one dense mask (batch x seq x
+    seq, once however many blocks save it), Hugging Face layers' one each (recorded as theirs). The plan's tracked
+    peak is within 5% of the runtime's, and above the unpacked plan's by the masks. A GPU cluster's profile
+    charges the built-in decoder's FlexAttention block mask instead, a few KiB."""
     from snugfit.hardware import parse_cluster
     from snugfit.plan.estimate import estimate
     from snugfit.profile import profile_model
     from snugfit.runtime.build import build_engine
 
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=LONG)
-    plan = Plan.uniform(cfg.n_layers, micro_batch_size=2, num_microbatches=1, seq_len=LONG)
+    cfg = (dict(HF_LLAMA, max_position_embeddings=LONG) if hf else
+           ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=LONG))
+    plan = Plan.uniform(2, micro_batch_size=2, num_microbatches=1, seq_len=LONG)
     profiles = {pack: profile_model(cfg, micro_batch_size=2, seq_len=LONG, use_cache=False, pack=pack)
                 for pack in (False, True)}
-    mask = 2 * LONG * LONG * 4
-    assert profiles[True].mask_bytes == mask and profiles[False].mask_bytes == 0
+    mask = 2 * LONG * LONG * 4  # the built-in decoder's, additive in fp32
+    assert profiles[True].mask_bytes == (0 if hf else mask) and profiles[False].mask_bytes == 0
     want = {pack: estimate(plan, p, parse_cluster("cpu")).tracked_by_rank[0]["device.total"]
             for pack, p in profiles.items()}
-    torch.manual_seed(0)
-    engine = build_engine(Decoder(cfg), plan, OptimConfig(), DistEnv())
+    engine = build_engine(fresh(cfg), plan, OptimConfig(), DistEnv())
     for _ in range(2):
         engine.train_step(_packed_rows(2, LONG))
     got = engine.memory.peak()["device.total"]
-    print(f"tracked peak {got}, packed estimate {want[True]}, unpacked {want[False]}, mask {mask}")
     assert got == pytest.approx(want[True], rel=0.05)
+    if hf:  # each layer's, at least a boolean one
+        assert want[True] - want[False] > 2 * (2 * LONG * LONG)
+        return
     assert want[True] - want[False] == pytest.approx(mask, rel=0.05)
     assert mask > 0.2 * want[False]  # the gap it closes is no rounding error
     gpu = profile_model(cfg, micro_batch_size=2, seq_len=LONG, use_cache=False, pack=True, kernels="gpu")

@@ -168,18 +168,22 @@ def _by_block(parts: ModelParts, per_kept: list) -> list:
     return [per_kept[kept.index(j)] for j in stand_in]
 
 
-def _documents(rows: int, seq_len: int, dtype: str, flex: bool) -> Documents:
-    """A packed microbatch's documents with their mask made as the target device makes it (`Documents.flex`); on
-    fake tensors, where only shapes count."""
-    docs = Documents(torch.ones(rows, seq_len, dtype=torch.long), flex)
-    docs.mask(getattr(torch, dtype))
-    return docs
+def packed_documents(seq_len: int, dtype: str, flex: bool | None) -> Callable[[int], Documents]:
+    """A packed microbatch's documents of `rows` rows, on fake tensors (only shapes count): for the built-in
+    decoder (`flex` given) with their mask made as the target device makes it (`Documents.flex`), the one its blocks
+    share; for Hugging Face layers (None) without, as each layer makes its own (recorded as the layer's)."""
+    def make(rows: int) -> Documents:
+        docs = Documents(torch.ones(rows, seq_len, dtype=torch.long), flex)
+        if flex is not None:
+            docs.mask(getattr(torch, dtype))
+        return docs
+    return make
 
 
 def _recorded(model: nn.Module, parts: ModelParts, tokens: torch.Tensor, docs: Documents | None
               ) -> dict[str, PieceRecord]:
-    """One fake step; with packed documents whose mask is dense, the blocks attend under it (its bytes are the
-    profile's mask_bytes, not the blocks'). A block mask's FlexAttention has no backward on CPU to record: the
+    """One fake step; with packed documents, the blocks attend under their masks, a shared one's bytes the
+    profile's mask_bytes, not the blocks'. A block mask's FlexAttention has no backward on CPU to record: the
     causal flash path stands in for it (both hold O(seq), not the scores)."""
     if docs is None or docs.flex:
         return record_step(model, parts, tokens)
@@ -188,12 +192,11 @@ def _recorded(model: nn.Module, parts: ModelParts, tokens: torch.Tensor, docs: D
 
 def profile_module(
     model: nn.Module, parts: ModelParts, *, name: str, config: dict, micro_batch_size: int, seq_len: int,
-    dtype: str, vocab_size: int, packed: bool | None = None,
+    dtype: str, vocab_size: int, documents: Callable[[int], Documents] | None = None,
 ) -> ModelProfile:
     """Profile a model built on the meta device: counts its (trainable) parameters, then records one fake step of
-    one block of each kind (alike.stand_ins), each block profiled as the one that stands for it. packed: the
-    examples are packed (data.packing), the mask as FlexAttention's block mask (True) or dense (False); None: not
-    packed."""
+    one block of each kind (alike.stand_ins), each block profiled as the one that stands for it. documents: the
+    examples are packed, a microbatch's documents of so many rows (`packed_documents`)."""
     model.to(getattr(torch, dtype))
     seen: set[int] = set()
     embed_ids = {id(p) for m in parts.embed for p in m.parameters()}
@@ -204,11 +207,10 @@ def profile_module(
     head_p = _params_by_dtype([*parts.last, model], seen)
     with _faked(model, parts) as recorded, AnyDtypeGroupedMM():
         # again at twice the micro-batch: what of each peak does not grow with it (ModelProfile.scaled)
-        docs = {rows: _documents(rows, seq_len, dtype, packed) if packed is not None else None
-                for rows in (micro_batch_size, 2 * micro_batch_size)}
+        docs = {rows: documents(rows) if documents else None for rows in (micro_batch_size, 2 * micro_batch_size)}
         recs, twice = [_recorded(model, recorded, torch.randint(0, vocab_size, (rows, seq_len)), docs[rows])
                        for rows in (micro_batch_size, 2 * micro_batch_size)]
-        mask_bytes = docs[micro_batch_size].held_bytes() if packed is not None else 0
+        mask_bytes = docs[micro_batch_size].held_bytes() if documents else 0
     kinds = len(recorded.blocks)
     one, two = ([r["embed"], *_by_block(parts, [r[f"block.{j}"] for j in range(kinds)]), r["head"]]
                 for r in (recs, twice))
@@ -261,7 +263,7 @@ def profile_model(
     pack: the run packs its examples (data.packing): the built-in decoder's documents' mask is charged
     (ModelProfile.mask_bytes) as the target device holds it, the kernels' (`flex_trains_on`): a FlexAttention
     block mask on GPUs, dense seq x seq on CPU ranks, where the blocks are recorded attending under it. Hugging
-    Face layers, which make their own mask per layer, are profiled unpacked.
+    Face layers make their own mask each (transformers' mask functions), recorded as theirs.
 
     compile: its blocks as torch.compile runs them (Plan.compile; profile.compiled); measured times are eager's,
     so a compiled profile is not measured (measure_on is refused).
@@ -312,8 +314,8 @@ def profile_model(
         else:
             prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
                                   seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size,
-                                  packed=flex_trains_on("cuda" if kernels == "gpu" else "cpu")
-                                  if pack and not is_hf else None)
+                                  documents=packed_documents(seq_len, dtype, None if is_hf else flex_trains_on(
+                                      "cuda" if kernels == "gpu" else "cpu")) if pack else None)
     # traced blocks' traffic and launches replace the eager ones NF4's were charged to, so they are charged again
     if quantize_base == "nf4" and prof.compiled == compile:
         count_quantized(prof, net)
