@@ -45,6 +45,9 @@ class ModelFacts:
     # context parallelism can split their sequences (runtime.context_parallel's all-to-alls around attention)
     attention: str | None = None
     sequence_splits: bool = True
+    # QLoRA's NF4 base asked of a Mixture-of-Experts model: NF4 (torchao's NF4Tensor, 2-D only) does not hold its
+    # 3-D expert weights, which would stay in the compute dtype unannounced
+    nf4_experts: bool = False
 
     @classmethod
     def of_profile(cls, prof: ModelProfile) -> "ModelFacts":
@@ -62,7 +65,8 @@ class ModelFacts:
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),
                    adapters=any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces),
-                   untileable_mlp=untileable_config(c))
+                   untileable_mlp=untileable_config(c),
+                   nf4_experts=bool(experts) and any(p.quantized for p in prof.pieces))
 
     def split_sizes(self) -> dict[str, int | None]:
         """The sizes a tensor-parallel degree must divide, by what they are called in messages."""
