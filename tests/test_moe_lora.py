@@ -76,13 +76,13 @@ def _experts_reference(experts: torch.nn.Module, adapters: dict, x: torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("kind", ["built-in", "qwen3_moe"])
-def test_expert_adapters_start_as_the_base_and_equal_a_per_expert_reference(kind):
+@pytest.mark.parametrize("kind, rank", [("built-in", 4), ("built-in", 2), ("qwen3_moe", 4)])
+def test_expert_adapters_start_as_the_base_and_equal_a_per_expert_reference(kind, rank):
     model = models()[kind]
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(tokens)
-    wrapped = apply_lora(model, 4, alpha=8, targets=["all-linear"])
+    wrapped = apply_lora(model, rank, alpha=8, targets=["all-linear"])
     assert any(n.endswith("experts.gate_up_proj") for n in wrapped) and any(n.endswith("experts.down_proj")
                                                                             for n in wrapped)
     with torch.no_grad():
@@ -94,6 +94,9 @@ def test_expert_adapters_start_as_the_base_and_equal_a_per_expert_reference(kind
     with torch.no_grad():
         for a in adapters.values():
             a.lora_b.normal_(generator=torch.Generator().manual_seed(2))
+    merges = []  # the merged weight W + B A made: transformers' forward reads it, the built-in's never does
+    for a in adapters.values():
+        a.register_forward_hook(lambda *_: merges.append(1))
     x = torch.randn(12, 32, generator=torch.Generator().manual_seed(3))
     if kind == "built-in":
         probs, chosen, weights = mlp.route(x)
@@ -103,6 +106,8 @@ def test_expert_adapters_start_as_the_base_and_equal_a_per_expert_reference(kind
         out = experts(x, chosen, weights)
     ref = _experts_reference(experts, adapters, x, chosen, weights.to(x.dtype))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the built-in: base and low-rank path apart where rank-wide rows fill 16 bytes (fp32 rank 4, not rank 2)
+    assert len(merges) == (0 if kind == "built-in" and rank == 4 else 2)
     # merged for export: the base weight plus each expert's B A under the layer's own name
     merged = merged_state_dict(model)
     prefix = "blocks.0.mlp.experts" if kind == "built-in" else "blocks.0.layer.mlp.experts"

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.utils import parametrize
 
 from snugfit.errors import SnugfitError
+from snugfit.model.moe import grouped_mm
 from snugfit.model.quantize import dequantized, is_quantized
 
 # Default adapted projections: attention, per architecture (the built-in Decoder's names under "snugfit").
@@ -139,6 +140,19 @@ class LoRAExpertWeight(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight + self.delta(self.lora_a, self.lora_b).to(weight.dtype)
+
+    def low_rank(self, x: torch.Tensor) -> bool:
+        """Whether `project` can run at x's dtype: grouped GEMM wants each row of its operands in whole 16 bytes
+        (torch's meta kernel checks it, CUDA's kernel needs it), so rank 4 in bf16 takes the merged weight."""
+        return self.lora_a.shape[1] * x.element_size() % 16 == 0
+
+    def project(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The adapter's part of x W_e^T for tokens x sorted by expert (e's ending at offs[e]): alpha/rank *
+        (x A_e^T) B_e^T through two grouped GEMMs, rank wide in between, where the grouped forward is ours
+        (model.moe.GroupedExperts, whose weights are E x out x in): no merged weight made, no gradient of one
+        computed."""
+        low = grouped_mm(x, self.lora_a.transpose(1, 2), offs)
+        return grouped_mm(low, self.lora_b.transpose(1, 2), offs) * self.scale
 
 
 def expert_weights(block: nn.Module) -> dict[str, tuple[nn.Module, str]]:
