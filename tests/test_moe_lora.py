@@ -243,11 +243,27 @@ def _two_ranks(env) -> dict:
     for batch in _batches():
         losses.append(engine.train_step(batch.chunk(2)[env.rank]).loss)
         engine._update = update
-    return {"losses": losses, "ref": ref_losses, "checked": checked, "bad": bad}
+    return {"losses": losses, "ref": ref_losses, "checked": checked, "bad": bad, "peak": engine.memory.peak(),
+            "plan": plan.to_dict()}
 
 
 def test_expert_adapters_at_two_ranks_equal_one_process():
-    for r in run_ranks(_two_ranks, 2):
+    from snugfit.hardware import parse_cluster
+    from snugfit.plan import Plan
+    from snugfit.plan.estimate import estimate
+    from snugfit.profile import profile_model
+
+    results = run_ranks(_two_ranks, 2)
+    # the memory model's peak per rank, from a profile that counts the expert adapters as trainable
+    plan = Plan.from_dict(results[0]["plan"])
+    prof = profile_model(DIST, micro_batch_size=2, seq_len=16, use_cache=False, lora_rank=4, lora_targets="all-linear")
+    assert sum(p.num_trainable for p in prof.pieces) == sum(prof.trainable_by_kind.values())
+    assert prof.trainable_by_kind["experts"] == 2 * 4 * 4 * (32 + 32 + 16 + 32)  # 2 blocks, 4 experts, rank 4: A, B
+    pred = estimate(plan, prof, parse_cluster("2xcpu"))
+    for rank, r in enumerate(results):
+        want, got = pred.tracked_by_rank[rank]["device.total"], r["peak"]["device.total"]
+        assert got == pytest.approx(want, rel=0.05), f"rank {rank}: {got} vs {want}"
+    for r in results:
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5)
         assert not r["bad"], r["bad"]
         assert {"blocks.0.mlp.experts.parametrizations.gate_up_proj.0.lora_b",

@@ -228,8 +228,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
                 matched |= hits
     unmatched = [t for t in targets if t not in matched]
     if unmatched and len(model.blocks):  # a typo among targets would otherwise go unnoticed
-        raise SnugfitError(f"LoRA targets {unmatched} match no layer; linear layers, expert weights and routers of "
-                           f"a block: {sorted(candidates)}")
+        # the candidates: linear layers, expert weights and routers
+        raise SnugfitError(f"LoRA targets {unmatched} match no layer; linear layers of a block: {sorted(candidates)}")
     init_adapters(model, seed)
     return wrapped
 
