@@ -193,6 +193,27 @@ def test_nf4_experts_are_refused_in_one_line(folder, tmp_path, capsys):
     assert err.startswith("error: NF4 does not quantize expert weights") and "without --quantize-base nf4" in err
 
 
+def test_trained_expert_adapters_export_merged_and_transformers_reloads_them(tmp_path):
+    from snugfit.train.export import export_checkpoint, load_checkpoint_model
+    from snugfit.train.loop import train
+    from tests.test_train import tiny
+
+    torch.manual_seed(0)  # the byte tokenizer's vocabulary
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **{**QWEN3_MOE, "vocab_size": 256})
+                                     ).save_pretrained(tmp_path / "base")
+    train(tiny(tmp_path / "run", **{"model.name": str(tmp_path / "base"), "steps": 2, "seq_len": 16, "lr": 0.05,
+                                    "lora_rank": 4, "lora_targets": "all-linear"}))
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    tuned = load_checkpoint_model(step).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(export_checkpoint(step, tmp_path / "exported")).eval()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x).logits, tuned(x), rtol=1e-5, atol=1e-5)
+        experts = "model.layers.0.mlp.experts.gate_up_proj"
+        assert not torch.equal(reloaded.get_parameter(experts), base.get_parameter(experts))  # adapters merged
+
+
 # -- 2 gloo ranks (data parallel, ZeRO-3) equal one process, the built-in decoder with expert adapters --
 
 SEED, STEPS = 3, 3
