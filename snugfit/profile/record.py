@@ -314,6 +314,8 @@ def record_step(model: nn.Module, parts: ModelParts, tokens: torch.Tensor) -> di
             x.register_hook(lambda grad: rec.mlp_leave())  # its gradient made: the MLP's backward is done
 
     def mlp_post(module, args, output):
+        if isinstance(output, tuple):  # some MoE MLPs (gpt-oss) return (hidden states, router scores)
+            output = output[0]
         rec.mlp_leave(output)
         if output.requires_grad:
             output.register_hook(lambda grad: rec.mlp_enter())
