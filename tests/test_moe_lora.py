@@ -1,7 +1,7 @@
 """LoRA on Mixture-of-Experts experts (model.lora.LoRAExpertWeight) and the trainable parameters by kind: adapters
 on the 3-D expert weights of the built-in decoder and of a Hugging Face Qwen3-MoE, equal to a per-expert reference;
 all-linear trains them (the router frozen unless named); the plan counts what the run trains; NF4 is refused in one
-line; 2 gloo ranks equal one process."""
+line; 2 gloo ranks (ZeRO-3; a recomputing pipeline) equal one process, within the memory model; export merges them."""
 
 from __future__ import annotations
 
@@ -214,7 +214,8 @@ def test_trained_expert_adapters_export_merged_and_transformers_reloads_them(tmp
         assert not torch.equal(reloaded.get_parameter(experts), base.get_parameter(experts))  # adapters merged
 
 
-# -- 2 gloo ranks (data parallel, ZeRO-3) equal one process, the built-in decoder with expert adapters --
+# -- 2 gloo ranks (data parallel with ZeRO-3; a pipeline recomputing) equal one process, the built-in decoder with
+# expert adapters --
 
 SEED, STEPS = 3, 3
 DIST = ModelConfig(**{**CFG, "n_shared_experts": 1})
@@ -264,8 +265,17 @@ def _two_ranks(env) -> dict:
     for batch in _batches():
         losses.append(engine.train_step(batch.chunk(2)[env.rank]).loss)
         engine._update = update
-    return {"losses": losses, "ref": ref_losses, "checked": checked, "bad": bad, "peak": engine.memory.peak(),
-            "plan": plan.to_dict()}
+    peak = engine.memory.peak()
+    # a pipeline of 2 stages, one block each, recomputing, over the whole batch (the same 4 microbatches)
+    with torch.device("meta"):
+        model = Decoder(DIST)
+    apply_lora(model, 4, targets=["all-linear"], seed=SEED)
+    piped_plan = Plan.uniform(DIST.n_layers, pp=2, schedule="1f1b", block=BlockPlan(activations="recompute"),
+                              micro_batch_size=2, num_microbatches=4, seq_len=16)
+    engine = build_engine(model, piped_plan, optim, env, InitWeights(SEED))
+    piped = [engine.train_step(batch).loss for batch in _batches()]
+    return {"losses": losses, "ref": ref_losses, "checked": checked, "bad": bad, "peak": peak,
+            "plan": plan.to_dict(), "piped": piped}
 
 
 def test_expert_adapters_at_two_ranks_equal_one_process():
@@ -286,6 +296,7 @@ def test_expert_adapters_at_two_ranks_equal_one_process():
         assert got == pytest.approx(want, rel=0.05), f"rank {rank}: {got} vs {want}"
     for r in results:
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5)
+        assert r["piped"] == pytest.approx(r["ref"], rel=1e-5)
         assert not r["bad"], r["bad"]
         assert {"blocks.0.mlp.experts.parametrizations.gate_up_proj.0.lora_b",
                 "blocks.1.mlp.experts.parametrizations.down_proj.0.lora_b"} <= set(r["checked"])
