@@ -1,7 +1,8 @@
 """LoRA on Mixture-of-Experts experts (model.lora.LoRAExpertWeight) and the trainable parameters by kind: adapters
 on the 3-D expert weights of the built-in decoder and of a Hugging Face Qwen3-MoE, equal to a per-expert reference;
 all-linear trains them (the router frozen unless named); the plan counts what the run trains; NF4 is refused in one
-line; 2 gloo ranks (ZeRO-3; a recomputing pipeline) equal one process, within the memory model; export merges them."""
+line; 2 gloo ranks (ZeRO-3, built-in and Qwen3-MoE; a recomputing pipeline) equal one process, within the memory
+model; export merges them."""
 
 from __future__ import annotations
 
@@ -226,7 +227,42 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, DIST.vocab_size, (8, 17), generator=g) for _ in range(STEPS)]
 
 
-def _two_ranks(env) -> dict:
+def _hf_steps(env, folder: str, plan) -> list[float]:
+    """Expert adapters on the Qwen3-MoE folder: one process over the whole batches (env None), or this rank's
+    half under `plan`, the model sharded on meta and each rank reading its rows."""
+    from pathlib import Path
+
+    from snugfit.model.hf import FolderWeights, load_hf
+    from snugfit.model.moe import begin_step
+    from snugfit.runtime.build import build_engine
+    from snugfit.runtime.microbatches import split_batch
+    from snugfit.runtime.optimizer import OptimConfig, make_optimizer
+
+    optim = OptimConfig(lr=5e-2, grad_clip=1.0)  # the adapters' steps move the losses well beyond the tolerance
+    model = load_hf(folder, device="cpu" if env is None else "meta", seed=SEED)
+    apply_lora(model, 4, targets=["all-linear"], seed=SEED)
+    batches = [b % 128 for b in _batches()]
+    if env is not None:
+        engine = build_engine(model, plan, optim, env, weights=FolderWeights(Path(folder), SEED))
+        return [engine.train_step(b.chunk(2)[env.rank]).loss for b in batches]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt, losses = make_optimizer(trained, optim, plan.optimizer), []
+    for batch in batches:
+        micro = [mb for rows in batch.chunk(2) for mb in split_batch(rows, plan)]
+        begin_step(model, 1.0 / len(micro), 1.0)
+        total = 0.0
+        for inputs, targets in micro:
+            loss = model(inputs, targets) / len(micro)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        torch.nn.utils.clip_grad_norm_(trained, optim.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _two_ranks(env, folder: str) -> dict:
     from snugfit.model.moe import begin_step
     from snugfit.plan import BlockPlan, Plan
     from snugfit.runtime.build import build_engine
@@ -275,16 +311,19 @@ def _two_ranks(env) -> dict:
     engine = build_engine(model, piped_plan, optim, env, InitWeights(SEED))
     piped = [engine.train_step(batch).loss for batch in _batches()]
     return {"losses": losses, "ref": ref_losses, "checked": checked, "bad": bad, "peak": peak,
-            "plan": plan.to_dict(), "piped": piped}
+            "plan": plan.to_dict(), "piped": piped, "hf": _hf_steps(env, folder, plan), "hf_ref": _hf_steps(
+                None, folder, plan) if env.rank == 0 else None}
 
 
-def test_expert_adapters_at_two_ranks_equal_one_process():
+def test_expert_adapters_at_two_ranks_equal_one_process(folder):
     from snugfit.hardware import parse_cluster
     from snugfit.plan import Plan
     from snugfit.plan.estimate import estimate
     from snugfit.profile import profile_model
 
-    results = run_ranks(_two_ranks, 2)
+    results = run_ranks(_two_ranks, 2, str(folder))
+    # the Qwen3-MoE folder's experts, adapted through transformers' own forward (the merged weight), under ZeRO-3
+    assert results[0]["hf"] == results[1]["hf"] == pytest.approx(results[0]["hf_ref"], rel=1e-5)
     # the memory model's peak per rank, from a profile that counts the expert adapters as trainable
     plan = Plan.from_dict(results[0]["plan"])
     prof = profile_model(DIST, micro_batch_size=2, seq_len=16, use_cache=False, lora_rank=4, lora_targets="all-linear")
