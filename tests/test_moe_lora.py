@@ -156,6 +156,30 @@ def test_peft_names_reach_the_experts():
     assert trainable_by_kind(model)["experts"] == 2 * (4 * 4 * (32 + 32) + 4 * 4 * (16 + 32))
 
 
+def test_gpt_oss_experts_stored_transposed_adapt_in_their_own_layout():
+    """gpt-oss keeps its experts E x in x out (with biases and its own gate): the adapter's delta in that layout,
+    transformers' forward unchanged at B = 0, and both adapters trained through it."""
+    from tests.test_hf_moe import OTHERS
+
+    torch.manual_seed(0)
+    model = HFCausalLM(AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **OTHERS["gpt_oss"])))
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(tokens)
+    apply_lora(model, 4, targets=["experts"])
+    experts = model.blocks["0"].layer.mlp.experts
+    with torch.no_grad():
+        assert torch.equal(model(tokens), before)
+        adapter = experts.parametrizations["gate_up_proj"][0]
+        adapter.lora_b.normal_(generator=torch.Generator().manual_seed(2))
+        base = experts.parametrizations["gate_up_proj"].original  # E x in x out
+        e, x = 1, torch.randn(3, base.shape[1])
+        torch.testing.assert_close(x @ experts.gate_up_proj[e], x @ base[e] + adapter.scale * (x @ adapter.lora_a[e].T)
+                                   @ adapter.lora_b[e].T)
+    model(tokens, tokens).backward()
+    assert adapter.lora_a.grad.abs().sum() > 0 and adapter.lora_b.grad.abs().sum() > 0
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe")
