@@ -54,7 +54,8 @@ class ModelFacts:
         """What the profile knows: its config's sizes (built-in or Hugging Face names), whether it ties, adapters."""
         c = prof.config
         heads = c.get("n_heads") or c.get("num_attention_heads")
-        experts = c.get("n_experts") or c.get("num_local_experts") or c.get("num_experts") or 0
+        experts = c.get("n_experts") or c.get("num_local_experts") or c.get("num_experts") or c.get(
+            "n_routed_experts") or 0
         top_k = c.get("top_k") or c.get("num_experts_per_tok") or 0 if experts else 0
         builtin = "n_heads" in c
         return cls(n_experts=experts, top_k=top_k,

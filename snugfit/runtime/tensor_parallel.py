@@ -133,7 +133,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       untileable_mlp=untileable(block), attention=type(getattr(block, "layer", block)).__name__,
                       sequence_splits=hasattr(getattr(block, "attn", None), "attend")
                       or hf_attention(block) is not None,
-                      nf4_experts=any(is_quantized(p) for p in model.parameters()) and bool(expert_weights(block)))
+                      nf4_experts=any(is_quantized(p) for p in model.parameters())
+                      and any(expert_weights(b) for b in model.blocks.values()))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:
