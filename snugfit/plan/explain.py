@@ -13,6 +13,7 @@ from snugfit.plan.optimizer import describe as describe_optimizer
 from snugfit.plan.plan import OptimizerPlan, Plan, Prediction
 from snugfit.plan.options import describe
 from snugfit.plan.search import SPLIT_MARGIN, SearchResult
+from snugfit.profile.types import kinds_text
 
 GIB = 2**30
 
@@ -38,11 +39,13 @@ def _figures(plan: Plan) -> str:
 
 
 def describe_model(m: dict) -> str:
-    """'model llama-2-7b: 6,738,415,616 parameters (4,194,304 trainable), 32 blocks, hidden 4096, vocabulary 32000'."""
+    """'model llama-2-7b: 6,738,415,616 parameters (4,194,304 trainable), 32 blocks, hidden 4096, vocabulary 32000',
+    then the trainable parameters by kind on a line of their own where the profile counted them."""
     parts = [f"{m['trainable']:,} trainable"] + ([f"{m['quantized_nf4']:,} in NF4"] if m.get("quantized_nf4") else [])
     parts += [f"{m['active']:,} active a token"] if m.get("active") else []
+    kinds = f"\n  trainable by kind: {kinds_text(m['trainable_by_kind'])}" if m.get("trainable_by_kind") else ""
     return (f"model {m['name']}: {m['parameters']:,} parameters ({', '.join(parts)}), {m['blocks']} blocks, "
-            f"hidden {m['hidden']}, vocabulary {m['vocabulary']}")
+            f"hidden {m['hidden']}, vocabulary {m['vocabulary']}{kinds}")
 
 
 def rank_runs(values: list) -> list[tuple[str, object]]:

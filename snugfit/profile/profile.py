@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.model.moe import set_balanced
-from snugfit.model.lora import apply_lora, freeze, parse_targets
+from snugfit.model.lora import apply_lora, freeze, parse_targets, trainable_by_kind
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.model.tiled_mlp import mlp_of
 from snugfit.profile.alike import stand_ins
@@ -282,6 +282,7 @@ def profile_model(
         else:
             prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
                                   seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
+    prof.trainable_by_kind = trainable_by_kind(net)  # counted as `snugfit train` counts the model it trains
     # traced blocks' traffic and launches replace the eager ones NF4's were charged to, so they are charged again
     if quantize_base == "nf4" and prof.compiled == compile:
         count_quantized(prof, net)
