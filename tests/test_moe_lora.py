@@ -275,8 +275,8 @@ def _hf_steps(env, folder: str, plan) -> list[float]:
         micro = [mb for rows in batch.chunk(2) for mb in split_batch(rows, plan)]
         begin_step(model, 1.0 / len(micro), 1.0)
         total = 0.0
-        for inputs, targets in micro:
-            loss = model(inputs, targets) / len(micro)
+        for mb in micro:
+            loss = model(*mb) / len(micro)
             loss.backward()
             total += loss.item()
         losses.append(total)
@@ -306,8 +306,8 @@ def _two_ranks(env, folder: str) -> dict:
         micro = [mb for rows in batch.chunk(2) for mb in split_batch(rows, plan)]
         begin_step(ref, 1.0 / len(micro), 1.0)
         total = 0.0
-        for inputs, targets in micro:
-            loss = ref(inputs, targets) / len(micro)
+        for mb in micro:
+            loss = ref(*mb) / len(micro)
             loss.backward()
             total += loss.item()
         ref_losses.append(total)
