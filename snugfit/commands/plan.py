@@ -161,8 +161,10 @@ def format_prediction(plan: Plan, pred: Prediction) -> str:
     lines = [describe_model(plan.model)] if plan.model else []
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
     every = ", gradients reduced every microbatch" if plan.grad_reduce == "microbatch" else ""
+    blocks = ("blocks compiled (torch.compile)" if plan.compile else
+              "blocks eager (--compile true evaluates them compiled)")
     lines += [f"plan: dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
-             f"{plan.num_microbatches} microbatches{every}, seq {plan.seq_len}, {plan.compute_dtype}; "
+             f"{plan.num_microbatches} microbatches{every}, seq {plan.seq_len}, {plan.compute_dtype}, {blocks}; "
              f"global batch {plan.global_batch}", f"optimizer: {describe_optimizer(plan.optimizer)}"]
     lines += memory_lines(pred)
     lines.append(phases_line(pred))

@@ -168,6 +168,11 @@ class Plan:
         return out
 
     @property
+    def offloads_state(self) -> bool:
+        """Whether some unit's trainable state waits on host between steps (plan.placement)."""
+        return any(u.placement.states_on_host for u in [self.root, *self.blocks])
+
+    @property
     def runs_unwrapped(self) -> bool:
         """One process with nothing sharded or offloaded: the runtime runs the model as is, without FSDP2, whose
         hooks and per-microbatch copies on one rank cost ~4% of a small model's step on CPU and took the host
