@@ -38,7 +38,7 @@ def verify(model: CostModel, log: SearchLog, cand: Candidate, slack: float = 0.0
         if cand.plan is None:
             break
         if _layout(cand.plan) != tried:  # the slack changed the plan: estimate it, else ask for more room
-            pred = _estimate(model, log, cand.plan)
+            pred = _logged_estimate(model, log, cand.plan)
             if pred.fits:
                 cand.fits = True
                 return True
@@ -139,7 +139,7 @@ def rescue(model: CostModel, log: SearchLog, cands: list[Candidate], found: list
         plan = leanest_plan(model, cand)
         if plan is None:
             continue
-        pred = _estimate(model, log, plan)
+        pred = _logged_estimate(model, log, plan)
         cand.estimated_need = max(pred.peak_memory_bytes, pred.startup_bytes["device"])
         if not pred.fits:
             continue
@@ -157,7 +157,7 @@ def simpler(model: CostModel, log: SearchLog, plan: Plan) -> Plan | None:
     units = [plan.root, *plan.blocks]
     home = [replace(u, placement=Placement.DEVICE) if u.placement.states_on_host else u for u in units]
     variant = replace(plan, root=home[0], blocks=home[1:], predicted=None)
-    pred = _estimate(model, log, variant)
+    pred = _logged_estimate(model, log, variant)
     return variant if pred.fits and pred.step_time_s <= plan.predicted.step_time_s * (1 + SIMPLER_MARGIN) else None
 
 
@@ -174,7 +174,7 @@ def _could_beat(cand: Candidate, fastest: float) -> bool:
     return cand.plan.predicted.step_time_s - (cand.score - cand.lower) < fastest
 
 
-def _estimate(model: CostModel, log: SearchLog, plan: Plan) -> Prediction:
+def _logged_estimate(model: CostModel, log: SearchLog, plan: Plan) -> Prediction:
     """estimate() the plan, counted and timed in the search's log."""
     t0 = time.perf_counter()
     pred = estimate(plan, model.profile, model.cluster, model.budget)
