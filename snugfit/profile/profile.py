@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, Documents, ModelConfig, flex_trains_on
 from snugfit.model.moe import set_balanced
-from snugfit.model.lora import apply_lora, freeze, parse_targets
+from snugfit.model.lora import apply_lora, freeze, parse_targets, trainable_by_kind
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.model.tiled_mlp import mlp_of
 from snugfit.profile.alike import stand_ins
@@ -316,6 +316,7 @@ def profile_model(
                                   seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size,
                                   documents=packed_documents(seq_len, dtype, None if is_hf else flex_trains_on(
                                       "cuda" if kernels == "gpu" else "cpu")) if pack else None)
+    prof.trainable_by_kind = trainable_by_kind(net)  # counted as `snugfit train` counts the model it trains
     # traced blocks' traffic and launches replace the eager ones NF4's were charged to, so they are charged again
     if quantize_base == "nf4" and prof.compiled == compile:
         count_quantized(prof, net)

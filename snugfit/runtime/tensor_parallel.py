@@ -40,6 +40,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from snugfit.model.lora import expert_weights
+from snugfit.model.quantize import is_quantized
 from snugfit.model.tiled_mlp import untileable
 from snugfit.runtime.context_parallel import hf_attention
 from snugfit.plan import Plan
@@ -131,7 +133,9 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       else None if layout else type(getattr(block, "layer", block)).__name__,
                       untileable_mlp=untileable(block), attention=type(getattr(block, "layer", block)).__name__,
                       sequence_splits=hasattr(getattr(block, "attn", None), "attend")
-                      or hf_attention(block) is not None)
+                      or hf_attention(block) is not None,
+                      nf4_experts=any(is_quantized(p) for p in model.parameters())
+                      and any(expert_weights(b) for b in model.blocks.values()))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:

@@ -26,6 +26,7 @@ from snugfit.model.lora import (apply_lora, freeze, init_adapters, parse_targets
 from snugfit.model.shards import local_shard
 from snugfit.model.quantize import quantize_base
 from snugfit.plan import Plan
+from snugfit.profile.types import kinds_text
 from snugfit.runtime.apply import Weights
 
 log = logging.getLogger("snugfit")
@@ -124,7 +125,7 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     counts = trainable_summary(model)["total"]
     log.info("model %s parameters, %s trainable", count_text(counts["trainable"] + counts["frozen"]),
              count_text(counts["trainable"]))
-    log.info("trainable by kind: %s", ", ".join(f"{kind} {n:,}" for kind, n in trainable_by_kind(model).items()))
+    log.info("trainable by kind: %s", kinds_text(trainable_by_kind(model)))
     if meta and not on_meta:
         model.to_empty(device="cpu")
         weights.fill(model, torch.device("cpu"))
