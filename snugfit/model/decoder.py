@@ -278,8 +278,10 @@ class Documents:
             return (ids[b, q] == ids[b, kv]) & (kv <= q)
 
         batch, seq = ids.shape
-        # compiled, the block mask is made block by block; else it materialises seq x seq first
-        return create_block_mask(same_document, batch, None, seq, seq, device=ids.device, _compile=ids.is_cuda)
+        # compiled, the block mask is made block by block; else it materialises seq x seq first (a block torch.compile
+        # traces compiles it with itself)
+        return create_block_mask(same_document, batch, None, seq, seq, device=ids.device,
+                                 _compile=ids.is_cuda and not torch.compiler.is_compiling())
 
     def held(self) -> list[torch.Tensor]:
         """The tensors of the masks made so far: what a forward holds until its first block's backward."""
