@@ -278,8 +278,8 @@ class Documents:
             return (ids[b, q] == ids[b, kv]) & (kv <= q)
 
         batch, seq = ids.shape
-        # compiled, the block mask is made block by block; else it materialises seq x seq first (a block torch.compile
-        # traces compiles it with itself)
+        # compiled on CUDA, the block mask is made block by block, not from a seq x seq one; inside a block that
+        # torch.compile traces, it is compiled with the block
         return create_block_mask(same_document, batch, None, seq, seq, device=ids.device,
                                  _compile=ids.is_cuda and not torch.compiler.is_compiling())
 
@@ -290,6 +290,7 @@ class Documents:
         return list({id(t): t for t in tensors}.values())
 
     def held_bytes(self) -> int:
+        """Their bytes (the profile's ModelProfile.mask_bytes)."""
         return sum(t.untyped_storage().nbytes() for t in self.held())
 
 
