@@ -5,7 +5,9 @@ decoder (rotary and learned positions, SDPA and eager attention) and transformer
 Qwen2 folder, against transformers' forward on each example alone); at 2 gloo ranks with cp 2, tp 2 and pp 2 (1F1B
 and BPipe), built-in and Hugging Face, the packed batch's loss and gradients equal one process. Short chat examples
 take fewer steps per epoch by the packing ratio, the data line counts what it says, and a packed run's tokens/s
-counts tokens, not padding.
+counts tokens, not padding. The plan charges the masks a packed step holds (the runtime's tracked peak within 5%,
+in one process and at pp 2, cp 2 and with recomputation at 2 ranks), and the GPU path's FlexAttention block mask
+attends as the dense one.
 """
 
 from __future__ import annotations
@@ -403,3 +405,14 @@ def test_flex_block_mask_attends_as_the_dense_mask():
     torch.testing.assert_close(block, dense, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # and masked: no document attends across its edges, nor to the padding
         assert not torch.allclose(dense, attend(q, k, v, None))
+
+
+def test_a_packed_profile_is_cached_apart(tmp_path):
+    """Packed and unpacked profiles of one model have their own cache entries, the packed one with its mask."""
+    from snugfit.profile import profile_model
+
+    packed_prof, plain = (profile_model(LLAMA, micro_batch_size=2, seq_len=SEQ, cache_dir=tmp_path, pack=pack)
+                          for pack in (True, False))
+    assert len(list(tmp_path.rglob("*.json"))) == 2
+    assert profile_model(LLAMA, micro_batch_size=2, seq_len=SEQ, cache_dir=tmp_path, pack=True) == packed_prof
+    assert (packed_prof.mask_bytes, plain.mask_bytes) == (2 * SEQ * SEQ * 4, 0)
