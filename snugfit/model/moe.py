@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import parametrize
 
 
 @torch.library.custom_op("snugfit::grouped_mm", mutates_args=())
@@ -55,9 +56,18 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by expert, expert e's ending at offs[e] (the experts this rank holds: all of them, or
         its slice under expert parallelism, whose weights are DTensors over the ep ranks)."""
-        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
-        gate, up = grouped_mm(x, gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs)
+        gate, up = self._project("gate_up_proj", x, offs).chunk(2, dim=-1)
+        return self._project("down_proj", F.silu(gate) * up, offs)
+
+    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x through expert weight `name`; where LoRA adapts it (a parametrization, model.lora.LoRAExpertWeight),
+        the frozen base and the adapter's low-rank path on the same sorted tokens rather than the merged weight,
+        wherever grouped GEMM takes rank-wide rows (`low_rank`)."""
+        adapted = self.parametrizations[name] if parametrize.is_parametrized(self, name) else None
+        if adapted is not None and adapted[0].low_rank(x):
+            return grouped_mm(x, adapted.original.transpose(1, 2), offs) + adapted[0].project(x, offs)
+        w = getattr(self, name)
+        return grouped_mm(x, (w.to_local() if isinstance(w, DTensor) else w).transpose(1, 2), offs)
 
 
 def local_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

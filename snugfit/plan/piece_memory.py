@@ -59,6 +59,7 @@ class StagePiece:
     n_trainable: int = -1  # of which trainable; -1: the piece's trainable count
     experts: tuple[int, ...] = ()  # sizes of its 3-D expert weights (all E experts; in n_params), which ep splits
     ranks: int = 0  # the ranks FSDP2 shards it over (`shard_ranks`); 0: the plan's dp x cp
+    mask_bytes: int = 0  # a stage's first block: packed documents' mask, which it makes and holds for them all
 
     def __post_init__(self) -> None:
         if self.n_trainable < 0:
@@ -112,7 +113,7 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
         pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
         # a tiled MLP's block holds and runs what PieceProfile.tiled says
         pieces += [StagePiece(prof.blocks[i].tiled(plan.blocks[i].mlp_tiles), plan.blocks[i], prof.blocks[i].num_params,
-                              experts=experts) for i in blocks]
+                              experts=experts, mask_bytes=prof.mask_bytes if i == blocks[0] else 0) for i in blocks]
         if k == last:
             # the head's stage holds its own copy of tied weights (runtime.tied_embeddings), on the embedding's rank
             # too where a V folds the last stage back: the two stages are separate FSDP2 roots
@@ -252,11 +253,12 @@ def stepping_gradients(plan: Plan, pieces: list[StagePiece]) -> int:
 
 
 def device_saved(sp: StagePiece) -> int:
-    """Bytes of one microbatch's activations this piece keeps on device until its backward."""
+    """Bytes of one microbatch's activations this piece keeps on device until its backward; a stage's first block
+    also its documents' mask, whatever its policy (the Documents object holds it, not autograd)."""
     policy = sp.decision.policy if sp.is_block else KEEP
     if policy.on_host:
-        return 0
-    return sp.piece.saved_bytes.get(policy.keeps, sp.piece.saved_bytes["keep"])
+        return sp.mask_bytes
+    return sp.mask_bytes + sp.piece.saved_bytes.get(policy.keeps, sp.piece.saved_bytes["keep"])
 
 
 def host_saved(sp: StagePiece) -> int:
