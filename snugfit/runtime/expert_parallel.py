@@ -38,7 +38,7 @@ from snugfit.plan.facts import EXPERT_PARALLEL_HF
 
 class ExpertParallel:
     """MoEMLP's dispatcher over an ep group: run `experts` (this rank's E/ep of them) on the copies of every rank of
-    the group routed to them. Called as model.moe.LocalExperts is: (experts, x sorted by expert, counts per expert
+    the group routed to them. Called as model.moe.local_experts is: (experts, x sorted by expert, counts per expert
     (E,)) -> the experts' outputs for x, in x's order."""
 
     def __init__(self, group, ep: int):
