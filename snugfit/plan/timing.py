@@ -305,6 +305,13 @@ def stage_time(
             if d.zero < 3:
                 gather /= gathers
             comm_b = gather if d.zero == 3 and p.name.startswith("block") else 0.0
+            # FSDP2's copy-out of each gather, on the compute stream: the gathered buffer read and split into the
+            # unit's parameters (torch.ops.fsdp.split_with_sizes_copy in foreach_all_gather_copy_out, torch 2.13's
+            # _fully_shard/_fsdp_collectives.py), at HBM bandwidth; docs/gpu.md saw it among the kernels of an H200's
+            # step. Its copy-in (a shard, on a side stream) and the reduce-scatter's copy-in are not charged
+            copy = 2 * sp.n_params * c / gpu.mem_bytes_per_s() / (gathers if d.zero < 3 else 1)
+            copy_b = copy if comm_b else 0.0
+            st.fwd, st.bwd = st.fwd + copy * share, st.bwd + copy_b * share
             if first_gather:  # nothing to hide the first gather behind
                 st.comm_exposed += gather
                 first_gather = False
