@@ -363,12 +363,15 @@ def test_a_cpu_step_pages_in_the_large_tensors_it_allocates():
     assert added == pytest.approx([head.fwd_fresh_bytes / 2e9, head.bwd_fresh_bytes / 2e9])
 
 
-def test_fsdp2_copies_each_gathered_unit_out_at_hbm_bandwidth():
+def test_fsdp2_copies_each_gathered_unit_out_and_each_reduced_unit_in_at_hbm_bandwidth():
     """FSDP2 splits each all-gather's output into the unit's parameters on the compute stream (its copy-out): two
     passes over the gathered bytes at the card's memory bandwidth, per gather: a ZeRO-3 block in forward and again in
-    backward, the root once (its gathered copy stays through backward); nothing where nothing is gathered."""
+    backward, the root once (its gathered copy stays through backward); nothing where nothing is gathered. Before
+    each reduce-scatter it copies the gradients into the reduce buffer, also on the compute stream."""
     from snugfit.plan.piece_memory import rank_stages
-    from snugfit.plan.timing import stage_time
+    from dataclasses import replace
+
+    from snugfit.plan.timing import grad_reduce_exposed, stage_time
 
     prof = synthetic_profile()
     node = parse_cluster("8xH100").nodes[0]
@@ -378,6 +381,12 @@ def test_fsdp2_copies_each_gathered_unit_out_at_hbm_bandwidth():
     copy = [2 * sp.n_params * 2 / node.gpu.mem_bytes_per_s() for sp in sps]
     assert sharded.fwd - alone.fwd == pytest.approx(sum(copy))
     assert sharded.bwd - alone.bwd == pytest.approx(sum(c for c, sp in zip(copy, sps) if sp.is_block))
+    # each reduction first copies the gradients into the fp32 reduce buffer on the compute stream: never hidden
+    copy_in = sum(sp.n_trainable * (2 + 4) for sp in sps) / node.gpu.mem_bytes_per_s()
+    assert sharded.reduce_copy == pytest.approx(copy_in) and alone.reduce_copy == 0.0
+    exposed = [grad_reduce_exposed([(st, sps)], 8, get_link("nvlink4"), 1e9)
+               for st in (sharded, replace(sharded, reduce_copy=0.0))]
+    assert exposed[0] - exposed[1] == pytest.approx(copy_in)
 
 
 def test_the_published_h100_runs_card_has_hbm2e_bandwidth_and_the_sxm_tensor_peak():
