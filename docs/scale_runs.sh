@@ -6,8 +6,8 @@
 cd "$(dirname "$0")/.." || exit 1
 plan() { echo "=== snugfit plan $*"; .venv/bin/python -m snugfit plan "$@" 2>&1 | grep -v '^ *[1-9][0-9]* '; echo; }
 BF="--dtype bfloat16 --reduce-dtype float32"
-plan --model llama-3.1-8b --cluster 8xH100 --seq 8192 --micro-batch 2 --dp 8 --pp 1 --zero 3 --recompute selective_half $BF
-plan --model llama-3.1-8b --cluster 8xH100 --seq 8192 --micro-batch 2 --dp 8 --pp 1 --zero 3 --recompute selective_half $BF \
+plan --model llama-3.1-8b --cluster 8xH100-SXM-HBM2e --seq 8192 --micro-batch 2 --dp 8 --pp 1 --zero 3 --recompute selective_half $BF
+plan --model llama-3.1-8b --cluster 8xH100-SXM-HBM2e --seq 8192 --micro-batch 2 --dp 8 --pp 1 --zero 3 --recompute selective_half $BF \
   --compile
 plan --model llama-3-8b --cluster 8x8xA100-80GB --seq 8192 --micro-batch 1 --dp 64 --pp 1 --zero 3 --recompute selective_half $BF
 plan --model docs/configs/mpt-7b.json --cluster 8xH100 --seq 2048 --micro-batch 6 --global-batch 48 --dp 8 --pp 1 --zero 3 \

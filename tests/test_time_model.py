@@ -361,3 +361,47 @@ def test_a_cpu_step_pages_in_the_large_tensors_it_allocates():
     added = [b - a for a, b in zip(piece_compute(head, cpu, "float32", None),
                                    piece_compute(head, paged, "float32", None))]
     assert added == pytest.approx([head.fwd_fresh_bytes / 2e9, head.bwd_fresh_bytes / 2e9])
+
+
+def test_fsdp2_copies_each_gathered_unit_out_and_each_reduced_unit_in_at_hbm_bandwidth():
+    """FSDP2 splits each all-gather's output into the unit's parameters on the compute stream (its copy-out): two
+    passes over the gathered bytes at the card's memory bandwidth, per gather: a ZeRO-3 block in forward and again in
+    backward, the root once (its gathered copy stays through backward); nothing where nothing is gathered. Before
+    each reduce-scatter it copies the gradients into the reduce buffer, also on the compute stream."""
+    from snugfit.plan.piece_memory import rank_stages
+    from dataclasses import replace
+
+    from snugfit.plan.timing import grad_reduce_exposed, stage_time
+
+    prof = synthetic_profile()
+    node = parse_cluster("8xH100").nodes[0]
+    kw = dict(node=node, dtype="bfloat16", reduce_dtype="float32", dp_link=get_link("nvlink4"), measured_on=None)
+    sps = rank_stages(_plan(dp=8, block=BlockPlan(zero=3), root=BlockPlan(zero=3)), prof, 0)[0]
+    sharded, alone = stage_time(sps, dp=8, **kw), stage_time(sps, dp=1, **kw)
+    copy = [2 * sp.n_params * 2 / node.gpu.mem_bytes_per_s() for sp in sps]
+    assert sharded.fwd - alone.fwd == pytest.approx(sum(copy))
+    assert sharded.bwd - alone.bwd == pytest.approx(sum(c for c, sp in zip(copy, sps) if sp.is_block))
+    # each reduction first copies the gradients into the fp32 reduce buffer on the compute stream: never hidden
+    copy_in = sum(sp.n_trainable * (2 + 4) for sp in sps) / node.gpu.mem_bytes_per_s()
+    assert sharded.reduce_copy == pytest.approx(copy_in) and alone.reduce_copy == 0.0
+    exposed = [grad_reduce_exposed([(st, sps)], 8, get_link("nvlink4"), 1e9)
+               for st in (sharded, replace(sharded, reduce_copy=0.0))]
+    assert exposed[0] - exposed[1] == pytest.approx(copy_in)
+
+
+def test_the_published_h100_runs_card_has_hbm2e_bandwidth_and_the_sxm_tensor_peak():
+    """torchtitan's H100 runs used an SXM H100 with HBM2e (2.4 TB/s, 94-96 GB): named, and found from torch's name
+    for it; its GEMMs take what the SXM's do, its memory-bound operators 3,350 / 2,410 as long."""
+    from snugfit.hardware.catalogue import GPUS, get_gpu, gpu_for_device
+
+    card, sxm = get_gpu("H100-HBM2e"), GPUS["H100-SXM"]
+    assert card.name == "H100-SXM-HBM2e" and parse_cluster("8xH100-SXM-HBM2e").nodes[0].gpu is card
+    assert gpu_for_device("NVIDIA H100", int(93.6 * 2**30)) is card
+    assert gpu_for_device("NVIDIA H100 80GB HBM3", int(79.1 * 2**30)) is sxm
+    gemms = [[16384, 14336, 4096]]
+    assert gemm_seconds(gemms, card, "bfloat16", 1.0) == gemm_seconds(gemms, sxm, "bfloat16", 1.0)
+    p = synthetic_profile().pieces[1]
+    p.fwd_ops = p.bwd_ops = 0
+    p.gemms, p.fwd_flops, p.bwd_flops, p.fwd_mem_bytes, p.bwd_mem_bytes = [], 0.0, 0.0, 1e10, 2e10
+    on_card, on_sxm = piece_compute(p, card, "bfloat16", None), piece_compute(p, sxm, "bfloat16", None)
+    assert on_card[0] / on_sxm[0] == pytest.approx(3350 / 2410) and on_card[1] > on_sxm[1]

@@ -169,6 +169,13 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     # NVIDIA H100 NVL datasheet (2023): 94 GB, 3.9 TB/s, 60 fp32, 835 tf32 / 1671 bf16 sparse; PCIe 5, NVLink
     # bridges join pairs only, so GPUs of a node talk over PCIe
     _gpu("H100-NVL", 94, 60, 417, 835, 835, 3900, 5, None, "ib-ndr"),
+    # The H100 SXM with HBM2e that torchtitan's published H100 runs used (docs/scale.md row 1): "96GB HBM2e with 2.4
+    # TB/sec peak memory bandwidth", at "the default 500W power limit" (torchtitan docs/performance.md); 94 GiB and
+    # 2.41 TB/s as Ujeniya et al. (arXiv 2604.11391) list their H100 HBM2e nodes. Its tensor peak is not published:
+    # torchtitan's authors say it "should be between SXM and NVL" (989 and 835 dense bf16 TFLOPS) and use the SXM's
+    # for MFU, as this entry does; the 500 W cap's effect on sustained clocks has no published figure, so it is not
+    # modelled (an upper bound on its speed)
+    _gpu("H100-SXM-HBM2e", 94, 67, 495, 989, 989, 2410, 5, "nvlink4", "ib-ndr"),
     # NVIDIA Ada whitepaper (RTX 4080) and Ampere GA102 whitepaper (RTX 3080): fp16/bf16 tensor, fp32 accumulate
     _gpu("RTX4080", 16, 48.7, 48.7, 97.5, 97.5, 717, 4, p2p=False),
     _gpu("RTX3080", 10, 29.8, 29.8, 59.5, 59.5, 760, 4),
@@ -180,13 +187,14 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
 SMS = {"V100-16GB": 80, "V100-32GB": 80, "T4": 40, "A10": 72, "L4": 58, "A100-40GB-PCIe": 108, "A100-40GB-SXM": 108,
        "A100-80GB-PCIe": 108, "A100-80GB-SXM": 108, "RTX3090": 82, "RTX4090": 128, "RTX5090": 170, "H100-PCIe": 114,
        "H100-SXM": 132, "H200": 132, "RTX-A6000": 84, "RTX-A5000": 64, "L40S": 142, "A800-80GB-SXM": 108,
-       "H800": 132, "H100-NVL": 132, "RTX4080": 76, "RTX3080": 68, "MI300X": 304}
+       "H800": 132, "H100-NVL": 132, "H100-SXM-HBM2e": 132, "RTX4080": 76, "RTX3080": 68, "MI300X": 304}
 for _name, _sms in SMS.items():
     GPUS[_name].sms = _sms
 ARCHS = {"volta": ["V100-16GB", "V100-32GB"], "turing": ["T4"],
          "ampere": ["A10", "A100-40GB-PCIe", "A100-40GB-SXM", "A100-80GB-PCIe", "A100-80GB-SXM", "RTX3090", "RTX3080",
                     "RTX-A6000", "RTX-A5000", "A800-80GB-SXM"],
-         "ada": ["L4", "RTX4090", "RTX4080", "L40S"], "hopper": ["H100-PCIe", "H100-SXM", "H200", "H800", "H100-NVL"],
+         "ada": ["L4", "RTX4090", "RTX4080", "L40S"],
+         "hopper": ["H100-PCIe", "H100-SXM", "H200", "H800", "H100-NVL", "H100-SXM-HBM2e"],
          "blackwell": ["RTX5090"], "cdna3": ["MI300X"]}
 for _arch, _names in ARCHS.items():
     for _name in _names:
@@ -205,6 +213,7 @@ ALIASES = {
     "A6000": "RTX-A6000", "RTXA6000": "RTX-A6000", "A5000": "RTX-A5000", "RTXA5000": "RTX-A5000",
     "A800": "A800-80GB-SXM", "A800-80GB": "A800-80GB-SXM", "H800-80GB": "H800", "H100NVL": "H100-NVL",
     "H100-94GB": "H100-NVL", "RTX-4080": "RTX4080", "RTX-3080": "RTX3080",
+    "H100-HBM2e": "H100-SXM-HBM2e", "H100-96GB-HBM2e": "H100-SXM-HBM2e",
 }
 
 # bus_gbps, NCCL's achieved bus bandwidth (nccl-tests busbw, ring, large messages):

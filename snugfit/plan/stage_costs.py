@@ -262,6 +262,7 @@ class StageCosts:
                          for sp in sps)
             if block:
                 reduce = max(0.0, reduce - one.bwd - one.recompute)
+            reduce += one.reduce_copy  # FSDP2's copy-in, on the compute stream (timing.grad_reduce_exposed)
         reduce = corrected("dp_comm_exposed", reduce, self.node)
         opt_dev = corrected("optimizer", opt_dev, self.node)
         opt_host = corrected("offload_exposed", opt_host, self.node)

@@ -237,6 +237,10 @@ class StageTime:
     ep_fwd: float = 0.0  # expert parallelism's all-to-alls in forward (plan.expert_parallel, all exposed)
     ep_bwd: float = 0.0  # and in backward, recomputation's included
     sm_share: float = 0.0  # of the GPU's SMs, what NCCL holds while a dp collective overlaps compute
+    # per reduction (timing.reductions): FSDP2's reduce-scatter copy-in, each sharded unit's gradients read and written
+    # into the reduce buffer in the reduce dtype (foreach_reduce_scatter_copy_in, torch 2.13's
+    # _fully_shard/_fsdp_collectives.py), on the compute stream before the collective: never hidden
+    reduce_copy: float = 0.0
 
     @property
     def f_total(self) -> float:
@@ -311,6 +315,14 @@ def stage_time(
             if d.zero < 3:
                 gather /= gathers
             comm_b = gather if d.zero == 3 and p.name.startswith("block") else 0.0
+            # FSDP2's copy-out of each gather, on the compute stream: the gathered buffer read and split into the
+            # unit's parameters (torch.ops.fsdp.split_with_sizes_copy in foreach_all_gather_copy_out, torch 2.13's
+            # _fully_shard/_fsdp_collectives.py), at HBM bandwidth; docs/gpu.md saw it among the kernels of an H200's
+            # step. Its copy-in (a shard, on a side stream) is not charged
+            copy = 2 * sp.n_params * c / gpu.mem_bytes_per_s() / (gathers if d.zero < 3 else 1)
+            copy_b = copy if comm_b else 0.0
+            st.fwd, st.bwd = st.fwd + copy * share, st.bwd + copy_b * share
+            st.reduce_copy += sp.n_trainable * (c + g) / gpu.mem_bytes_per_s()
             if first_gather:  # nothing to hide the first gather behind
                 st.comm_exposed += gather
                 first_gather = False
@@ -354,7 +366,7 @@ def reduce_time(sp: StagePiece, nbytes: float, dp: int, link: Link) -> float:
 def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: int, link: Link, bwd_last: float,
                         cpu: Node | None = None) -> float:
     """One gradient reduction of every unit, hidden behind the backward that makes it except the tail
-    (`reductions` says how many a step runs).
+    (`reductions` says how many a step runs), and FSDP2's copy-in before it (StageTime.reduce_copy), never hidden.
 
     cpu: the node of CPU ranks, whose measured FSDP2 reduce cost applies instead, all of it exposed.
     """
@@ -368,7 +380,8 @@ def grad_reduce_exposed(stages: list[tuple[StageTime, list[StagePiece]]], dp: in
     if cpu is not None:  # CPU ranks not measured: the link's cost, nothing overlaps
         return sum(times)
     tail = times[0] if times else 0.0  # the first piece's gradients are ready last
-    return overlap_exposed(sum(times), bwd_last, stages[0][0].sm_share if stages else 0.0) + tail
+    copy = sum(st.reduce_copy for st, _ in stages)
+    return overlap_exposed(sum(times), bwd_last, stages[0][0].sm_share if stages else 0.0) + tail + copy
 
 
 def optimizer_time(
