@@ -85,14 +85,16 @@ def _switch_effect(before: Plan, after: Plan) -> str:
 
 
 def _could_pay(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, budget: int | None,
-               opt: OptimizerPlan, step_s: float) -> bool:
+               opt: OptimizerPlan, step_s: float, floors: CostModel) -> bool:
     """Whether some plan under `opt` could be PAYS times faster than `step_s`, by the search's lower bounds (every
     block at its fastest option, memory aside): a quarter of a search, where a compute-bound step's switches need
     none (Llama-2-70B on 8x8 A100s: their five searches were two thirds of its `snugfit plan`). The plans the
     search finds ran 1.7% and more above them (six catalogue rows, five switches each), so no switch that pays is
-    left out."""
+    left out. `floors` (any setup's model) gives CostModel.floor, a bound below every setup's lower bound, shared
+    by the five: a candidate it rules out is not priced under `opt` (the 70B's: all but a few dozen of ~300)."""
     model = CostModel(profile, cluster, global_batch, c, budget_for(cluster, budget), optimizer=opt)
-    return any(PAYS * model.lower_bound(x) <= step_s for x in model.candidates())
+    return any(PAYS * model.lower_bound(x) <= step_s for x in model.candidates()
+               if PAYS * floors.floor(x) <= step_s * (1 + 1e-9))
 
 
 def switches(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None,
@@ -103,9 +105,10 @@ def switches(profile: ModelProfile, cluster: Cluster, *, global_batch: int, cons
     if best is None or not _offloads(best) or cluster.gpu_of(0).name == "cpu":
         return []
     c = constraints or Constraints()
+    floors = CostModel(profile, cluster, global_batch, c, budget_for(cluster, memory_budget))
     for opt in SWITCHES:
         if not _stronger(opt, best.optimizer) or not _could_pay(profile, cluster, global_batch, c, memory_budget,
-                                                                   opt, best.predicted.step_time_s):
+                                                                   opt, best.predicted.step_time_s, floors):
             continue
         plan = _fits(profile, cluster, global_batch, c, memory_budget, opt)
         if plan is not None and best.predicted.step_time_s >= PAYS * plan.predicted.step_time_s:

@@ -181,6 +181,26 @@ class CostModel:
                        + self.bubble(cand) * (self.n_blocks * block_mb / cand.pp + pipe))
         return best
 
+    def floor(self, cand: Candidate) -> float:
+        """A bound below lower_bound(cand) under every optimizer setup (advice.switches weighs five): the blocks'
+        per-microbatch seconds at their fastest option and the schedule's bubble, without the root and the step's
+        once-a-step terms (the optimizer's and reduction's), the only ones the setup changes. 0 where it cannot
+        tell: on one rank (whether the model runs unwrapped depends on the master weights), or where every option
+        offloads (the setup decides which may stream states)."""
+        if self.cluster.world_size == 1:
+            return 0.0
+        best = INF
+        for s in {self.cluster.node_of(cand.shape.layout.rank(s)): s for s in range(cand.pp)}.values():
+            lean = [o for o in self.options(cand) if not (o.placement.states_on_host or o.offloads_activations)]
+            if not lean:
+                return 0.0
+            st, blk = self.costs(cand, s), self.profile_at(cand).blocks[self.typical]
+            block_mb = min(st.cost(blk, o).t_mb for o in lean)
+            pipe = cpu_stage_time(st.node) * cand.virtual_stages if cand.pp > 1 else 0.0
+            best = min(best, self.n_blocks * block_mb * cand.num_microbatches / cand.pp
+                       + cand.num_microbatches * pipe + self.bubble(cand) * (self.n_blocks * block_mb / cand.pp + pipe))
+        return best
+
     def bubble(self, cand: Candidate) -> float:
         """The candidate's schedule's idle time per rank in microbatches of a rank's work; a split backward's
         moves the weight gradients (their share of the block's backward) into it."""
