@@ -11,8 +11,9 @@ priced as the typical one, the largest; estimate() checks the actual plan. Pure:
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
+from snugfit.hardware.catalogue import Link
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
@@ -37,6 +38,12 @@ def _per_stage(cache: dict, cand: Candidate, s: int, make):
     if found is None:
         found = cache[at] = make(cand, s)
     return found
+
+
+def _named(link: Link) -> tuple:
+    """A link by all its fields, which are flat: dataclasses.astuple's deep copy of them was a quarter of
+    _stage_costs (cProfile, advice.switches on 70B)."""
+    return tuple(vars(link).values())
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ class CostModel:
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
         # is named by all its fields (one across nodes has the bandwidth and node count of the group it serves)
         dp_group, tp_group = layout.shard_group(first), layout.tp_group(first)
-        dp_link, tp_link = astuple(self.cluster.link_for(dp_group)), astuple(self.cluster.link_for(tp_group))
+        dp_link, tp_link = _named(self.cluster.link_for(dp_group)), _named(self.cluster.link_for(tp_group))
         alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.cp, cand.tp,
                  cand.micro_batch_size, busy, gathers, rdtype)  # the stage's costs share their parts (SharedCosts)
         key = alike + (cand.grad_reduce, replays)

@@ -83,9 +83,10 @@ class _Layer:
         self.src = np.maximum(src, 0)
         # out-of-range sources cost infinity: added as a penalty to the item times
         self.t = np.where(src >= 0, np.array([it[1] for it in items])[:, None], INF)
+        self._work = np.empty(self.src.shape)  # every call's candidates, in one buffer
 
     def __call__(self, f: np.ndarray) -> np.ndarray:
-        cand = f.take(self.src)
+        cand = f.take(self.src, out=self._work)
         cand += self.t
         return np.minimum.reduce(cand, axis=0)  # ndarray.min's Python wrapper costs a tenth of the call
 
