@@ -110,3 +110,18 @@ def test_plan_command_reports_the_choice(tmp_path, capsys):
         assert plan_cmd.run(ap.parse_args(base + extra)) == 0
         out = capsys.readouterr().out
         assert line in out and ("blocks compiled:" in out) == (line == "compile: chosen")
+
+
+def test_compiled_profile_traced_ahead_is_the_one_traced_here(tmp_path, monkeypatch, profiles):
+    """`snugfit plan` traces the compiled blocks in a second process while it searches the eager side
+    (profile.profile_ahead): the profile it leaves in the cache is the one this process would make, and is read,
+    not made again."""
+    import snugfit.profile.profile as profile_mod
+
+    kw = dict(micro_batch_size=1, seq_len=SEQ, dtype="bfloat16", kernels="gpu", cache_dir=str(tmp_path), compile=True)
+    profile_mod.profile_ahead(CFG, **kw)()
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # the eager recording and the compiled blocks
+    monkeypatch.setattr(profile_mod, "compile_module", lambda *a: pytest.fail("traced again"))
+    monkeypatch.setattr(profile_mod, "profile_module", lambda *a, **k: pytest.fail("recorded again"))
+    got = profile_model(CFG, **kw)
+    assert got.compiled and got == replace(profiles[2][True], model=got.model)

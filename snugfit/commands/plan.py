@@ -14,7 +14,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from snugfit.commands.options import add_config_options, config_from_args
@@ -24,7 +24,7 @@ from snugfit.calibrate.corrections import with_stored_corrections
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import block_count, resolve_model
 from snugfit.model.decoder import ModelConfig
-from snugfit.plan.compile_choice import search_compiled_or_eager
+from snugfit.plan.compile_choice import search_compiled_or_eager, weighs_compiled
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import canonical_dtype, dtype_for_cluster
 from snugfit.plan.advice import Variant, advise, switches
@@ -117,6 +117,7 @@ class Target:
     cache_dir: str | None = None
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
     lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
+    pending: list = field(default_factory=list, repr=False)  # waits for profiles started ahead (profile_ahead)
 
     def varied(self, v: Variant) -> "Target":
         """This target under the advice's change (plan.advice.Variant): LoRA on the default targets, QLoRA."""
@@ -130,13 +131,23 @@ class Target:
         its blocks eager or as torch.compile runs them (profile.compiled)."""
         from snugfit.profile.profile import profile_model
 
+        while self.pending:  # a profile started ahead is in the cache once it is done
+            self.pending.pop()()
+        return profile_model(self.model, **self._profile_args(micro_batch, seq, dtype, compile))
+
+    def profile_ahead(self, micro_batch: int, seq: int, dtype: str, compile: bool) -> None:
+        """Start profiling in a second process (profile.profile_ahead), for a later `profile` with these
+        arguments to find in the cache: the compiled side, traced while the eager side is searched."""
+        from snugfit.profile.profile import profile_ahead
+
+        self.pending.append(profile_ahead(self.model, **self._profile_args(micro_batch, seq, dtype, compile)))
+
+    def _profile_args(self, micro_batch: int, seq: int, dtype: str, compile: bool) -> dict:
         if isinstance(self.model, ModelConfig) and self.model.max_seq_len < seq:
             self.model.max_seq_len = seq
-        return profile_model(self.model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name,
-                             cache_dir=self.cache_dir, lora_rank=self.lora_rank or None,
-                             lora_targets=self.lora_targets, frozen=self.frozen or None,
-                             quantize_base=self.quantize_base, kernels=self.kernels,
-                             compile=compile)
+        return dict(micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name, cache_dir=self.cache_dir,
+                    lora_rank=self.lora_rank or None, lora_targets=self.lora_targets, frozen=self.frozen or None,
+                    quantize_base=self.quantize_base, kernels=self.kernels, compile=compile)
 
 
 def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
@@ -249,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     notes += [corrected] if corrected else []  # a run measured here, where one did
     try:
         weighed = t.compile if par.plan == "auto" else bool(t.compile)  # --plan dp: eager unless asked, as trained
+        if weighs_compiled(weighed, cluster):  # traced on the second core while the eager side is searched
+            target.profile_ahead(micro or 1, seq, dtype, True)
         chosen = search_compiled_or_eager(lambda compiled: target.profile(micro or 1, seq, dtype, compiled), cluster,
                                           compile=weighed, steps=t.steps, global_batch=gb, constraints=c,
                                           memory_budget=budget, reduce_dtype=args.reduce_dtype,
