@@ -24,7 +24,8 @@ from snugfit.calibrate.corrections import with_stored_corrections
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import block_count, resolve_model
 from snugfit.model.decoder import ModelConfig
-from snugfit.plan.compile_choice import search_compiled_or_eager, weighs_compiled
+from snugfit.commands.ahead import in_second_process
+from snugfit.plan.compile_choice import compiled_side, search_compiled_or_eager, weighs_compiled
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import canonical_dtype, dtype_for_cluster
 from snugfit.plan.advice import Variant, advise, switches
@@ -117,7 +118,7 @@ class Target:
     cache_dir: str | None = None
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
     lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
-    pending: list = field(default_factory=list, repr=False)  # waits for profiles started ahead (profile_ahead)
+    pending: list = field(default_factory=list, repr=False)  # waits for work started ahead (commands.ahead)
 
     def varied(self, v: Variant) -> "Target":
         """This target under the advice's change (plan.advice.Variant): LoRA on the default targets, QLoRA."""
@@ -131,23 +132,16 @@ class Target:
         its blocks eager or as torch.compile runs them (profile.compiled)."""
         from snugfit.profile.profile import profile_model
 
-        while self.pending:  # a profile started ahead is in the cache once it is done
+        while compile and self.pending:  # the compiled profile a second process makes ahead is cached once done
             self.pending.pop()()
-        return profile_model(self.model, **self._profile_args(micro_batch, seq, dtype, compile))
-
-    def profile_ahead(self, micro_batch: int, seq: int, dtype: str, compile: bool) -> None:
-        """Start profiling in a second process (profile.profile_ahead), for a later `profile` with these
-        arguments to find in the cache: the compiled side, traced while the eager side is searched."""
-        from snugfit.profile.profile import profile_ahead
-
-        self.pending.append(profile_ahead(self.model, **self._profile_args(micro_batch, seq, dtype, compile)))
-
-    def _profile_args(self, micro_batch: int, seq: int, dtype: str, compile: bool) -> dict:
         if isinstance(self.model, ModelConfig) and self.model.max_seq_len < seq:
             self.model.max_seq_len = seq
-        return dict(micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name, cache_dir=self.cache_dir,
-                    lora_rank=self.lora_rank or None, lora_targets=self.lora_targets, frozen=self.frozen or None,
-                    quantize_base=self.quantize_base, kernels=self.kernels, compile=compile)
+        return profile_model(self.model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name,
+                             cache_dir=self.cache_dir, lora_rank=self.lora_rank or None,
+                             lora_targets=self.lora_targets, frozen=self.frozen or None,
+                             quantize_base=self.quantize_base, kernels=self.kernels,
+                             compile=compile)
+
 
 
 def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
@@ -260,13 +254,18 @@ def run(args: argparse.Namespace) -> int:
     notes += [corrected] if corrected else []  # a run measured here, where one did
     try:
         weighed = t.compile if par.plan == "auto" else bool(t.compile)  # --plan dp: eager unless asked, as trained
-        if weighs_compiled(weighed, cluster):  # traced on the second core while the eager side is searched
-            target.profile_ahead(micro or 1, seq, dtype, True)
-        chosen = search_compiled_or_eager(lambda compiled: target.profile(micro or 1, seq, dtype, compiled), cluster,
-                                          compile=weighed, steps=t.steps, global_batch=gb, constraints=c,
-                                          memory_budget=budget, reduce_dtype=args.reduce_dtype,
-                                          alternatives=args.alternatives, compare_bpipe=args.explain_bpipe,
-                                          optimizer=optimizer_plan(t))
+        search_args = dict(global_batch=gb, constraints=c, memory_budget=budget, reduce_dtype=args.reduce_dtype,
+                           alternatives=args.alternatives, compare_bpipe=args.explain_bpipe,
+                           optimizer=optimizer_plan(t))
+
+        def profile_for(compiled: bool) -> ModelProfile:
+            return target.profile(micro or 1, seq, dtype, compiled)
+        ahead = None
+        if weighs_compiled(weighed, cluster):  # traced and searched on the second core while this one searches eager
+            ahead = in_second_process(lambda: compiled_side(profile_for, cluster, **search_args))
+            target.pending.append(ahead)  # the compiled profile it caches is read once it is done
+        chosen = search_compiled_or_eager(profile_for, cluster, compile=weighed, steps=t.steps, compiled_ahead=ahead,
+                                          **search_args)
     except NoPlanError as e:
         if not e.result.candidates:
             raise SnugfitError(str(e)) from None

@@ -293,30 +293,6 @@ def profile_model(
     return prof
 
 
-def profile_ahead(model: ModelConfig | dict, **kwargs) -> Callable[[], None]:
-    """Start profile_model(model, **kwargs) in a forked child that fills the cache, and return what waits for it:
-    `snugfit plan` traces the compiled blocks on a second core while it searches the eager ones. Wherever the
-    child fails (no fork, one core, an unwritable cache), the wait returns all the same and profile_model then
-    profiles in this process, as without it."""
-    if not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2 or not kwargs.get("use_cache", True):
-        return lambda: None
-    pid = os.fork()
-    if pid == 0:  # the child: only the cache file is its output, and it leaves without the parent's exit handlers
-        code = 1
-        try:
-            profile_model(model, **kwargs)
-            code = 0
-        finally:
-            os._exit(code)
-    waited = []
-
-    def wait() -> None:
-        if not waited:
-            os.waitpid(pid, 0)
-            waited.append(pid)
-    return wait
-
-
 def count_quantized(prof: ModelProfile, net: nn.Module) -> None:
     """Mark the weights NF4 will hold, block by block, and charge their dequantization to each forward and
     backward, which recomputation repeats (the meta-device recording never runs torchao's): eager, torchao's
