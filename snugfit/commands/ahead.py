@@ -13,7 +13,8 @@ def in_second_process(work: Callable[[], Any]) -> Callable[[], Any]:
     """Start `work` in a forked child and return what waits for its result (pickled back through a pipe). The
     wait gives None wherever it could not be had (no fork, one core, the child failed): the caller then does the
     work itself, as without it. The child shares the parent's files, so what it caches (profiles) is there too."""
-    if not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS
+    if not hasattr(os, "fork") or cores < 2:
         return lambda: None
     read, write = os.pipe()
     pid = os.fork()
