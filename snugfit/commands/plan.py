@@ -143,7 +143,6 @@ class Target:
                              compile=compile)
 
 
-
 def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
     """Profile the model for the plan's micro-batch, sequence and dtype, then estimate the plan."""
     prof = target.profile(plan.micro_batch_size, plan.seq_len, plan.compute_dtype, plan.compile)
