@@ -112,7 +112,6 @@ def test_plan_command_reports_the_choice(tmp_path, capsys):
         assert line in out and ("blocks compiled:" in out) == (line == "compile: chosen")
 
 
-
 def test_the_compiled_side_searched_in_a_second_process_is_the_one_searched_here(tmp_path, profiles):
     """`snugfit plan` traces and searches the compiled blocks in a forked process while it searches the eager side
     (commands.ahead): what comes back is the search this process would make, nothing fitting included, and what
