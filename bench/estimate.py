@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -67,7 +68,8 @@ PLANS = [
 
 # (name, dp, pp, block plan, root zero, microbatches, tp, cp[, fine-tuning[, gradient reduction[, optimizer]]]); micro-batch
 # 2, keep, sdpa. fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears),
-# "freeze" (the embedding and the first two blocks frozen); gradient reduction: plan.GRAD_REDUCE (default "step");
+# "freeze" (the embedding and the first two blocks frozen), "moe" (a Mixture-of-Experts model: MOE_EXPERTS experts, top
+# 2, each as wide as the dense MLP; trained in full); gradient reduction: plan.GRAD_REDUCE (default "step");
 # optimizer: plan.OptimizerPlan (default fp32 weights and states, stepped after backward; the root streams its
 # states where the blocks do)
 MULTI = [
@@ -104,17 +106,27 @@ MULTI = [
     ("cp2 lora zero3 mlp tiles 4", 1, 1, BlockPlan(zero=3, mlp_tiles=4), 3, 2, 1, 2, "lora"),
     ("dp2 zero3 mlp tiles 4", 2, 1, BlockPlan(zero=3, mlp_tiles=4), 3, 2, 1, 1),
     ("dp2 recompute mlp tiles 4", 2, 1, BlockPlan(zero=2, activations="recompute", mlp_tiles=4), 2, 2, 1, 1),
+    # Mixture-of-Experts blocks: every expert's weights, gradients and states, the top-k experts' grouped GEMMs
+    ("moe", 1, 1, BlockPlan(), 0, 2, 1, 1, "moe"),
+    ("dp2 moe zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, 1, "moe"),
+    ("dp2 moe zero2+recompute", 2, 1, BlockPlan(zero=2, activations="recompute"), 2, 2, 1, 1, "moe"),
+    ("pp2 moe 1f1b", 1, 2, BlockPlan(), 0, 4, 1, 1, "moe"),
 ]
-LORA_RANK, FROZEN = 4, "embed,blocks:0-1"
+LORA_RANK, FROZEN, MOE_EXPERTS = 4, "embed,blocks:0-1", 4
+
+
+def configured(cfg: ModelConfig, tune: str) -> ModelConfig:
+    """The model a plan's fine-tuning names: the dense one, or its Mixture-of-Experts twin."""
+    return replace(cfg, n_experts=MOE_EXPERTS, top_k=2, moe_ffn_dim=cfg.ffn_dim) if tune == "moe" else cfg
 
 
 def tuned(cfg: ModelConfig, tune: str) -> Decoder:
     """The model as the plan's fine-tuning runs it (same seed for every rank)."""
     torch.manual_seed(0)
-    model = Decoder(cfg)
+    model = Decoder(configured(cfg, tune))
     if tune == "freeze":
         freeze(model, FROZEN)
-    elif tune:
+    elif tune in ("lora", "qlora"):
         apply_lora(model, LORA_RANK)
     if tune == "qlora":
         quantize_base(model)
@@ -165,7 +177,7 @@ def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int
     def profile(tune: str):
         if tune not in profiles:
             profiles[tune] = profile_model(
-                cfg, micro_batch_size=MULTI_MBS, seq_len=args.seq, measure_on="cpu", repeats=args.steps,
+                configured(cfg, tune), micro_batch_size=MULTI_MBS, seq_len=args.seq, measure_on="cpu", repeats=args.steps,
                 use_cache=False, clock=time.process_time, lora_rank=LORA_RANK if tune in ("lora", "qlora") else None,
                 frozen=FROZEN if tune == "freeze" else None, quantize_base="nf4" if tune == "qlora" else "none")
         return profiles[tune]

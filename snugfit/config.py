@@ -32,6 +32,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
+EXAMPLE_FORMATS = ("instruct", "chat")  # data of separate examples, padded or packed to seq_len
+
+
 @dataclass
 class DataConfig:
     path: str = ""  # file or folder; empty: the embedded corpus (Python's standard library source)
@@ -43,6 +46,20 @@ class DataConfig:
     messages_field: str = "messages"  # chat: [{"role", "content"}, ...], rendered with the model's chat template
     bin_dtype: str = "uint16"  # uint16 | uint32, for pre-tokenized .bin files
     val_fraction: float = 0.05  # the last part of the stream held out for validation
+    # instruct and chat examples packed into full sequences, boundaries kept (data.packing); unset: on for them
+    # (padded, short examples waste most of a step), never for text streams (documents already run contiguous)
+    pack: bool | None = None
+
+    @property
+    def packs(self) -> bool:
+        """Whether the run packs its examples (data.pack, or its default for the format)."""
+        return self.pack if self.pack is not None else self.format in EXAMPLE_FORMATS
+
+
+def packed_in(saved: dict) -> bool:
+    """Whether the run whose `RunConfig.to_dict()` this is packed its examples (runs from before packing did not)."""
+    data = saved.get("data", {})
+    return "pack" in data and DataConfig(format=data.get("format", "auto"), pack=data["pack"]).packs
 
 
 @dataclass
@@ -340,6 +357,9 @@ def check_relations(cfg: RunConfig) -> None:
                            "add --lora-rank (QLoRA) or --freeze, or drop --quantize-base")
     if par.node_rank >= par.nnodes:
         raise SnugfitError(f"parallel.node_rank {par.node_rank} must be below parallel.nnodes ({par.nnodes})")
+    if cfg.data.pack and cfg.data.format not in EXAMPLE_FORMATS:
+        raise SnugfitError(f"data.pack packs instruct and chat examples; data.format {cfg.data.format!r} is a "
+                           "token stream whose documents already run contiguous: drop --pack")
     if t.trace_step > t.steps:
         raise SnugfitError(f"train.trace_step {t.trace_step} is past train.steps ({t.steps}); it would never be "
                            "traced")

@@ -233,6 +233,17 @@ def test_gpt_oss_and_deepseek_v3_saved_by_transformers_load_equal(arch, tmp_path
         HFCausalLM(AutoModelForCausalLM.from_config(hf.config.__class__.from_dict(quantized.to_dict())))
 
 
+
+def test_gpt_oss_profiles_its_mlp_though_it_returns_router_scores_too():
+    """gpt-oss's MLP returns (hidden states, router scores): the profile still measures the MLP's output."""
+    from snugfit.model.hf import attention_for
+    from snugfit.profile.profile import profile_model
+
+    cfg = AutoConfig.for_model("gpt_oss", **OTHERS["gpt_oss"])
+    cfg._attn_implementation = attention_for(cfg)
+    prof = profile_model(cfg.to_dict(), micro_batch_size=2, seq_len=16, use_cache=False)
+    assert prof.blocks[0].mlp_share["out"] == 2 * 16 * cfg.hidden_size * 4  # tokens x hidden, fp32
+
 def test_mixtral_folder_plans_trains_exports_and_reloads(tmp_path, capsys):
     import json
 

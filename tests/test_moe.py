@@ -118,8 +118,8 @@ def reference(plan: Plan, steps: int) -> tuple[list[float], list[float], dict[st
         micro = [mb for rows in batch.chunk(plan.dp) for mb in split_batch(rows, plan)]
         begin_step(model, 1.0 / len(micro), 1.0)
         total = 0.0
-        for inputs, targets in micro:
-            loss = model(inputs, targets) / len(micro)
+        for mb in micro:
+            loss = model(*mb) / len(micro)
             loss.backward()
             total += loss.item()
         losses.append(total)

@@ -80,8 +80,8 @@ def _reference(cfg: ModelConfig, plan: Plan, batch: torch.Tensor):
     model = Decoder(cfg)
     micro = [mb for rank_batch in batch.chunk(plan.dp) for mb in split_batch(rank_batch, plan)]
     total = 0.0
-    for inputs, targets in micro:
-        loss = model(inputs, targets) / len(micro)
+    for mb in micro:
+        loss = model(*mb) / len(micro)
         loss.backward()
         total += loss.item()
     return total, {n: p.grad for n, p in model.named_parameters()}
@@ -230,9 +230,10 @@ def test_time_model_moves_activations_as_bpipe_program_does(p):
 def test_split_batch_takes_instruction_pairs():
     plan = Plan.uniform(1, micro_batch_size=2, num_microbatches=2, seq_len=4)
     batch = torch.arange(4 * 2 * 5).view(4, 2, 5)
-    (x0, y0), (x1, y1) = split_batch(batch, plan)
+    (x0, y0, d0), (x1, y1, _) = split_batch(batch, plan)
     assert torch.equal(torch.cat([x0, x1]), batch[:, 0, :-1]) and torch.equal(torch.cat([y0, y1]), batch[:, 1, 1:])
-    (x0, y0), _ = split_batch(batch[:, 0], plan)  # a token stream: targets are the inputs shifted
+    assert d0 is None  # no document ids: not packed
+    (x0, y0, _), _ = split_batch(batch[:, 0], plan)  # a token stream: targets are the inputs shifted
     assert torch.equal(x0, batch[:2, 0, :-1]) and torch.equal(y0, batch[:2, 0, 1:])
     with pytest.raises(PlanError, match=r"\(4, 2, 5\)"):
         split_batch(batch[:, :, :-1], plan)

@@ -108,8 +108,8 @@ def reference(folder: str | None, plan: Plan, steps: int) -> tuple[list[float], 
     for batch in batches(steps):
         micro = [mb for rows in batch.chunk(plan.dp) for mb in split_batch(rows, plan)]
         total = 0.0
-        for inputs, targets in micro:
-            loss = model(inputs, targets) / len(micro)
+        for mb in micro:
+            loss = model(*mb) / len(micro)
             loss.backward()
             total += loss.item()
         losses.append(total)

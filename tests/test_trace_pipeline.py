@@ -45,7 +45,7 @@ def _traced(env, schedule: str, pp: int) -> tuple[StepTrace, float, float]:
     batch = torch.randint(0, 64, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     reference = Decoder(_cfg(plan))
-    ref_loss = sum(reference(x, y).item() for x, y in split_batch(batch, plan)) / MICRO
+    ref_loss = sum(reference(*mb).item() for mb in split_batch(batch, plan)) / MICRO
     torch.manual_seed(0)
     engine = build_engine(Decoder(_cfg(plan)), plan, OptimConfig(), env)
     trace = engine.trace = StepTrace()

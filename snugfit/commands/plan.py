@@ -20,7 +20,6 @@ from pathlib import Path
 from snugfit.commands.options import add_config_options, config_from_args
 from snugfit.config import optimizer_plan
 from snugfit.errors import SnugfitError
-from snugfit.calibrate.corrections import with_stored_corrections
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import block_count, resolve_model
 from snugfit.model.decoder import ModelConfig
@@ -118,6 +117,7 @@ class Target:
     cache_dir: str | None = None
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
     lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
+    pack: bool = False  # data.packs: packed examples' attention mask charged (profile_model's pack)
     pending: list = field(default_factory=list, repr=False)  # waits for work started ahead (commands.ahead)
 
     def varied(self, v: Variant) -> "Target":
@@ -140,7 +140,7 @@ class Target:
                              cache_dir=self.cache_dir, lora_rank=self.lora_rank or None,
                              lora_targets=self.lora_targets, frozen=self.frozen or None,
                              quantize_base=self.quantize_base, kernels=self.kernels,
-                             compile=compile)
+                             compile=compile, pack=self.pack)
 
 
 def evaluate(plan: Plan, target: Target, cluster: Cluster, memory_budget: int | None = None) -> Prediction:
@@ -165,8 +165,10 @@ def format_prediction(plan: Plan, pred: Prediction) -> str:
     lines = [describe_model(plan.model)] if plan.model else []
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
     every = ", gradients reduced every microbatch" if plan.grad_reduce == "microbatch" else ""
+    blocks = ("blocks compiled (torch.compile)" if plan.compile else
+              "blocks eager (--compile true evaluates them compiled)")
     lines += [f"plan: dp {plan.dp}{tp} x pp {plan.pp} ({plan.schedule}), micro-batch {plan.micro_batch_size} x "
-             f"{plan.num_microbatches} microbatches{every}, seq {plan.seq_len}, {plan.compute_dtype}; "
+             f"{plan.num_microbatches} microbatches{every}, seq {plan.seq_len}, {plan.compute_dtype}, {blocks}; "
              f"global batch {plan.global_batch}", f"optimizer: {describe_optimizer(plan.optimizer)}"]
     lines += memory_lines(pred)
     lines.append(phases_line(pred))
@@ -208,13 +210,30 @@ def run(args: argparse.Namespace) -> int:
     named = cfg.model.name
     model = resolve_model(named, cfg.model.attention) if named else cfg.model
     target = Target(model, named or f"built-in {cfg.model.arch}", cfg.finetune.lora_rank, cfg.finetune.freeze,
-                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets)
-    cluster = parse_cluster(args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu"))
+                    cfg.finetune.quantize_base, args.profile_cache, lora_targets=cfg.finetune.lora_targets,
+                    pack=cfg.data.packs)
+    spec = args.cluster or (f"{par.nproc}xcpu" if par.nproc > 1 else "cpu")
+
+    def cluster_of() -> Cluster:
+        built = parse_cluster(spec)
+        return with_host_ram(built, parse_bytes(args.host_ram)) if args.host_ram else built
+
+    cluster = cluster_of()
     for note in cluster.notes:  # first, before the search: which card a short name took
         print(note, file=sys.stderr if args.json else sys.stdout)
     target.kernels = "cpu" if all(n.gpu.name == "cpu" for n in cluster.nodes) else "gpu"
-    if args.host_ram:
-        cluster = with_host_ram(cluster, parse_bytes(args.host_ram))
+    notes: list[str] = []
+
+    def planned_on(micro_batch: int, seq_len: int, dtype: str) -> Cluster:
+        """The cluster as `snugfit train` plans it (train.autoplan.planning_inputs: CPU ranks measured as train
+        measures them, a run's stored corrections), the line naming corrections among the notes."""
+        from snugfit.train.autoplan import planning_inputs
+
+        profile = target.profile(micro_batch, seq_len, dtype, False)  # its shape keys the corrections
+        found, line = planning_inputs(cluster_of, profile, cluster.nodes[0].count)
+        notes.extend([line] if line else [])
+        return found
+
     dtype, why = dtype_for_cluster(t.dtype, cluster)
     n_blocks = block_count(model)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
@@ -222,9 +241,10 @@ def run(args: argparse.Namespace) -> int:
         plan = _read_plan(par.plan)
         if t.compile is not None:  # as train runs a plan file
             plan.shape = replace(plan.shape, compile=t.compile)
-        _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, [])
+        cluster = planned_on(plan.micro_batch_size, plan.seq_len, plan.compute_dtype)
+        _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
-    notes = [f"dtype {dtype}: {why}"]
+    notes.append(f"dtype {dtype}: {why}")
     seq = t.seq_len
     if named and "train.seq_len" not in given:
         seq = max_length(model)
@@ -239,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
                                  optimizer=optimizer_plan(t))
         # a plan given whole is not searched: eager unless --compile
         plan.shape = replace(plan.shape, compile=bool(t.compile))
+        cluster = planned_on(micro, seq, dtype)
         _report(args, plan, evaluate(plan, target, cluster, budget), target, cluster, budget, notes)
         return 0
     if par.plan == "dp":  # plain data parallelism, as `snugfit train --plan dp` runs it; the micro-batch searched
@@ -249,8 +270,7 @@ def run(args: argparse.Namespace) -> int:
     if gb is None:
         dp = c.dp or cluster.world_size // ((c.pp or 1) * (c.cp or 1))
         gb = (micro or 1) * (c.num_microbatches or 1) * (dp if c.num_microbatches else cluster.world_size)
-    cluster, corrected = with_stored_corrections(cluster, target.profile(micro or 1, seq, dtype, False))  # what
-    notes += [corrected] if corrected else []  # a run measured here, where one did
+    cluster = planned_on(micro or 1, seq, dtype)
     try:
         weighed = t.compile if par.plan == "auto" else bool(t.compile)  # --plan dp: eager unless asked, as trained
         search_args = dict(global_batch=gb, constraints=c, memory_budget=budget, reduce_dtype=args.reduce_dtype,

@@ -50,6 +50,8 @@ class Examples:
     """A file's examples as one (N, 2, seq_len + 1) array, and what reading them did (for the run's data line)."""
 
     rows: np.ndarray
+    lengths: np.ndarray  # each row's real positions (the rest is padding): what packing places
+    pad_id: int
     read: int  # records in the file
     dropped: int  # nothing to learn within seq_len
     truncated: int  # kept, but cut on the right: what was cut is not learned
@@ -57,11 +59,6 @@ class Examples:
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    @property
-    def targets_per_example(self) -> float:
-        """Learned tokens of a kept example, on average."""
-        return float((self.rows[:, 1, 1:] != IGNORE).sum()) / max(len(self.rows), 1)
 
     def describe(self, seq_len: int) -> str:
         """'200 examples read, 125 dropped (nothing to learn within 34 tokens), 75 truncated at 34 tokens'."""
@@ -77,17 +74,18 @@ def stack_examples(pairs: Iterable[tuple[list[int], list[int]]], path: str | Pat
                    noun: str) -> Examples:
     """The (ids, labels) pairs packed to seq_len + 1 (`pack_example`), those with nothing to learn dropped and
     those cut on the right counted; a file left with none is a one-line error."""
-    kept, read, truncated = [], 0, 0
+    kept, lengths, read, truncated = [], [], 0, 0
     for ids, labels in pairs:
         read += 1
         row = pack_example(ids, labels, seq_len, pad_id)
         if row is not None:
             kept.append(row)
+            lengths.append(min(len(ids), seq_len + 1))
             truncated += len(ids) > seq_len + 1
     if not kept:
         raise SnugfitError(f"{path} holds no {noun} with anything to learn within {seq_len} tokens; "
                            "raise train.seq_len")
-    out = Examples(np.stack(kept), read, read - len(kept), truncated, noun)
+    out = Examples(np.stack(kept), np.array(lengths), pad_id, read, read - len(kept), truncated, noun)
     if out.dropped or out.truncated:
         log.warning("%s: %s; raise train.seq_len to keep them whole", path, out.describe(seq_len))
     return out

@@ -14,6 +14,7 @@ skipped by forward.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import asdict, dataclass, fields
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from snugfit.model.moe import MoEMLP
@@ -190,36 +192,134 @@ def rope_table(cfg: ModelConfig, device: torch.device | None = None) -> torch.Te
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate x: (batch, heads, seq, head_dim) by position, pairing dimension i with i + head_dim/2.
+    """Rotate x: (batch, heads, seq, head_dim) by position, pairing dimension i with i + head_dim/2. table: the
+    rows of the positions in order (seq, head_dim/2, 2), or each row's own (batch, seq, head_dim/2, 2) (packed).
 
     The half-split pairing is Hugging Face Llama's, so exported weights load there unchanged.
     """
     seq, half = x.shape[2], x.shape[-1] // 2
-    cos, sin = table[:seq, :, 0].to(x.dtype), table[:seq, :, 1].to(x.dtype)
+    table = table[:, None] if table.dim() == 4 else table[:seq]
+    cos, sin = table[..., 0].to(x.dtype), table[..., 1].to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def document_positions(docs: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its own document: (batch, seq) document ids -> positions restarting at 0 where the
+    id changes (packed examples, data.packing)."""
+    index = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def document_mask(docs: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) boolean: token i attends to token j <= i of its own document only (a block-diagonal
+    causal mask; the padding, document 0, attends to itself and no document attends to it)."""
+    seq = docs.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
+    return (docs[:, :, None] == docs[:, None, :]).logical_and(causal)[:, None]
+
+
+def flex_trains_on(device: torch.device | str) -> bool:
+    """Whether packed attention runs FlexAttention with a block mask on `device` (`Documents.mask`): O(seq) memory
+    and a flash-like kernel, where a dense seq x seq mask forces SDPA's memory-efficient kernel and O(seq^2)
+    memory. CUDA only: torch 2.13's FlexAttention has no backward on CPU, which keeps the dense mask."""
+    return torch.device(device).type == "cuda"
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """FlexAttention under a block mask: compiled on CUDA (eager FlexAttention materialises the scores), eager
+    elsewhere (a forward without gradients on CPU, as tests check the mask)."""
+    return (_compiled_flex() if q.is_cuda else flex_attention)(q, k, v, block_mask=mask)
+
+
+class Documents:
+    """Packed examples' document ids over the whole sequence (batch, seq), and what the blocks derive from them, each
+    once per forward: every block reads the same positions and mask. The mask is a FlexAttention block mask where
+    `flex_trains_on` the device, else dense and additive, in the attention's dtype: SDPA turns a boolean one into
+    that in every layer, and saves each layer's copy for backward; given it, one is held however many layers save
+    it (and a recomputed block finds it again). A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments
+    when it casts a forward's inputs, which would drop what is derived.
+
+    flex: the block mask or the dense one, None: as `flex_trains_on` the ids' device (the profile asks for its
+    target's)."""
+
+    def __init__(self, ids: torch.Tensor, flex: bool | None = None):
+        self.ids = ids
+        self.flex = flex_trains_on(ids.device) if flex is None else flex
+        self._masks: dict[torch.dtype | None, torch.Tensor | BlockMask] = {}
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        return document_positions(self.ids)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | BlockMask:
+        """What attention masks with: the block mask of `document_mask` (`flex`), or (batch, 1, seq, seq), 0 where
+        `document_mask` lets a token attend, -inf elsewhere."""
+        key = None if self.flex else dtype
+        if key not in self._masks:
+            self._masks[key] = self._block_mask() if self.flex else self._dense(dtype)
+        return self._masks[key]
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        allowed = document_mask(self.ids)
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+    def _block_mask(self) -> BlockMask:
+        ids = self.ids
+
+        def same_document(b, h, q, kv):
+            return (ids[b, q] == ids[b, kv]) & (kv <= q)
+
+        batch, seq = ids.shape
+        # compiled on CUDA, the block mask is made block by block, not from a seq x seq one; inside a block that
+        # torch.compile traces, it is compiled with the block
+        return create_block_mask(same_document, batch, None, seq, seq, device=ids.device,
+                                 _compile=ids.is_cuda and not torch.compiler.is_compiling())
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors of the masks made so far: what a forward holds until its first block's backward."""
+        tensors = [t for m in self._masks.values() for t in ([m] if isinstance(m, torch.Tensor) else m.as_tuple())
+                   if isinstance(t, torch.Tensor)]
+        return list({id(t): t for t in tensors}.values())
+
+    def held_bytes(self) -> int:
+        """Their bytes (the profile's ModelProfile.mask_bytes)."""
+        return sum(t.untyped_storage().nbytes() for t in self.held())
 
 
 class LocalAttention(nn.Module):
     """Causal attention over sequences this rank holds whole: (batch, heads, seq, head_dim) q, k, v -> the same
     shape. Grouped key/value heads are repeated here, counted from the tensors (a tensor- or context-parallel rank
     holds a slice of the heads). Attention's `attend` by default; context parallelism (runtime.context_parallel)
-    puts its all-to-alls around it."""
+    puts its all-to-alls around it. mask: packed documents' (`Documents.mask`, over the whole sequence): a block
+    mask runs FlexAttention, an additive one SDPA (or the eager scores); None: causal, SDPA's fast kernel."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.eager, self.head_dim = cfg.attention == "eager", cfg.head_dim
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         if k.shape[1] != q.shape[1]:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if isinstance(mask, BlockMask):
+            return flex(q, k, v, mask)
         if not self.eager:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         s = q.shape[2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+        if mask is not None:
+            return (scores + mask).softmax(dim=-1) @ v
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
 
 
 class Attention(nn.Module):
@@ -234,7 +334,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(cfg.dim, cfg.dim, bias=bias)
         self.attend: nn.Module = LocalAttention(cfg)  # no parameters: replaced freely (runtime.context_parallel)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, docs: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         cfg = self.cfg
         # Heads counted from the projections (-1), not the config: a tensor-parallel rank holds a slice of them.
@@ -243,7 +343,7 @@ class Attention(nn.Module):
         v = self.v(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        y = self.attend(q, k, v)
+        y = self.attend(q, k, v, None if docs is None else docs.mask(q.dtype))
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -281,8 +381,10 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = make_mlp(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        """docs: packed documents over the whole sequence (None: one sequence a row), which attention keeps apart."""
+        x = x + self.attn(self.attn_norm(x), rope, docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -292,11 +394,19 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.positions = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.arch == "gpt2" else None
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """start: the first token's position, or each token's (batch, seq) positions (packed documents)."""
         h = self.tokens(tokens)
         if self.positions is not None:
-            h = h + self.positions(torch.arange(start, start + tokens.shape[1], device=tokens.device))
+            h = h + self.positions(positions_from(start, tokens))
         return h
+
+
+def positions_from(start: int | torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The positions of `tokens` (batch, seq): start, start + 1, ... or the tensor of them given."""
+    if isinstance(start, torch.Tensor):
+        return start
+    return torch.arange(start, start + tokens.shape[1], device=tokens.device)
 
 
 class Decoder(nn.Module):
@@ -334,25 +444,36 @@ class Decoder(nn.Module):
         if self.cfg.arch == "llama" and self.rope is not None and not self.rope.is_meta:
             self.rope.copy_(rope_table(self.cfg, self.rope.device))
 
-    def placed(self, length: int) -> tuple[int, torch.Tensor | nn.Module | None]:
+    def placed(self, length: int, docs: Documents | None = None
+               ) -> tuple[int | torch.Tensor, torch.Tensor | nn.Module | None]:
         """Where this rank's `length` tokens of each sequence start (context parallelism: cp_rank x length), and
         the rotary input the blocks take for them: the table's rows from there, or a Hugging Face rotary module
-        as it is (HFBlock places its positions itself). Pipeline stages ask it too (runtime.pipeline)."""
+        as it is (HFBlock places its positions itself). Pipeline stages ask it too (runtime.pipeline).
+
+        Packed documents (docs, over the whole sequence): each token's own position in its document instead of the
+        start, (batch, length), and the table's rows at those positions."""
         start = self.cp_rank * length
+        if docs is not None:
+            positions = docs.positions[:, start:start + length]
+            return positions, self.rope[positions] if isinstance(self.rope, torch.Tensor) else self.rope
         if isinstance(self.rope, torch.Tensor) and start:
             return start, self.rope[start:start + length]
         return start, self.rope
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                docs: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """tokens -> logits, or the mean cross-entropy loss when targets are given.
 
         A pipeline stage without the embedding takes hidden states as `tokens`;
-        one without the head returns hidden states.
+        one without the head returns hidden states. docs: packed examples' document ids over the whole sequence
+        (runtime.microbatches), or their Documents (the profile's, its mask made for its target): positions restart
+        and attention stays within each document.
         """
-        start, rope = self.placed(tokens.shape[1])
+        docs = Documents(docs) if isinstance(docs, torch.Tensor) else docs
+        start, rope = self.placed(tokens.shape[1], docs)
         h = self.embed(tokens, start) if self.embed is not None else tokens
         for block in self.blocks.values():
-            h = block(h, rope)
+            h = block(h, rope, docs)
         if self.head is None:
             return h
         if targets is None:

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from snugfit.errors import SnugfitError
-from snugfit.model.decoder import Decoder
+from snugfit.model.decoder import Decoder, Documents, positions_from
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +126,14 @@ class HFEmbed(nn.Module):
         self.tokens, self.positions, self.project_in, self.drop = s.tokens, s.positions, s.project_in, s.drop
         self.position_offset = s.position_offset
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """start: the first token's position, or each token's (batch, seq) positions (packed documents)."""
         h = self.tokens(tokens)
         if self.project_in is not None:
             h = self.project_in(h)
         if self.positions is not None:
-            pos = torch.arange(start, start + tokens.shape[1], device=tokens.device) + self.position_offset
-            h = h + F.embedding(pos, self.positions.weight)[None]
+            learned = F.embedding(positions_from(start, tokens) + self.position_offset, self.positions.weight)
+            h = h + (learned if learned.dim() == 3 else learned[None])
         return self.drop(h) if self.drop is not None else h
 
 
@@ -147,7 +148,7 @@ def layer_types(cfg, n_layers: int) -> list[str]:
 
 
 class HFBlock(nn.Module):
-    """One HF decoder layer behind the runtime's block call `block(hidden, rope)`.
+    """One HF decoder layer behind the runtime's block call `block(hidden, rope, docs)`.
 
     A wrapper rather than hooks because the runtime replaces `block.forward` for
     recomputation and activation offload, and those wrappers pass positional
@@ -165,27 +166,33 @@ class HFBlock(nn.Module):
         # sequence, so its positions start at cp_rank x its length, and attention's mask covers the whole sequence
         self.cp, self.cp_rank = 1, 0
 
-    def mask(self, h: torch.Tensor, length: int):
+    def mask(self, h: torch.Tensor, length: int, positions: torch.Tensor | None = None):
         """None where SDPA's causal kernel is exact (full attention, or a window the sequence fits in), asked of no
-        mask function: theirs read tensors' values (torch.compile could not trace the block); else theirs."""
+        mask function: theirs read tensors' values (torch.compile could not trace the block); else theirs.
+        positions: packed documents' (batch, length), each restarting at 0, from which transformers' mask functions
+        find the documents (masking_utils.find_packed_sequence_indices) and keep attention within each."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         slides = self.layer_type == "sliding_attention"
         window = getattr(self._config, "sliding_window", None) or 0
-        if self._config._attn_implementation == "sdpa" and (not slides or length <= window):
+        if self._config._attn_implementation == "sdpa" and (not slides or length <= window) and positions is None:
             return None
         make = create_sliding_window_causal_mask if slides else create_causal_mask
         shaped = h if length == h.shape[1] else h[:, :1].expand(-1, length, -1)  # read for its shape and dtype only
         return make(config=self._config, inputs_embeds=shaped, attention_mask=None, cache=None,
-                    position_ids=torch.arange(length, device=h.device)[None])
+                    position_ids=positions if positions is not None else torch.arange(length, device=h.device)[None])
 
-    def forward(self, h: torch.Tensor, rope: nn.Module | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: nn.Module | None = None, docs: Documents | None = None) -> torch.Tensor:
+        """docs: packed examples over the whole sequence: positions restart at each document (this cp rank's slice
+        of them), and the mask keeps each document to itself."""
         start = self.cp_rank * h.shape[1]
-        pos = torch.arange(start, start + h.shape[1], device=h.device)[None]
+        whole = docs.positions if docs is not None else None
+        pos = (whole[:, start:start + h.shape[1]] if whole is not None
+               else torch.arange(start, start + h.shape[1], device=h.device)[None])
         extra = {}
         if rope is not None:
             extra["position_embeddings"] = rope(h, pos, self.layer_type) if self.typed_rope else rope(h, pos)
-        mask = self.mask(h, self.cp * h.shape[1])  # over the whole sequence: under cp, attention sees all of it
+        mask = self.mask(h, self.cp * h.shape[1], whole)  # over the whole sequence: under cp, attention sees all of it
         out = self.layer(h, attention_mask=mask, position_ids=pos, use_cache=False, **extra)
         return out[0] if isinstance(out, tuple) else out
 

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 
 @torch.library.custom_op("snugfit::grouped_mm", mutates_args=())
@@ -53,8 +54,17 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by expert, expert e's ending at offs[e]."""
-        gate, up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
+        gate, up = self._project("gate_up_proj", x, offs).chunk(2, dim=-1)
+        return self._project("down_proj", F.silu(gate) * up, offs)
+
+    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x through expert weight `name`; where LoRA adapts it (a parametrization, model.lora.LoRAExpertWeight),
+        the frozen base and the adapter's low-rank path on the same sorted tokens rather than the merged weight,
+        wherever grouped GEMM takes rank-wide rows (`low_rank`)."""
+        adapted = self.parametrizations[name] if parametrize.is_parametrized(self, name) else None
+        if adapted is not None and adapted[0].low_rank(x):
+            return grouped_mm(x, adapted.original.transpose(1, 2), offs) + adapted[0].project(x, offs)
+        return grouped_mm(x, getattr(self, name).transpose(1, 2), offs)
 
 
 class _AddAuxGrad(torch.autograd.Function):

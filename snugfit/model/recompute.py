@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from snugfit.model.decoder import Documents
 from snugfit.model.moe import grouped_mm
 from snugfit.plan.policies import ACTIVATION_POLICIES, RECOMPUTED, SELECTIVE
 
@@ -87,7 +88,8 @@ class _KeepInput(torch.autograd.Function):
 
 class _KeepAlongside(torch.autograd.Function):
     """Identity on `out` that saves `kept` for backward: the tensors selective checkpointing keeps in its own
-    cache, which saved-tensor hooks around the block never see, shown to them (the memory tracker, a pipeline
+    cache (and packed documents' mask, which their Documents keep), which saved-tensor hooks around the block never
+    see, shown to them (the memory tracker, a pipeline
     stage's accounting and BPipe's evictions) as _KeepInput shows the input. Same storages, so no extra bytes;
     they count as released when the block's backward starts, a little before the recomputation drops them.
     It returns `out`'s storage as a new tensor, not a view of it: the block's output is an FSDP2 unit's, and FSDP2
@@ -116,11 +118,14 @@ def _recompute(forward: Callable, policy: str, x: torch.Tensor, *args: Any) -> t
     tracked = torch.is_grad_enabled() and x.requires_grad
     if tracked:
         x = _KeepInput.apply(x)
-    if not ACTIVATION_POLICIES[policy].selective:
-        return checkpoint(forward, x, *args, use_reentrant=False)
     kept: list[torch.Tensor] = []
-    out = checkpoint(forward, x, *args, use_reentrant=False,
-                     context_fn=lambda: create_selective_checkpoint_contexts(_Policy(policy, kept)))
+    if not ACTIVATION_POLICIES[policy].selective:
+        out = checkpoint(forward, x, *args, use_reentrant=False)
+    else:
+        out = checkpoint(forward, x, *args, use_reentrant=False,
+                         context_fn=lambda: create_selective_checkpoint_contexts(_Policy(policy, kept)))
+    # packed documents' mask, made in the first block's forward and held by their Documents, not by autograd
+    kept += [t for a in args if isinstance(a, Documents) for t in a.held()]
     return _KeepAlongside.apply(out, *kept) if tracked and kept else out
 
 

@@ -51,7 +51,8 @@ def context_split(prof: ModelProfile, cp: int, tp: int = 1) -> ModelProfile:
         extra = a2a_buffer_bytes(p, share)
         return replace(p, fwd_peak_bytes=p.fwd_peak_bytes + extra, bwd_peak_bytes=p.bwd_peak_bytes + extra)
 
-    return replace(split, blocks=[block(b) for b in split.blocks])
+    # packed documents' mask covers the whole sequence on every cp rank (runtime.context_parallel): it does not divide
+    return replace(split, blocks=[block(b) for b in split.blocks], mask_bytes=prof.mask_bytes)
 
 
 @dataclass(frozen=True)

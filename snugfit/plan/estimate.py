@@ -233,6 +233,7 @@ def estimate_step(plan: Plan, profile: ModelProfile, cluster: Cluster,
     pred = _finish(plan, prof, cluster, [ranks[kind[r]].memory for r in range(plan.world_size)], step,
                    phases_of, sim, notes, memory_budget_bytes)
     pred.tracked_by_rank = [ranks[kind[r]].memory.tracked for r in range(plan.world_size)]
+    pred.profiled_micro_batch = profile.micro_batch_size  # before scaling (Prediction.profiled_micro_batch)
     pace = [max(_dp_group(plan, on(k)), key=lambda r, k=k: times[kind[r]][k].b_total) for k in range(n_stages)]
     return StepEstimate(pred, sim, stages_of, kind, ranks, pace, p2p, move, offload_move)
 
@@ -293,6 +294,7 @@ def _finish(plan: Plan, prof: ModelProfile, cluster: Cluster, memory: list[RankM
         fits=fits, memory_budget_bytes=budget, notes=notes,
         startup_bytes={"device": start_device, "host": start_host}, host_memory=host,
         compile_s=compile_seconds(plan, prof, cluster) if plan.compile else 0.0,
+        corrections=dict(cluster.nodes[0].corrections),
     )
     plan.predicted = pred
     return pred

@@ -13,8 +13,13 @@ from snugfit.plan.optimizer import describe as describe_optimizer
 from snugfit.plan.plan import OptimizerPlan, Plan, Prediction
 from snugfit.plan.options import describe
 from snugfit.plan.search import SPLIT_MARGIN, SearchResult
+from snugfit.plan.verify import SIMPLER_MARGIN
+from snugfit.profile.types import kinds_text
 
 GIB = 2**30
+# A runner-up more than this many times the chosen plan's step is no alternative a reader would take: it is counted,
+# not listed (Qwen2.5-7B LoRA on one A100 listed plans 40x slower than the chosen one)
+FAR_SLOWER = 3.0
 
 
 def summary(plan: Plan) -> str:
@@ -38,11 +43,13 @@ def _figures(plan: Plan) -> str:
 
 
 def describe_model(m: dict) -> str:
-    """'model llama-2-7b: 6,738,415,616 parameters (4,194,304 trainable), 32 blocks, hidden 4096, vocabulary 32000'."""
+    """'model llama-2-7b: 6,738,415,616 parameters (4,194,304 trainable), 32 blocks, hidden 4096, vocabulary 32000',
+    then the trainable parameters by kind on a line of their own where the profile counted them."""
     parts = [f"{m['trainable']:,} trainable"] + ([f"{m['quantized_nf4']:,} in NF4"] if m.get("quantized_nf4") else [])
     parts += [f"{m['active']:,} active a token"] if m.get("active") else []
+    kinds = f"\n  trainable by kind: {kinds_text(m['trainable_by_kind'])}" if m.get("trainable_by_kind") else ""
     return (f"model {m['name']}: {m['parameters']:,} parameters ({', '.join(parts)}), {m['blocks']} blocks, "
-            f"hidden {m['hidden']}, vocabulary {m['vocabulary']}")
+            f"hidden {m['hidden']}, vocabulary {m['vocabulary']}{kinds}")
 
 
 def rank_runs(values: list) -> list[tuple[str, object]]:
@@ -70,9 +77,13 @@ def format_result(res: SearchResult, cluster: Cluster) -> str:
         lines.append("  " + why_not_the_fastest(best, min(faster, key=lambda p: p.predicted.step_time_s)))
     lines += ["  " + line for line in memory_lines(pred)]
     lines.append("  " + phases_line(pred))
-    if res.alternatives:
+    near = [p for p in res.alternatives if p.predicted.step_time_s <= FAR_SLOWER * pred.step_time_s]
+    if near:
         lines.append("alternatives:")
-        lines += [f"  {_figures(p)}: {summary(p)}" for p in res.alternatives]
+        lines += [f"  {_figures(p)}: {summary(p)}" for p in near]
+    if far := len(res.alternatives) - len(near):
+        lines.append(f"{far} more verified plan{'s' if far > 1 else ''}, over {FAR_SLOWER:g}x the chosen step, not "
+                     "listed")
     if res.rejected:
         lines.append("other families:")
         lines += [f"  {r.family}: {r.reason}" for r in res.rejected]
@@ -91,6 +102,8 @@ def why_not_the_fastest(best: Plan, top: Plan) -> str:
     """Why the chosen plan is listed above `top`, a runner-up the time model calls faster (search._preference)."""
     tokens = f"{top.predicted.tokens_per_s:,.0f} tokens/s below"
     mine, its = best.schedule_entry, top.schedule_entry
+    if top.offloads_state and not best.offloads_state:  # verify.simpler
+        return f"within {SIMPLER_MARGIN:.0%} of the fastest ({tokens}), which offloads state; chosen with nothing offloaded"
     if its.splits_backward and not mine.splits_backward:
         return (f"within {SPLIT_MARGIN:.0%} of the fastest ({tokens}), whose split backward the time model may "
                 "under-count; chosen without it")
@@ -161,15 +174,16 @@ def speed_words(ratio: float) -> str:
 
 
 def explain_bpipe(res: SearchResult) -> str:
-    """What BPipe's memory buys against what its activation moves cost, from the two best verified plans, and the
+    """What BPipe's memory buys against what its activation moves cost, weighed against the best 1F1B plan (the
+    schedule BPipe changes, the one a user would otherwise run), with the best plan of any other schedule and the
     best V schedule's figure beside it."""
-    bp, plain = res.bpipe, res.best_without_bpipe
+    bp, plain = res.bpipe, res.best_1f1b
     if bp is None:
         return "BPipe: no BPipe plan fits (it needs pp > 1 and at least pp microbatches)\n" + _v_schedule(res)
     if plain is None:
-        return f"BPipe: {_figures(bp)}; no plan without BPipe fits, so BPipe is what makes it fit\n" + _v_schedule(res)
+        return f"BPipe: {_figures(bp)}; no 1F1B plan fits, so BPipe is what makes a pipeline fit\n" + _v_schedule(res)
     lines = [f"BPipe:        {_figures(bp)}: {summary(bp)}",
-             f"without it:   {_figures(plain)}: {summary(plain)}"]
+             f"1F1B:         {_figures(plain)}: {summary(plain)}"]
     rec = lambda p: sum(bool(b.policy.recomputes) for b in p.blocks)  # noqa: E731
     lines.append(f"memory buys: micro-batch {bp.micro_batch_size} vs {plain.micro_batch_size}, "
                  f"{rec(bp)} vs {rec(plain)} blocks recomputing; recompute time "
@@ -179,8 +193,13 @@ def explain_bpipe(res: SearchResult) -> str:
     lines.append(f"moves cost: bubble {bp_time.get('bubble', 0):.3g} s vs "
                  f"{plain.predicted.time_by_phase.get('bubble', 0):.3g} s (evictions hide in the forward of the "
                  f"next microbatch, loads in the wait for the gradient; what they do not hide shows up as bubble)")
+    other = res.best_without_bpipe
+    if other is not None and other is not plain:
+        lines.append(f"best other:   {_figures(other)}: {summary(other)} (BPipe "
+                     f"{speed_words(other.predicted.step_time_s / bp.predicted.step_time_s)})")
     verdict = "chosen" if res.best is bp else "not chosen"
-    lines.append(f"verdict: BPipe is {speed_words(plain.predicted.step_time_s / bp.predicted.step_time_s)} -> {verdict}")
+    lines.append(f"verdict: BPipe is {speed_words(plain.predicted.step_time_s / bp.predicted.step_time_s)} than 1F1B "
+                 f"-> {verdict}")
     return "\n".join(lines + [_v_schedule(res)])
 
 

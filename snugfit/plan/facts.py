@@ -45,13 +45,17 @@ class ModelFacts:
     # context parallelism can split their sequences (runtime.context_parallel's all-to-alls around attention)
     attention: str | None = None
     sequence_splits: bool = True
+    # QLoRA's NF4 base asked of a Mixture-of-Experts model: NF4 (torchao's NF4Tensor, 2-D only) does not hold its
+    # 3-D expert weights, which would stay in the compute dtype unannounced
+    nf4_experts: bool = False
 
     @classmethod
     def of_profile(cls, prof: ModelProfile) -> "ModelFacts":
         """What the profile knows: its config's sizes (built-in or Hugging Face names), whether it ties, adapters."""
         c = prof.config
         heads = c.get("n_heads") or c.get("num_attention_heads")
-        experts = c.get("n_experts") or c.get("num_local_experts") or c.get("num_experts") or 0
+        experts = c.get("n_experts") or c.get("num_local_experts") or c.get("num_experts") or c.get(
+            "n_routed_experts") or 0
         top_k = c.get("top_k") or c.get("num_experts_per_tok") or 0 if experts else 0
         builtin = "n_heads" in c
         return cls(n_experts=experts, top_k=top_k,
@@ -62,7 +66,8 @@ class ModelFacts:
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),
                    max_seq_len=c.get("max_seq_len"), tied_embeddings=bool(prof.tied_params),
                    adapters=any(p.trainable is not None and 0 < p.trainable < p.num_params for p in prof.pieces),
-                   untileable_mlp=untileable_config(c))
+                   untileable_mlp=untileable_config(c),
+                   nf4_experts=bool(experts) and any(p.quantized for p in prof.pieces))
 
     def split_sizes(self) -> dict[str, int | None]:
         """The sizes a tensor-parallel degree must divide, by what they are called in messages."""

@@ -52,6 +52,7 @@ class StagePiece:
     decision: BlockPlan
     n_params: int  # parameters this rank holds for the piece (tied weights included on the last stage)
     n_trainable: int = -1  # of which trainable; -1: the piece's trainable count
+    mask_bytes: int = 0  # a stage's first block: packed documents' mask, which it makes and holds for them all
 
     def __post_init__(self) -> None:
         if self.n_trainable < 0:
@@ -71,8 +72,8 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
         blocks = ranges[k]
         pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
         # a tiled MLP's block holds and runs what PieceProfile.tiled says
-        pieces += [StagePiece(prof.blocks[i].tiled(plan.blocks[i].mlp_tiles), plan.blocks[i], prof.blocks[i].num_params)
-                   for i in blocks]
+        pieces += [StagePiece(prof.blocks[i].tiled(plan.blocks[i].mlp_tiles), plan.blocks[i], prof.blocks[i].num_params,
+                              mask_bytes=prof.mask_bytes if i == blocks[0] else 0) for i in blocks]
         if k == last:
             # the head's stage holds its own copy of tied weights (runtime.tied_embeddings), on the embedding's rank
             # too where a V folds the last stage back: the two stages are separate FSDP2 roots
@@ -196,11 +197,12 @@ def stepping_gradients(plan: Plan, pieces: list[StagePiece]) -> int:
 
 
 def device_saved(sp: StagePiece) -> int:
-    """Bytes of one microbatch's activations this piece keeps on device until its backward."""
+    """Bytes of one microbatch's activations this piece keeps on device until its backward; a stage's first block
+    also its documents' mask, whatever its policy (the Documents object holds it, not autograd)."""
     policy = sp.decision.policy if sp.is_block else KEEP
     if policy.on_host:
-        return 0
-    return sp.piece.saved_bytes.get(policy.keeps, sp.piece.saved_bytes["keep"])
+        return sp.mask_bytes
+    return sp.mask_bytes + sp.piece.saved_bytes.get(policy.keeps, sp.piece.saved_bytes["keep"])
 
 
 def host_saved(sp: StagePiece) -> int:

@@ -129,6 +129,12 @@ class Prediction:
     # seconds the first step spends compiling the blocks (Plan.compile; plan.estimate.compile_seconds), outside
     # step_time_s: what the search weighs compiling's faster steps against, and what the run reports it beside
     compile_s: float = 0.0
+    # the run-measured factors per term (plan.corrections) the times were corrected by; empty: the model's own. A
+    # re-estimate of the plan (the timeline of a traced step) applies the same, so that both show one step
+    corrections: dict[str, float] = field(default_factory=dict)
+    # the micro-batch the model's profile was taken at (a search's is rescaled to each plan's: estimate's note); a
+    # re-estimate takes it there too, for the same figures. 0: not recorded (an older plan)
+    profiled_micro_batch: int = 0
 
 
 @exposes_shape  # plan.dp, plan.schedule, plan.world_size, ...: plan.shape's, read-only
@@ -166,6 +172,11 @@ class Plan:
             out.append(range(start, start + n))
             start += n
         return out
+
+    @property
+    def offloads_state(self) -> bool:
+        """Whether some unit's trainable state waits on host between steps (plan.placement)."""
+        return any(u.placement.states_on_host for u in [self.root, *self.blocks])
 
     @property
     def runs_unwrapped(self) -> bool:

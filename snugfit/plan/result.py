@@ -44,6 +44,7 @@ class SearchResult:
     least_need: tuple[int, int] = (0, 0)  # (device bytes, of which static) of the least-memory candidate
     bpipe: Plan | None = None  # the best fitting BPipe plan (chosen or not), for --explain-bpipe
     best_without_bpipe: Plan | None = None
+    best_1f1b: Plan | None = None  # the best fitting 1F1B plan: the schedule BPipe changes, what --explain-bpipe weighs
     best_v: Plan | None = None  # the best fitting plan of a V schedule (zbv), which --explain-bpipe names too
     note: str = ""  # what the search did other than the user asked (search.search), printed under the choice
 

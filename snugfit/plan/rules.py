@@ -200,6 +200,9 @@ RULES: tuple[Rule, ...] = (
     TILE_MODEL_RULE,
     *CP_MODEL_RULES,
     *EP_RULES,
+    Rule(("model",), lambda p: p.model.nf4_experts,
+         lambda p: "NF4 does not quantize expert weights yet (torchao's NF4 holds 2-D weights, the experts are 3-D); "
+                   "use --lora-rank without --quantize-base nf4 (a bf16 base)"),
     Rule(("seq_len", "model"), lambda p: p.model.max_seq_len is not None and p.seq_len > p.model.max_seq_len,
          lambda p: f"plan.seq_len ({p.seq_len}) exceeds the model's max_seq_len ({p.model.max_seq_len}); re-plan"),
 )

@@ -7,7 +7,8 @@ inner problem (per-block ZeRO stage, offload, activation policy, and stage sizes
 Candidates are taken best-first: the lower bound orders them, and one is solved only while it could still beat
 the best solved one. The winner is verified with the full estimate() (verify.py); a plan it says does not fit is
 never returned (the candidate is re-solved with the overshoot as slack, or dropped). BPipe is chosen only when
-estimate() says it beats the best plan without it.
+estimate() says it beats the best plan without it; a winner that offloads state is replaced by the same plan with
+nothing offloaded where the time model cannot tell their steps apart (verify.simpler).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from snugfit.plan.plan import OptimizerPlan, Plan
 from snugfit.plan.policies import SELECTIVE as SELECTIVE_NAMES
 from snugfit.plan.result import NoPlanError, SearchLog, SearchResult, explain_losses
 from snugfit.plan.schedules import SCHEDULES
-from snugfit.plan.verify import best_first, rescue
+from snugfit.plan.verify import best_first, rescue, simpler
 from snugfit.profile.types import ModelProfile
 
 
@@ -79,7 +80,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constr
     """The fastest plan estimate() says fits, up to `alternatives` runners-up, and why other families lost.
 
     profile: for the run's seq_len and dtype, at any micro-batch size (rescaled per candidate).
-    compare_bpipe: also verify the best BPipe, non-BPipe and V-schedule plans (for --explain-bpipe).
+    compare_bpipe: also verify the best BPipe, non-BPipe, 1F1B and V-schedule plans (for --explain-bpipe).
     optimizer: how weights are stored and updated (the user's choice, never searched: it changes the numerics).
     Raises NoPlanError (its .result has the rejections) when nothing fits; advice.advise() says what would.
     """
@@ -174,14 +175,18 @@ def _search(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Const
     if compare_bpipe:  # and the best V schedule, which balances memory by placement instead of moves
         found += best_first(model, log, [x for x in cands if SCHEDULES[x.schedule].evicts], 1)
         found += best_first(model, log, [x for x in cands if SCHEDULES[x.schedule].v_shaped], 1)
+        found += best_first(model, log, [x for x in cands if x.schedule == "1f1b"], 1)
     found = sorted({id(x): x for x in found}.values(), key=lambda x: _preference(x.plan))
     plans = [x.plan for x in found]
+    if plans and (home := simpler(model, log, plans[0])) is not None:  # nothing offloaded that need not be
+        plans[0] = home
     for p in plans:
         p.model = profile.summary()
     res.best, res.alternatives = (plans[0] if plans else None), plans[1:1 + alternatives]
     res.bpipe = next((p for p in plans if p.schedule_entry.evicts), None)
     res.best_without_bpipe = next((p for p in plans if not p.schedule_entry.evicts), None)
     res.best_v = next((p for p in plans if p.schedule_entry.v_shaped), None)
+    res.best_1f1b = next((p for p in plans if p.schedule == "1f1b"), None)
     res.solved, res.verified, res.verify_s = sum(x.solved for x in cands), log.verified, log.verify_s
     explain_losses(model, cands, found, res)
     if res.best is None:

@@ -71,8 +71,9 @@ class _FlashAttention(torch.autograd.Function):
 class _GpuAttention(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and kwargs.get("is_causal") and len(args) == 3 and not (
-                set(kwargs) - {"is_causal"}):
+        plain = {k: v for k, v in kwargs.items() if not (k == "attn_mask" and v is None)}  # None: no mask
+        if func is F.scaled_dot_product_attention and plain.get("is_causal") and len(args) == 3 and not (
+                set(plain) - {"is_causal"}):
             return _FlashAttention.apply(*args)
         return func(*args, **kwargs)
 

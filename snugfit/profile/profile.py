@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from snugfit.model.decoder import Decoder, ModelConfig
+from snugfit.model.decoder import Decoder, Documents, ModelConfig, flex_trains_on
 from snugfit.model.moe import set_balanced
-from snugfit.model.lora import apply_lora, freeze, parse_targets
+from snugfit.model.lora import apply_lora, freeze, parse_targets, trainable_by_kind
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.model.tiled_mlp import mlp_of
 from snugfit.profile.alike import stand_ins
@@ -168,12 +168,35 @@ def _by_block(parts: ModelParts, per_kept: list) -> list:
     return [per_kept[kept.index(j)] for j in stand_in]
 
 
+def packed_documents(seq_len: int, dtype: str, flex: bool | None) -> Callable[[int], Documents]:
+    """A packed microbatch's documents of `rows` rows, on fake tensors (only shapes count): for the built-in
+    decoder (`flex` given) with their mask made as the target device makes it (`Documents.flex`), the one its blocks
+    share; for Hugging Face layers (None) without, as each layer makes its own (recorded as the layer's)."""
+    def make(rows: int) -> Documents:
+        docs = Documents(torch.ones(rows, seq_len, dtype=torch.long), flex)
+        if flex is not None:
+            docs.mask(getattr(torch, dtype))
+        return docs
+    return make
+
+
+def _recorded(model: nn.Module, parts: ModelParts, tokens: torch.Tensor, docs: Documents | None
+              ) -> dict[str, PieceRecord]:
+    """One fake step; with packed documents, the blocks attend under their masks, a shared one's bytes the
+    profile's mask_bytes, not the blocks'. A block mask's FlexAttention has no backward on CPU to record: the
+    causal flash path stands in for it (both hold O(seq), not the scores)."""
+    if docs is None or docs.flex:
+        return record_step(model, parts, tokens)
+    return record_step(model, replace(parts, loss=lambda t, y: model(t, y, docs)), tokens, tuple(docs.held()))
+
+
 def profile_module(
     model: nn.Module, parts: ModelParts, *, name: str, config: dict, micro_batch_size: int, seq_len: int,
-    dtype: str, vocab_size: int,
+    dtype: str, vocab_size: int, documents: Callable[[int], Documents] | None = None,
 ) -> ModelProfile:
     """Profile a model built on the meta device: counts its (trainable) parameters, then records one fake step of
-    one block of each kind (alike.stand_ins), each block profiled as the one that stands for it."""
+    one block of each kind (alike.stand_ins), each block profiled as the one that stands for it. documents: the
+    examples are packed, a microbatch's documents of so many rows (`packed_documents`)."""
     model.to(getattr(torch, dtype))
     seen: set[int] = set()
     embed_ids = {id(p) for m in parts.embed for p in m.parameters()}
@@ -184,8 +207,10 @@ def profile_module(
     head_p = _params_by_dtype([*parts.last, model], seen)
     with _faked(model, parts) as recorded, AnyDtypeGroupedMM():
         # again at twice the micro-batch: what of each peak does not grow with it (ModelProfile.scaled)
-        recs, twice = [record_step(model, recorded, torch.randint(0, vocab_size, (rows, seq_len)))
+        docs = {rows: documents(rows) if documents else None for rows in (micro_batch_size, 2 * micro_batch_size)}
+        recs, twice = [_recorded(model, recorded, torch.randint(0, vocab_size, (rows, seq_len)), docs[rows])
                        for rows in (micro_batch_size, 2 * micro_batch_size)]
+        mask_bytes = docs[micro_batch_size].held_bytes() if documents else 0
     kinds = len(recorded.blocks)
     one, two = ([r["embed"], *_by_block(parts, [r[f"block.{j}"] for j in range(kinds)]), r["head"]]
                 for r in (recs, twice))
@@ -195,7 +220,7 @@ def profile_module(
     prof = ModelProfile(
         model=name, config=config, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
         embed=_piece("embed", one[0], embed_p, False), blocks=blocks,
-        head=_piece("head", one[-1], head_p, False), tied_params=tied,
+        head=_piece("head", one[-1], head_p, False), tied_params=tied, mask_bytes=mask_bytes,
     )
     for piece, a, b in zip(prof.pieces, one, two):
         piece.fwd_peak_fixed_bytes = min(max(0, 2 * a.fwd.peak_delta - b.fwd.peak_delta), a.fwd.peak_delta)
@@ -231,9 +256,14 @@ def profile_model(
     name: str | None = None, cache_dir: str | Path | None = None, use_cache: bool = True,
     measure_on: str | None = None, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
     lora_rank: int | None = None, frozen: str | None = None, quantize_base: str = "none", kernels: str = "cpu",
-    lora_targets: str = "", compile: bool = False,
+    lora_targets: str = "", compile: bool = False, pack: bool = False,
 ) -> ModelProfile:
     """Profile a built-in ModelConfig or a Hugging Face config dict (cached by its inputs).
+
+    pack: the run packs its examples (data.packing): the built-in decoder's documents' mask is charged
+    (ModelProfile.mask_bytes) as the target device holds it, the kernels' (`flex_trains_on`): a FlexAttention
+    block mask on GPUs, dense seq x seq on CPU ranks, where the blocks are recorded attending under it. Hugging
+    Face layers make their own mask each (transformers' mask functions), recorded as theirs.
 
     compile: its blocks as torch.compile runs them (Plan.compile; profile.compiled); measured times are eager's,
     so a compiled profile is not measured (measure_on is refused).
@@ -257,7 +287,8 @@ def profile_model(
     key = {"config": config, "mbs": micro_batch_size, "seq": seq_len, "dtype": dtype,
            "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__, "lora": lora_rank,
            "lora_targets": parse_targets(lora_targets) if lora_rank else None,
-           "frozen": frozen, "quantize": quantize_base, "kernels": kernels, "compile": compile}
+           "frozen": frozen, "quantize": quantize_base, "kernels": kernels, "compile": compile,
+           **({"pack": True} if pack else {})}  # unpacked profiles keep their cached keys
     path = _cache_path(cache_dir, key)
     label = name or config.get("_name_or_path") or config.get("model_type") or config.get("arch", "model")
     if use_cache and path.exists():
@@ -277,11 +308,15 @@ def profile_model(
         if compile:  # the eager profile's recording (cached on its own: `snugfit plan` weighs both), blocks traced
             eager = profile_model(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, name=name,
                                   cache_dir=cache_dir, use_cache=use_cache, lora_rank=lora_rank, frozen=frozen,
-                                  quantize_base=quantize_base, kernels=kernels, lora_targets=lora_targets)
+                                  quantize_base=quantize_base, kernels=kernels, lora_targets=lora_targets,
+                                  pack=pack)
             prof = compile_module(eager, net, model_parts(net), net.cfg.vocab_size)
         else:
             prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
-                                  seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size)
+                                  seq_len=seq_len, dtype=dtype, vocab_size=net.cfg.vocab_size,
+                                  documents=packed_documents(seq_len, dtype, None if is_hf else flex_trains_on(
+                                      "cuda" if kernels == "gpu" else "cpu")) if pack else None)
+    prof.trainable_by_kind = trainable_by_kind(net)  # counted as `snugfit train` counts the model it trains
     # traced blocks' traffic and launches replace the eager ones NF4's were charged to, so they are charged again
     if quantize_base == "nf4" and prof.compiled == compile:
         count_quantized(prof, net)

@@ -283,10 +283,13 @@ def _first_float_bytes(args, kwargs) -> int:
     return 0
 
 
-def record_step(model: nn.Module, parts: ModelParts, tokens: torch.Tensor) -> dict[str, PieceRecord]:
-    """Run forward + backward once under a StepRecorder; returns records keyed embed, block.i, head."""
+def record_step(model: nn.Module, parts: ModelParts, tokens: torch.Tensor,
+                held: tuple[torch.Tensor, ...] = ()) -> dict[str, PieceRecord]:
+    """Run forward + backward once under a StepRecorder; returns records keyed embed, block.i, head. held: tensors
+    made before the step that the model reads and saves (packed documents' mask), charged by the caller, not to the
+    pieces (as parameters and buffers are not)."""
     skip = {p.untyped_storage()._cdata for p in model.parameters()}
-    skip |= {b.untyped_storage()._cdata for b in model.buffers()}
+    skip |= {b.untyped_storage()._cdata for b in [*model.buffers(), *held]}
     rec = StepRecorder(skip)
     named = [("embed", parts.embed[0])] + [(f"block.{i}", b) for i, b in enumerate(parts.blocks)]
     named.append(("head", parts.last[0]))
@@ -314,6 +317,8 @@ def record_step(model: nn.Module, parts: ModelParts, tokens: torch.Tensor) -> di
             x.register_hook(lambda grad: rec.mlp_leave())  # its gradient made: the MLP's backward is done
 
     def mlp_post(module, args, output):
+        if isinstance(output, tuple):  # some MoE MLPs (gpt-oss) return (hidden states, router scores)
+            output = output[0]
         rec.mlp_leave(output)
         if output.requires_grad:
             output.register_hook(lambda grad: rec.mlp_enter())

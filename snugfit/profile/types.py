@@ -14,8 +14,8 @@ from pathlib import Path
 # 12: operators counted only where they make a tensor (eager runs dispatch no metadata queries)
 # 14: "selective_half"'s saved bytes and measured recompute time; 15-16: trainable matrices' sizes (quantized states),
 # the peaks' fixed part; 17: compiled blocks (profile.compiled); 18: eager NF4 traffic as torchao moves it
-# 20: a block's MLP share (mlp_share), what a tiled MLP divides
-PROFILE_VERSION = 20
+# 20: a block's MLP share (mlp_share), what a tiled MLP divides; 21: trainable parameters by kind (expert adapters)
+PROFILE_VERSION = 21
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -137,6 +137,12 @@ class PieceProfile:
             gemms=self.gemms, mlp_share={})
 
 
+def kinds_text(counts: dict[str, int]) -> str:
+    """'attention 1,024, MLP 0, experts 8,192, router 0, other 0': trainable parameters by kind, as `snugfit plan`
+    prints them and `snugfit train` logs them."""
+    return ", ".join(f"{kind} {n:,}" for kind, n in counts.items())
+
+
 @dataclass
 class ModelProfile:
     model: str  # a name for messages
@@ -149,7 +155,15 @@ class ModelProfile:
     head: PieceProfile
     tied_params: int = 0  # parameters shared by embedding and head (counted in embed)
     device: str | None = None  # where fwd/bwd times were measured
+    # trainable parameters by kind (attention, MLP, experts, router, other), model.lora.trainable_by_kind's: what
+    # `snugfit plan` prints, as `snugfit train` logs it of the model it trains
+    trainable_by_kind: dict[str, int] = field(default_factory=dict)
     version: int = PROFILE_VERSION
+    # packed examples (data.packing): the attention mask of one microbatch's documents, which a stage makes in its
+    # first block's forward and every block shares until that block's backward (model.decoder.Documents), as the
+    # target device runs it: dense seq x seq on CPU, a FlexAttention block mask on GPUs. Per row of the whole
+    # sequence: a context-parallel rank holds all of it. 0: not packed
+    mask_bytes: int = 0
 
     @property
     def compiled(self) -> bool:
@@ -170,7 +184,8 @@ class ModelProfile:
                 "trainable": sum(p.num_trainable for p in self.pieces),
                 "quantized_nf4": sum(p.quantized for p in self.pieces), "blocks": len(self.blocks),
                 "hidden": c.get("dim") or c.get("hidden_size") or c.get("n_embd") or c.get("d_model"),
-                "vocabulary": c.get("vocab_size"), **self._active()}
+                "vocabulary": c.get("vocab_size"), **self._active(),
+                **({"trainable_by_kind": self.trainable_by_kind} if self.trainable_by_kind else {})}
 
     def _active(self) -> dict:
         """{"active": the parameters a token runs through} of a Mixture-of-Experts model (its top-k experts of all,
@@ -237,7 +252,8 @@ class ModelProfile:
             )
 
         return replace(self, micro_batch_size=micro_batch_size, embed=piece(self.embed),
-                       blocks=[piece(b) for b in self.blocks], head=piece(self.head))
+                       blocks=[piece(b) for b in self.blocks], head=piece(self.head),
+                       mask_bytes=int(self.mask_bytes * r))
 
     def split(self, tp: int) -> "ModelProfile":
         """This profile as one of `tp` tensor-parallel ranks holds and runs it (runtime.tensor_parallel).

@@ -87,6 +87,25 @@ def _s(x: float) -> str:
     return f"{x:.3g}"
 
 
+def term_name(plan: Plan, term: str) -> str:
+    """A term as the plan has it: with one data-parallel rank there is no dp communication, and what the model's
+    dp_comm_exposed holds (and the trace measures in FSDP2's ranges) is FSDP2's own copies and hooks around each
+    unit (plan.cpu_ranks.cpu_fsdp_time)."""
+    return "fsdp2_own_work" if term == "dp_comm_exposed" and plan.shard_ranks == 1 else term
+
+
+def unmeasured_terms(run: Run, step: int) -> set[str]:
+    """Terms the traced step could not measure: without an FSDP2 profile its ranges count as compute, so at one
+    data-parallel rank (no collectives traced) FSDP2's own work, dp_comm_exposed's figure, is not measured."""
+    return {"dp_comm_exposed"} if run.traces[step][1] is None and run.plan.shard_ranks == 1 else set()
+
+
+def corrected_words(run: Run) -> str:
+    """' (corrected: compute x1.32, ...)' where the plan's predictions carry a run's corrections, else ''."""
+    factors = run.plan.predicted.corrections if run.plan.predicted else {}
+    return f" (corrected: {', '.join(f'{t} x{f:.2f}' for t, f in sorted(factors.items()))})" if factors else ""
+
+
 def phase_table(run: Run, step: int) -> tuple[list[str], dict[int, dict[str, float]]]:
     """Predicted against measured per term and rank, for one traced step; and the measured seconds per rank."""
     trace, fsdp = run.traces[step]
@@ -95,13 +114,16 @@ def phase_table(run: Run, step: int) -> tuple[list[str], dict[int, dict[str, flo
                 for r in trace.ranks}
     ranks = sorted(measured)
     head = f"{'term':<18}{'predicted':>10}" + "".join(f"{f'rank {r}':>10}" for r in ranks)
-    lines = [f"traced step {step}{'' if fsdp else ' (no FSDP2 profile: its time counts as compute)'}:", head]
+    lines = [f"traced step {step}{'' if fsdp else ' (no FSDP2 profile: its time counts as compute)'}"
+             f"{corrected_words(run)}:", head]
     for term in (*TERMS, "bubble", "host"):
         got = [measured[r].get(term, 0.0) for r in ranks]
         want = predicted.get(term)
         if not any(got) and not want:
             continue
-        lines.append(f"{term:<18}{_s(want) if want is not None else '-':>10}" + "".join(f"{_s(g):>10}" for g in got))
+        cells = ["-"] * len(got) if term in unmeasured_terms(run, step) else [_s(g) for g in got]
+        lines.append(f"{term_name(run.plan, term):<18}{_s(want) if want is not None else '-':>10}"
+                     + "".join(f"{c:>10}" for c in cells))
     step_s = [max(s.end for s in trace.spans if s.rank == r) for r in ranks]
     lines.append(f"{'step':<18}{_s(predicted_step) if predicted_step else '-':>10}"
                  + "".join(f"{_s(s):>10}" for s in step_s))
@@ -157,17 +179,29 @@ def straggler_findings(run: Run) -> list[Finding]:
     return out
 
 
-def term_findings(predicted: dict[str, float], measured: dict[int, dict[str, float]], step: int) -> list[Finding]:
-    """The model's terms that the traced step measured far from their prediction (mean over ranks)."""
+def term_findings(run: Run, measured: dict[int, dict[str, float]], step: int) -> list[Finding]:
+    """The model's terms that the traced step measured far from their prediction (mean over ranks). At the run's
+    calibration step, the factors the run derived and printed (its replan record), not figures of diagnose's own;
+    elsewhere against the plan's predictions. Only terms the step measured: without an FSDP2 profile its ranges
+    count as compute, and dp communication is then only the traced collectives (none at one data-parallel rank)."""
+    predicted = run.predicted()[0]
+    unmeasured = unmeasured_terms(run, step)
+    calib = next((r for r in run.kind("replan") if r["step"] == step), None)
     out = []
     floor = max(1e-4, 0.02 * sum(predicted.values()))
-    for term in TERMS:
+    for term in (t for t in TERMS if t not in unmeasured):
         want = predicted.get(term, 0.0)
         each = [m.get(term, 0.0) for m in measured.values()]
         got = min(each) if term == "dp_comm_exposed" else statistics.mean(each)  # as plan.corrections.derive reads
-        if want >= floor and not 1 / MODEL_OFF <= got / want <= MODEL_OFF:
-            out.append(Finding(f"at step {step} the model's {term} term is off: measured {_s(got)} s per step, "
-                               f"predicted {_s(want)} s (x{got / want:.2f})", term, False))
+        against, factor = f"predicted {_s(want)} s{corrected_words(run)}", got / want if want else 0.0
+        if calib is not None and term in calib["corrections"]:
+            want, got = calib["predicted_terms_s"][term], calib["measured_terms_s"][term]
+            against, factor = f"predicted {_s(want)} s by the uncorrected model", calib["corrections"][term]
+            against += " (the factor the run derived)"
+        if want >= floor and not 1 / MODEL_OFF <= factor <= MODEL_OFF:
+            name = term_name(run.plan, term)
+            out.append(Finding(f"at step {step} the model's {name} term is off: measured {_s(got)} s per step, "
+                               f"{against} (x{factor:.2f})", name, False))
     host = statistics.mean(m.get("host", 0.0) for m in measured.values())
     if host > floor:
         out.append(Finding(f"at step {step} {_s(host)} s per step pass between traced actions (host work the model "
@@ -234,7 +268,7 @@ def diagnose(run_dir: Path, picture: Path | None = None) -> Diagnosis:
             continue
         table, measured = phase_table(run, step)
         diag.table += table
-        findings += term_findings(run.predicted()[0], measured, step)
+        findings += term_findings(run, measured, step)
     findings += straggler_findings(run) + memory_findings(run) + checkpoint_findings(run) + replan_findings(run)
     diag.table += routing_table([r["tokens_per_expert"] for r in run.kind("train") if "tokens_per_expert" in r])
     diag.findings = sorted(findings, key=lambda f: not f.alarm)

@@ -8,7 +8,7 @@ moves activations, waits (bubbles), reduces gradients and steps the optimizer.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -54,14 +54,32 @@ class StageDetail:
     peak_bytes: list[int]  # per pipeline rank: predicted peak
     budget_bytes: int | None
     tail: list[dict[str, float]]  # per pipeline rank: seconds after the pipeline drains, in order
+    step_s: float = 0.0  # the predicted step (Prediction.step_time_s): what the chart's title names
 
 
 def timeline_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
                  memory_budget_bytes: int | None = None) -> tuple[SimResult, StageDetail]:
-    """The time model's simulation and what the chart splits its events by, as estimate() computed them (it
-    fills plan.predicted too)."""
-    est = estimate_step(plan, profile, cluster, memory_budget_bytes)
+    """The time model's simulation and what the chart splits its events by, as estimate() computed them (of a
+    copy of the plan: its own predictions stay what it was planned with, which the run's log reports)."""
+    est = estimate_step(replace(plan, predicted=None), profile, cluster, memory_budget_bytes)
     return est.sim, stage_detail(est, plan)
+
+
+# steps this far apart are one: the estimate is a float computation of the same inputs
+SAME_STEP = 1e-3
+
+
+def differs_why(plan: Plan, step_s: float) -> str | None:
+    """Why a re-estimate of the plan on this machine (the timeline of a traced step) predicts another step than
+    the plan's own prediction, in one line; None where both agree, or the plan carries none."""
+    if plan.predicted is None or abs(step_s - plan.predicted.step_time_s) <= SAME_STEP * plan.predicted.step_time_s:
+        return None
+    from snugfit.hardware.catalogue import hardware_cache_path, load_local
+
+    now = ("has none now (set aside as measured under load, or of an older snugfit): the next run measures it again"
+           if load_local() is None else f"was measured again since ({hardware_cache_path()})")
+    return (f"predicted step {step_s:.4g} s here against the plan's {plan.predicted.step_time_s:.4g} s: the plan was "
+            f"predicted with another measurement of this machine, which {now}")
 
 
 def stage_detail(est: StepEstimate, plan: Plan) -> StageDetail:
@@ -78,7 +96,7 @@ def stage_detail(est: StepEstimate, plan: Plan) -> StageDetail:
         act_bytes=[sum(device_saved(sp) for sp in est.stages[plan.stage_rank(k)][k]) for k in range(n)],
         static_bytes=[sum(v for k, v in c.items() if not k.startswith("host:") and k not in TRANSIENT) for c in cats],
         peak_bytes=[device_bytes(c) for c in cats], budget_bytes=est.prediction.memory_budget_bytes,
-        tail=[dict(row.tail) for row in rows],
+        tail=[dict(row.tail) for row in rows], step_s=est.prediction.step_time_s,
     )
 
 
@@ -189,7 +207,8 @@ def draw_timeline(sim: SimResult, plan: Plan, out: str | Path, measured: StepTra
     used = _draw_rows(axes[0], rows, labels, end, texts, axis_end)
     tp = f" x tp {plan.tp}" if plan.tp > 1 else ""
     axes[0].set_title(f"predicted: {plan.schedule}, dp {dp}{tp} x pp {pp}, {plan.num_microbatches} microbatches "
-                      f"of {plan.micro_batch_size} x {plan.seq_len} tokens; step {end * 1e3:,.1f} ms", fontsize=9)
+                      f"of {plan.micro_batch_size} x {plan.seq_len} tokens; step "
+                      f"{(detail.step_s if detail else end) * 1e3:,.1f} ms", fontsize=9)
     if n_meas:
         mrows: dict[int, dict[str, list]] = {}
         mtexts = []

@@ -27,6 +27,7 @@ from snugfit.plan import Plan
 from snugfit.plan.schedules import MOVES, Action, partner
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.mesh import ParallelDims
+from snugfit.runtime.microbatches import Microbatch
 from snugfit.runtime.p2p import StageComms
 from snugfit.runtime.pipeline import PipelineRunner, StageModule
 from snugfit.runtime.sharding import requires_gradient_sync
@@ -108,7 +109,7 @@ class BPipe(PipelineRunner):
         # the heavy partner's EVICT/LOAD steps, in its order: what arrives here and when it must go back
         self.partner_moves = [a for a in plan.program(self.partner) if a.kind in MOVES]
 
-    def run(self, micro: list[tuple[torch.Tensor, torch.Tensor]], feed: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def run(self, micro: list[Microbatch], feed: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Forward and backward of every microbatch; returns the per-microbatch losses (last stage)."""
         self.inputs, self.outputs, self.losses = {}, {}, []
         self.evict_sends: list[tuple[object, torch.Tensor, int]] = []
@@ -129,12 +130,12 @@ class BPipe(PipelineRunner):
 
     # -- compute steps --
     def forward(self, mb: int, micro) -> None:
-        tokens, targets = micro[mb]
+        tokens, targets, docs = micro[mb]
         if self.first:
             self.comms.post_sends()
         x = tokens if self.first else self.comms.recv_forward(self.hidden, mb).requires_grad_()
         self.finish_evict_sends()  # overlapped the receive; done before new activations appear
-        y = self.chunk(x)  # the chunk records what it saves under (stage, mb); so does loss_fn
+        y = self.chunk(x, docs)  # the chunk records what it saves under (stage, mb); so does loss_fn
         if self.last:
             y = self.loss(y, targets)
         self.inputs[mb], self.outputs[mb] = x, y

@@ -5,7 +5,9 @@
                       positions (RoPE, learned ones) count from the chunk's first global index (Decoder.cp_rank)
     attention         q, k, v (batch, heads, seq/cp, head_dim) -> all-to-all -> (batch, heads/cp, seq, head_dim):
                       the normal causal attention over the whole sequence for this rank's heads, then the
-                      output all-to-all back to (batch, heads, seq/cp, head_dim)
+                      output all-to-all back to (batch, heads, seq/cp, head_dim); packed documents' mask is
+                      built over the whole sequence from its document ids, which every cp rank has whole
+                      (runtime.microbatches), and positions are this rank's slice of theirs
     gradients         FSDP2 shards and reduces over dp x cp (runtime.mesh), as it would over dp x cp data ranks:
                       each rank's loss is its chunk's, divided by the count of all cp ranks' targets
                       (runtime.microbatches)
@@ -85,8 +87,11 @@ class Ulysses(nn.Module):
         super().__init__()
         self.inner, self.cp, self.group = inner, cp, group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _heads_to_seq(self.inner(*_whole_sequence(q, k, v, self.group, self.cp)), self.group, self.cp)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: packed documents' (model.decoder.Documents.mask), already over the whole sequence, as attention
+        runs here."""
+        return _heads_to_seq(self.inner(*_whole_sequence(q, k, v, self.group, self.cp), mask), self.group, self.cp)
 
 
 def hf_attention(block: nn.Module) -> nn.Module | None:

@@ -1,38 +1,53 @@
-"""A rank's batch as the step runs it: its microbatches (inputs, targets), and what each one's mean loss is
-divided by so that the step's loss is the mean over every target token of the global batch. Under context
-parallelism each rank of a cp group takes its chunk of every sequence, inputs and targets shifted before the split."""
+"""A rank's batch as the step runs it: its microbatches (inputs, targets, document ids), and what each one's mean
+loss is divided by so that the step's loss is the mean over every target token of the global batch. Under context
+parallelism each rank of a cp group takes its chunk of every sequence, inputs and targets shifted before the split;
+the document ids stay whole, as attention sees the whole sequence (runtime.context_parallel)."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from snugfit.data.instruct import IGNORE
+from snugfit.data.packing import DOCS
 from snugfit.plan import Plan, PlanError
 from snugfit.runtime.context_parallel import sequence_part
 
 
-def split_batch(batch: torch.Tensor, plan: Plan, cp_rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's batch -> [(inputs, targets)] per microbatch (this cp rank's chunk of each sequence).
+class Microbatch(NamedTuple):
+    """One microbatch as the model takes it: model(inputs, targets, docs)."""
+
+    inputs: torch.Tensor  # (rows, seq/cp): this cp rank's chunk
+    targets: torch.Tensor  # the same chunk of the next tokens (-100 where no loss is taken)
+    docs: torch.Tensor | None  # (rows, seq): packed examples' document ids over the whole sequence; None unpacked
+
+
+def split_batch(batch: torch.Tensor, plan: Plan, cp_rank: int = 0) -> list[Microbatch]:
+    """This rank's batch -> a `Microbatch` each (this cp rank's chunk of each sequence).
 
     2-D (rows, seq+1): a token stream, targets are the inputs shifted by one.
     3-D (rows, 2, seq+1): instruction data, row 0 tokens and row 1 targets
-    (-100 where no loss is taken, e.g. the prompt), shifted the same way.
+    (-100 where no loss is taken, e.g. the prompt), shifted the same way;
+    (rows, 3, seq+1): packed examples, row 2 their document ids (data.packing).
     """
     rows, cols = plan.num_microbatches * plan.micro_batch_size, plan.seq_len + 1
-    expected = (rows, cols) if batch.dim() != 3 else (rows, 2, cols)
-    if tuple(batch.shape) != expected:
+    expected = (rows, cols) if batch.dim() != 3 else (rows, batch.shape[1], cols)
+    if tuple(batch.shape) != expected or batch.dim() == 3 and batch.shape[1] not in (2, 3):
         raise PlanError(
             f"batch of shape {tuple(batch.shape)} does not fit the plan: each rank needs "
             f"(num_microbatches x micro_batch_size, seq_len + 1) = ({rows}, {cols}), "
-            f"or ({rows}, 2, {cols}) for (tokens, targets) pairs"
+            f"or ({rows}, 2, {cols}) for (tokens, targets) pairs, ({rows}, 3, {cols}) packed"
         )
     tokens, labels = (batch, batch) if batch.dim() == 2 else (batch[:, 0], batch[:, 1])
     inputs, targets = (sequence_part(t, plan.cp, cp_rank) for t in (tokens[:, :-1], labels[:, 1:]))
-    micro = list(zip(inputs.split(plan.micro_batch_size), targets.split(plan.micro_batch_size)))
-    return [(i, _one_target(t)) if plan.cp > 1 else (i, t) for i, t in micro]
+    size = plan.micro_batch_size
+    packed = batch.dim() == 3 and batch.shape[1] == 3
+    docs = batch[:, DOCS, :-1].split(size) if packed else [None] * plan.num_microbatches
+    return [Microbatch(i, _one_target(t) if plan.cp > 1 else t, d)
+            for i, t, d in zip(inputs.split(size), targets.split(size), docs)]
 
 
 def _one_target(targets: torch.Tensor) -> torch.Tensor:

@@ -38,12 +38,13 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from snugfit.model.decoder import cross_entropy
+from snugfit.model.decoder import Documents, cross_entropy
 from snugfit.model.moe import unrecorded
 from snugfit.plan import Plan
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.memory import local
 from snugfit.runtime.mesh import ParallelDims
+from snugfit.runtime.microbatches import Microbatch
 from snugfit.runtime.p2p import PipelineError, StageComms
 from snugfit.runtime.sharding import DTYPES, requires_gradient_sync
 from snugfit.runtime.stage_activations import StageActivations
@@ -78,7 +79,9 @@ class StageModule(nn.Module):
     def cp_rank(self, rank: int) -> None:
         self.model.cp_rank = rank
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """docs: packed examples' document ids over the whole sequence (runtime.microbatches), given to every stage
+        (a keyword argument of the schedule's step, which pipelining splits by microbatch as it does the inputs)."""
         grad = torch.is_grad_enabled()
         tracked = grad and not self.untracked
         if tracked:
@@ -86,12 +89,13 @@ class StageModule(nn.Module):
         elif grad:
             self.untracked -= 1
         with self.acts.microbatch(key) if tracked else unrecorded(self):
-            start, rope = self.model.placed(x.shape[1])  # this cp rank's part of each sequence
+            docs = Documents(docs) if docs is not None else None
+            start, rope = self.model.placed(x.shape[1], docs)  # this cp rank's part of each sequence
             h = self.embed(x, start) if self.embed is not None else x
             if self.embed is None and self.tp_mesh is not None:
                 h = DTensor.from_local(h, self.tp_mesh, [Shard(1)])
             for block in self.blocks.values():
-                h = block(h, rope)
+                h = block(h, rope, docs)
             if self.head is not None:
                 return self.head(self.norm(h))
             return h.to_local() if isinstance(h, DTensor) else h
@@ -138,14 +142,15 @@ class PipelineRunner:
         self.ctx: StepContext | None = None  # the current step's (its trace, memory tracker, loss scale)
         self.divisors: list[float] = []  # this step's, per microbatch (`microbatches.loss_divisors`)
 
-    def train(self, ctx: StepContext, micro: list[tuple[torch.Tensor, torch.Tensor]],
+    def train(self, ctx: StepContext, micro: list[Microbatch],
               divisors: list[float]) -> torch.Tensor:
         self.ctx, self.divisors = ctx, divisors
         self.acts.tracker = ctx.memory
         # BPipe evicts what it records; others record only on the steps whose memory is counted
         self.acts.recording = ctx.memory is not None or self.plan.schedule_entry.evicts
         feed = self.feed(micro)
-        self.acts.reset(external=(*(t for pair in micro for t in pair), *feed))  # the step's input: never counted
+        # the step's input: never counted
+        self.acts.reset(external=(*(t for mb in micro for t in mb if t is not None), *feed))
         ctx.wait_updates()  # the root unit waits in a model forward hook, and stages never call the model
         for s in self.stages:
             s.microbatch = 0
@@ -161,11 +166,11 @@ class PipelineRunner:
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage has it
         return loss
 
-    def feed(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    def feed(self, micro: list[Microbatch]) -> tuple[torch.Tensor, ...]:
         """Tensors made from the step's input for the schedule (never counted as activations)."""
         return ()
 
-    def run(self, micro: list[tuple[torch.Tensor, torch.Tensor]], feed: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def run(self, micro: list[Microbatch], feed: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Forward and backward of every microbatch through this rank's stages; the last stage's losses."""
         raise NotImplementedError
 
@@ -177,14 +182,14 @@ class PipelineRunner:
             return local(cross_entropy(logits, targets)) * (self.ctx.loss_scale / self.divisors[last.microbatch - 1])
 
     @torch.no_grad()
-    def eval(self, ctx: StepContext, micro: list[tuple[torch.Tensor, torch.Tensor]],
+    def eval(self, ctx: StepContext, micro: list[Microbatch],
              divisors: list[float]) -> torch.Tensor:
         """Forward only, microbatch by microbatch through every stage in order (blocking transfers suffice; a
         stage whose neighbour is on this rank hands it its output directly)."""
         ctx.wait_updates()
         total = torch.zeros((), device=self.device)
         rank_of = self.plan.stage_rank
-        for mb, (tokens, targets) in enumerate(micro):
+        for mb, (tokens, targets, docs) in enumerate(micro):
             y = None
             for stage in self.stages:
                 k = stage.index
@@ -194,7 +199,7 @@ class PipelineRunner:
                     x = y
                 else:
                     x = self.comms.recv(torch.empty_like(self.hidden), rank_of(k - 1), 0, f"eval recv mb {mb}")
-                y = stage(x)
+                y = stage(x, docs)
                 if k == self.n_stages - 1:
                     with vocab_parallel_loss(self.plan):
                         total += local(cross_entropy(y, targets)).float() / divisors[mb]
@@ -244,15 +249,17 @@ class TorchSchedule(PipelineRunner):
         self.schedule.register_custom_function(
             RESHARD, lambda action, ctx: ctx.schedule_ref.unsharded_stages.discard(action.stage_index))
 
-    def feed(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.cat(t) for t in zip(*micro))  # (inputs, targets): pipelining splits whole ones itself
+    def feed(self, micro: list[Microbatch]) -> tuple[torch.Tensor, ...]:
+        # (inputs, targets[, docs]): pipelining splits whole ones itself
+        return tuple(torch.cat(t) for t in zip(*micro) if t[0] is not None)
 
-    def run(self, micro: list[tuple[torch.Tensor, torch.Tensor]], feed: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        inputs, targets = feed
+    def run(self, micro: list[Microbatch], feed: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        inputs, targets, *docs = feed
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.stages[0].index == 0 else ()
         with vocab_parallel_loss(self.plan):
-            self.schedule.step(*args, target=targets if self.is_last else None, losses=losses)
+            self.schedule.step(*args, target=targets if self.is_last else None, losses=losses,
+                               **({"docs": docs[0]} if docs else {}))
         return losses
 
     def _traced_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

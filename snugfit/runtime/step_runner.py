@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from snugfit.plan import Plan
 from snugfit.report.trace import StepTrace
 from snugfit.runtime.memory import MemoryTracker, local
+from snugfit.runtime.microbatches import Microbatch
 from snugfit.runtime.precision import CastOnce
 from snugfit.runtime.sharding import requires_gradient_sync
 from snugfit.runtime.tensor_parallel import vocab_parallel_loss
@@ -54,11 +55,11 @@ class StepRunner(Protocol):
     stage_group: object  # the pipeline group whose ranks hold the model's other parts (None: this rank has all)
     units: tuple[nn.Module, ...]  # FSDP2 root units beside the model (pipeline stages), for the memory tracker
 
-    def train(self, ctx: StepContext, micro: list[tuple[torch.Tensor, torch.Tensor]],
+    def train(self, ctx: StepContext, micro: list[Microbatch],
               divisors: list[float]) -> torch.Tensor:
         """Forward and backward of every microbatch (gradients left in place); the step's loss on this rank."""
 
-    def eval(self, ctx: StepContext, micro: list[tuple[torch.Tensor, torch.Tensor]],
+    def eval(self, ctx: StepContext, micro: list[Microbatch],
              divisors: list[float]) -> torch.Tensor:
         """The step's loss on this rank, forward only."""
 
@@ -73,10 +74,10 @@ class Accumulate:
     def __init__(self, model: nn.Module, plan: Plan):
         self.model, self.plan = model, plan
 
-    def train(self, ctx: StepContext, micro: list[tuple[torch.Tensor, torch.Tensor]],
+    def train(self, ctx: StepContext, micro: list[Microbatch],
               divisors: list[float]) -> torch.Tensor:
         total = torch.zeros((), device=ctx.device)
-        for i, (inputs, targets) in enumerate(micro):
+        for i, (inputs, targets, docs) in enumerate(micro):
             last = i == len(micro) - 1
             if isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(requires_gradient_sync(self.plan, last))
@@ -84,7 +85,7 @@ class Accumulate:
                 ctx.cast.keep = not last  # the last backward drops each compute copy once used
             with vocab_parallel_loss(self.plan):
                 with ctx.span("F", i), ctx.track_activations():
-                    loss = local(self.model(inputs, targets)) / divisors[i]
+                    loss = local(self.model(inputs, targets, docs)) / divisors[i]
                 ctx.sample()
                 with ctx.span("B", i):
                     (loss * ctx.loss_scale).backward()
@@ -93,10 +94,10 @@ class Accumulate:
         return total
 
     @torch.no_grad()
-    def eval(self, ctx: StepContext, micro: list[tuple[torch.Tensor, torch.Tensor]],
+    def eval(self, ctx: StepContext, micro: list[Microbatch],
              divisors: list[float]) -> torch.Tensor:
         total = torch.zeros((), device=ctx.device)
-        for (inputs, targets), divisor in zip(micro, divisors):
+        for (inputs, targets, docs), divisor in zip(micro, divisors):
             with vocab_parallel_loss(self.plan):
-                total += local(self.model(inputs, targets)).float() / divisor
+                total += local(self.model(inputs, targets, docs)).float() / divisor
         return total

@@ -40,6 +40,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from snugfit.model.lora import expert_weights
+from snugfit.model.quantize import is_quantized
 from snugfit.model.tiled_mlp import untileable
 from snugfit.runtime.context_parallel import hf_attention
 from snugfit.plan import Plan
@@ -59,7 +61,7 @@ class BlockLayout:
     mlp: str
     mlp_columns: tuple[str, ...]  # split by the hidden size (gate where the MLP has one, up)
     mlp_row: str  # down
-    attn_takes_keywords: bool  # HF attention takes hidden_states by keyword, the built-in one (x, rope)
+    attn_takes_keywords: bool  # HF attention takes hidden_states by keyword, the built-in one (x, rope, docs)
 
     def missing(self, block: nn.Module) -> set[str]:
         """The modules this layout needs that `block` lacks."""
@@ -73,8 +75,9 @@ class BlockLayout:
         if self.attn_takes_keywords:
             gather_attn = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                              desired_input_kwarg_layouts={"hidden_states": Replicate()})
-        else:  # attn(x, rope): gather x, leave the rotary table
-            gather_attn = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        else:  # attn(x, rope, docs): gather x, leave the rotary table and the document ids
+            gather_attn = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                             desired_input_layouts=(Replicate(), None, None))
         have = {n for n, _ in block.named_modules()}
         return {
             self.attn_norm: SequenceParallel(),
@@ -130,7 +133,9 @@ def model_facts(model: nn.Module) -> ModelFacts:
                       else None if layout else type(getattr(block, "layer", block)).__name__,
                       untileable_mlp=untileable(block), attention=type(getattr(block, "layer", block)).__name__,
                       sequence_splits=hasattr(getattr(block, "attn", None), "attend")
-                      or hf_attention(block) is not None)
+                      or hf_attention(block) is not None,
+                      nf4_experts=any(is_quantized(p) for p in model.parameters())
+                      and any(expert_weights(b) for b in model.blocks.values()))
 
 
 def vocab_parallel_loss(plan: Plan) -> AbstractContextManager:

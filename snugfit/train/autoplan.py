@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -93,8 +94,7 @@ def plan_for_launch(cfg: RunConfig, nproc: int, nnodes: int = 1) -> str:
     fixed = fixed_constraints(cfg, world)
     dtype, _ = run_dtype(cfg.train.dtype, device)
     cfg = replace(cfg, train=replace(cfg.train, dtype=dtype))
-    measure_once(nproc, device.type == "cpu")
-    return _search(cfg, cluster_here(device, world, nproc), device, fixed).to_json()
+    return _search(cfg, lambda: cluster_here(device, world, nproc), nproc, device, fixed).to_json()
 
 
 def read_plan_file(path: str | Path, what: str) -> Plan:
@@ -131,8 +131,7 @@ def search_plan(cfg: RunConfig, env: DistEnv) -> Plan:
 
     def decide() -> str | SnugfitError:
         try:
-            measure_once(env.world_size, env.device.type == "cpu")
-            return _search(cfg, local_cluster(env), env.device, fixed).to_json()
+            return _search(cfg, lambda: local_cluster(env), env.world_size, env.device, fixed).to_json()
         except SnugfitError as e:
             return e
 
@@ -165,14 +164,37 @@ def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device, compil
                          lora_rank=cfg.finetune.lora_rank or None, lora_targets=cfg.finetune.lora_targets,
                          frozen=cfg.finetune.freeze or None,
                          quantize_base=cfg.finetune.quantize_base, kernels="cpu" if device.type == "cpu" else "gpu",
-                         compile=compile)
+                         compile=compile, pack=cfg.data.packs)
+
+
+def planning_inputs(cluster_of: Callable[[], Cluster], profile, ranks: int) -> tuple[Cluster, str | None]:
+    """The cluster a plan for it is predicted on, wherever it is planned (`snugfit plan`, the auto plan of `snugfit
+    train`): CPU ranks as this machine measured them (measured first where it is not yet, `ranks` of them per node:
+    measure_once; the cluster built again from the measurement), carrying the corrections a run stored for these
+    ranks and this model shape, with the line that says so (None where there are none). One function, so that
+    both show one predicted step for one plan."""
+    from snugfit.calibrate.corrections import with_stored_corrections
+
+    cluster = cluster_of()
+    if all(n.gpu.name == "cpu" for n in cluster.nodes):
+        measure_once(ranks, True)
+        cluster = cluster_of()
+    return with_stored_corrections(cluster, profile)
 
 
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
-    """The time model's simulation of `plan` on the launched ranks, to draw beside a measured step."""
-    from snugfit.report.timeline import timeline_for
+    """The time model's simulation of `plan` on the launched ranks, to draw beside a measured step, on what the
+    plan was predicted with: this machine's measurement, the plan's own corrections (Prediction.corrections, not
+    those this run's calibration may have stored since) and the model profiled at the plan's micro-batch for it; and the one line that says why its step is not the
+    plan's, where it is not (report.timeline.differs_why; else None)."""
+    from snugfit.plan.corrections import TimeCorrections, on_cluster
+    from snugfit.report.timeline import differs_why, timeline_for
 
-    return timeline_for(plan, _profile(cfg, plan.micro_batch_size, env.device, plan.compile), local_cluster(env))
+    pred = plan.predicted
+    cluster = on_cluster(local_cluster(env), TimeCorrections(factors=dict(pred.corrections) if pred else {}))
+    micro = pred.profiled_micro_batch if pred and pred.profiled_micro_batch else plan.micro_batch_size
+    sim, detail = timeline_for(plan, _profile(cfg, micro, env.device, plan.compile), cluster)
+    return sim, detail, differs_why(plan, detail.step_s)
 
 
 def measure_once(ranks: int, on_cpu: bool = True) -> None:
@@ -222,8 +244,8 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
     return fixed_parts_of(cfg.parallel, cfg.train.micro_batch_size, world_size)
 
 
-def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Plan:
-    from snugfit.calibrate.corrections import with_stored_corrections
+def _search(cfg: RunConfig, cluster_of: Callable[[], Cluster], ranks: int, device: torch.device, fixed) -> Plan:
+    """The auto plan for the cluster `cluster_of` builds (`ranks` local ranks: planning_inputs), logged."""
     from snugfit.plan.compile_choice import search_compiled_or_eager
     from snugfit.plan.advice import advise
     from snugfit.plan.explain import format_result
@@ -232,8 +254,8 @@ def _search(cfg: RunConfig, cluster: Cluster, device: torch.device, fixed) -> Pl
     t = cfg.train
     if t.compile and device.type == "cpu":
         measure_compiled_once()
-    cluster, corrected = with_stored_corrections(cluster, _profile(cfg, 1, device, False))  # what a run measured
-    if corrected:  # here, where one did
+    cluster, corrected = planning_inputs(cluster_of, _profile(cfg, 1, device, False), ranks)
+    if corrected:  # what a run measured here, where one did
         log.info(corrected)
     try:
         chosen = search_compiled_or_eager(lambda compiled: _profile(cfg, 1, device, compiled), cluster,

@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 from snugfit.config import RunConfig
 from snugfit.data import BatchSampler, ByteTokenizer, eval_batches, load_tokenizer, load_tokens, split
 from snugfit.data.chat import load_chat
-from snugfit.data.instruct import InstructSampler, instruct_eval_batches, load_instruct
+from snugfit.data.instruct import IGNORE, Examples, InstructSampler, instruct_eval_batches, load_instruct
+from snugfit.data.packing import Packed, pack
 from snugfit.data.tokenizer import Tokenizer
 from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
@@ -25,6 +26,7 @@ from snugfit.model.lora import (apply_lora, freeze, init_adapters, parse_targets
 from snugfit.model.shards import local_shard
 from snugfit.model.quantize import quantize_base
 from snugfit.plan import Plan
+from snugfit.profile.types import kinds_text
 from snugfit.runtime.apply import Weights
 
 log = logging.getLogger("snugfit")
@@ -123,7 +125,7 @@ def build_model(cfg: RunConfig, on_meta: bool = False) -> nn.Module:
     counts = trainable_summary(model)["total"]
     log.info("model %s parameters, %s trainable", count_text(counts["trainable"] + counts["frozen"]),
              count_text(counts["trainable"]))
-    log.info("trainable by kind: %s", ", ".join(f"{kind} {n:,}" for kind, n in trainable_by_kind(model).items()))
+    log.info("trainable by kind: %s", kinds_text(trainable_by_kind(model)))
     if meta and not on_meta:
         model.to_empty(device="cpu")
         weights.fill(model, torch.device("cpu"))
@@ -158,11 +160,13 @@ def chat_folder(cfg: RunConfig) -> Path:
 
 @dataclass
 class RunData:
-    """Training and validation data of one kind: a token stream, or instruction examples (N, 2, seq+1)."""
+    """Training and validation data of one kind: a token stream, or instruction examples (N, 2, seq+1), packed ones
+    (N, 3, seq+1) with their document ids (data.packing)."""
 
     train: np.ndarray
     val: np.ndarray
     instruct: bool
+    real_share: float = 1.0  # of the training rows' positions, those that are tokens, not padding (tokens/s count them)
 
     def sampler(self, plan: Plan, seed: int, dp_rank: int) -> BatchSampler | InstructSampler:
         if self.instruct:
@@ -209,9 +213,22 @@ def build_data(cfg: RunConfig, vocab_size: int) -> RunData:
     n_val = int(len(examples) * d.val_fraction)
     if len(examples) - n_val < 1:
         raise SnugfitError(f"{d.path} has too few examples to hold out {d.val_fraction:.0%} for validation")
-    batch = cfg.train.batch_size
-    log.info("data: %s from %s, %d held out for validation; %s; about %.0f learned tokens a step (of %d "
-             "positions)", examples.describe(seq), d.path, n_val, tokens_from, examples.targets_per_example * batch,
-             batch * seq)
-    rows = examples.rows
-    return RunData(rows[: len(rows) - n_val], rows[len(rows) - n_val :], instruct=True)
+    n = len(examples) - n_val
+    train = (pack(examples.rows[:n], examples.lengths[:n], examples.pad_id) if d.packs
+             else Packed(examples.rows[:n], n, int(examples.lengths[:n].sum())))
+    log.info("data: %s from %s, %d held out for validation; %s; %s", examples.describe(seq), d.path, n_val,
+             tokens_from, data_line(examples, train, cfg.train.batch_size))
+    # validation stays one example a row: the same held-out examples, and so the same loss, packed or not
+    return RunData(train.rows, examples.rows[n:], instruct=True, real_share=1 - train.padding)
+
+
+def data_line(examples: Examples, train: Packed, batch: int) -> str:
+    """What a step trains on: '1,234 tokens in 190 examples packed into 63 sequences (packing ratio 3.02, padding
+    4%); about 310 learned tokens a step (of 2,048 positions)'."""
+    rows = train.rows
+    learned = float((rows[:, 1, 1:] != IGNORE).sum()) / max(len(rows), 1) * batch
+    into = (f" packed into {len(rows):,} sequences (packing ratio {train.ratio:.2f}, " if rows.shape[1] == 3
+            else ", one a sequence (unpacked, ")
+    return (f"{train.tokens:,} tokens in {train.examples:,} training {examples.noun}{into}padding "
+            f"{train.padding:.0%}); about {learned:.0f} learned tokens a step (of {batch * (rows.shape[-1] - 1):,} "
+            "positions)")

@@ -252,9 +252,10 @@ class StepProbe(Handler):
             from snugfit.report.timeline import draw_timeline
             from snugfit.train.autoplan import predicted_timeline
 
-            sim, detail = predicted_timeline(run.cfg, run.env, run.plan)
+            sim, detail, why = predicted_timeline(run.cfg, run.env, run.plan)
             picture = draw_timeline(sim, run.plan, run.out / "timeline.png", StepTrace.merge(traces), detail)
-            run.say(f"timeline of step {done.step}: {picture}")
+            run.say(f"timeline of step {done.step}: {picture} (predicted step {detail.step_s:.4g} s"
+                    + (f"; {why})" if why else ", the plan's)"))
 
     def on_stop(self, run: Run, error: BaseException | None) -> None:
         if error is None:

@@ -160,9 +160,10 @@ def _train(cfg: RunConfig, env: DistEnv, stops: StopRequests, at_start: int,
     if env.is_main:
         (out / "plan.json").write_text(plan.to_json())
         log.info(
-            "plan dp=%d tp=%d pp=%d%s micro-batch %d x %d, %d tokens/step, %s",
+            "plan dp=%d tp=%d pp=%d%s micro-batch %d x %d, %d tokens/step%s, %s",
             plan.dp, plan.tp, plan.pp, f" cp={plan.cp}" if plan.cp > 1 else "", plan.micro_batch_size, plan.num_microbatches,
-            plan.tokens_per_step, f"resuming at step {run.step}" if run.step else "starting",
+            plan.tokens_per_step * data.real_share, f" (of {plan.tokens_per_step} positions; the rest padding)"
+            if data.real_share < 1 else "", f"resuming at step {run.step}" if run.step else "starting",
         )
     run.metrics = MetricsLog(out / "metrics.jsonl", env.is_main, t.tensorboard)
     run.bar = _progress(run.step, t.steps) if env.is_main and t.progress else None

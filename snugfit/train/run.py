@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from snugfit.config import RunConfig
+from snugfit.config import RunConfig, packed_in
 from snugfit.data import BatchSampler
 from snugfit.data.instruct import InstructSampler
 from snugfit.errors import SnugfitError
@@ -103,6 +103,11 @@ class Run:
         wrote it included): weights, optimizer state, loss scale, data position and step."""
         state = self.engine.state_dict()
         trainer_state = self.checkpoints.load(path, state, model_identity(self.cfg))
+        packed = packed_in(trainer_state["config"]) if "config" in trainer_state else self.cfg.data.packs
+        if packed != self.cfg.data.packs:  # the saved data position counts rows: packed ones, or one example each
+            raise SnugfitError(f"checkpoint {path} trained on examples {'packed' if packed else 'one a sequence'}, "
+                               f"this run {'packs' if self.cfg.data.packs else 'does not pack'} them, so the resumed "
+                               f"data order would differ; pass --pack {str(packed).lower()}")
         self.engine.load_state_dict(state)
         if self.engine.scaler is not None and "loss_scale" in trainer_state:  # a float16 run goes on at its scale
             self.engine.scaler.load_state_dict(trainer_state["loss_scale"])

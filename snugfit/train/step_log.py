@@ -46,7 +46,9 @@ class StepLog(Handler):
             "kind": "train", "step": done.step, "loss": r.loss, "lr": done.lr, "grad_norm": r.grad_norm,
             "skipped": r.skipped, "skipped_total": self.bad_steps.skipped, "overflow_total": self.bad_steps.overflows,
             "step_time_s": step_time,
-            "tokens_per_s": run.plan.tokens_per_step / step_time, **measured_memory(run.engine, step_time),
+            # tokens, not padding: a packed run's is what its examples hold (train.build.RunData.real_share)
+            "tokens_per_s": run.plan.tokens_per_step * run.data.real_share / step_time,
+            **measured_memory(run.engine, step_time),
             **({"aux_loss": r.aux_loss} if r.aux_loss is not None else {}),
             **({"tokens_per_expert": r.tokens_per_expert} if r.tokens_per_expert is not None else {}),
         }
