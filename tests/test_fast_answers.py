@@ -42,6 +42,22 @@ def test_every_switchs_plan_is_no_faster_than_its_lower_bounds(row, cache):
 
 
 @pytest.mark.parametrize("row", ROWS)
+def test_the_floor_is_below_every_switchs_lower_bounds(row, cache):
+    """CostModel.floor, which rules candidates out before any switch prices them, is below each one's lower
+    bound under every switch (0 on one GPU: row 1), and rules most out where no switch pays (the second row)."""
+    prof, cluster, batch = _row(row, cache)
+    floors = CostModel(prof, cluster, batch, Constraints(), budget_for(cluster, None))
+    for opt in explain.SWITCHES:
+        model = CostModel(prof, cluster, batch, Constraints(), budget_for(cluster, None), optimizer=opt)
+        for x in model.candidates():
+            assert floors.floor(x) <= model.lower_bound(x) * (1 + 1e-12), (opt, x.shape)
+    if row == ROWS[1]:
+        step = search(prof, cluster, global_batch=batch, alternatives=0).best.predicted.step_time_s
+        kept = [x for x in floors.candidates() if explain.PAYS * floors.floor(x) <= step]
+        assert len(kept) < len(floors.candidates()) / 2
+
+
+@pytest.mark.parametrize("row", ROWS)
 def test_the_advice_is_what_searching_every_switch_gives(row, cache, monkeypatch):
     """The bound skips the second row's five searches and changes no row's advice."""
     prof, cluster, batch = _row(row, cache)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from snugfit.hardware.cluster import Cluster, with_host_ram
+from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cost_model import CostModel
 from snugfit.plan.estimate import HOST_USABLE, node_host_need
 from snugfit.plan.explain import GIB, _figures, summary
@@ -85,14 +86,19 @@ def _switch_effect(before: Plan, after: Plan) -> str:
 
 
 def _could_pay(profile: ModelProfile, cluster: Cluster, global_batch: int, c: Constraints, budget: int | None,
-               opt: OptimizerPlan, step_s: float) -> bool:
+               opt: OptimizerPlan, step_s: float, floors: CostModel, candidates: list[Candidate]) -> bool:
     """Whether some plan under `opt` could be PAYS times faster than `step_s`, by the search's lower bounds (every
     block at its fastest option, memory aside): a quarter of a search, where a compute-bound step's switches need
     none (Llama-2-70B on 8x8 A100s: their five searches were two thirds of its `snugfit plan`). The plans the
     search finds ran 1.7% and more above them (six catalogue rows, five switches each), so no switch that pays is
-    left out."""
+    left out. `floors` (any setup's model) gives CostModel.floor, a bound below every setup's lower bound, shared
+    by the five: a candidate it rules out is not priced under `opt` (the 70B's: all ~300). `candidates`: the outer
+    candidates under `opt` (they depend on it only through its step in backward)."""
+    kept = [x for x in candidates if PAYS * floors.floor(x) <= step_s * (1 + 1e-9)]
+    if not kept:
+        return False
     model = CostModel(profile, cluster, global_batch, c, budget_for(cluster, budget), optimizer=opt)
-    return any(PAYS * model.lower_bound(x) <= step_s for x in model.candidates())
+    return any(PAYS * model.lower_bound(x) <= step_s for x in kept)
 
 
 def switches(profile: ModelProfile, cluster: Cluster, *, global_batch: int, constraints: Constraints | None,
@@ -103,9 +109,13 @@ def switches(profile: ModelProfile, cluster: Cluster, *, global_batch: int, cons
     if best is None or not _offloads(best) or cluster.gpu_of(0).name == "cpu":
         return []
     c = constraints or Constraints()
+    floors = CostModel(profile, cluster, global_batch, c, budget_for(cluster, memory_budget))
+    candidates = {in_backward: outer_candidates(profile, cluster, global_batch, c, in_backward)
+                  for in_backward in {opt.in_backward for opt in SWITCHES}}
     for opt in SWITCHES:
         if not _stronger(opt, best.optimizer) or not _could_pay(profile, cluster, global_batch, c, memory_budget,
-                                                                   opt, best.predicted.step_time_s):
+                                                                   opt, best.predicted.step_time_s, floors,
+                                                                   candidates[opt.in_backward]):
             continue
         plan = _fits(profile, cluster, global_batch, c, memory_budget, opt)
         if plan is not None and best.predicted.step_time_s >= PAYS * plan.predicted.step_time_s:

@@ -11,8 +11,9 @@ priced as the typical one, the largest; estimate() checks the actual plan. Pure:
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
+from snugfit.hardware.catalogue import Link
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.candidates import Candidate, outer_candidates
 from snugfit.plan.cpu_ranks import cpu_stage_time, cpu_tp_time
@@ -38,6 +39,12 @@ def _per_stage(cache: dict, cand: Candidate, s: int, make):
     if found is None:
         found = cache[at] = make(cand, s)
     return found
+
+
+def _named(link: Link) -> tuple:
+    """A link by all its fields, which are flat: dataclasses.astuple's deep copy of them was a quarter of
+    _stage_costs (cProfile, advice.switches on 70B)."""
+    return tuple(vars(link).values())
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,7 @@ class CostModel:
         # stages on like nodes whose groups use like links cost the same: computed once (64 GPUs: 8x fewer); a link
         # is named by all its fields (one across nodes has the bandwidth and node count of the group it serves)
         dp_group, tp_group = layout.shard_group(first), layout.tp_group(first)
-        dp_link, tp_link = astuple(self.cluster.link_for(dp_group)), astuple(self.cluster.link_for(tp_group))
+        dp_link, tp_link = _named(self.cluster.link_for(dp_group)), _named(self.cluster.link_for(tp_group))
         alike = (self._node_kind[self.cluster.node_of(first)], dp_link, tp_link, cand.dp, cand.cp, cand.ep, cand.tp,
                  cand.micro_batch_size, busy, gathers, rdtype)  # the stage's costs share their parts (SharedCosts)
         key = alike + (cand.grad_reduce, replays)
@@ -183,6 +190,26 @@ class CostModel:
             pipe = cpu_stage_time(self.costs(cand, s).node) * cand.virtual_stages if cand.pp > 1 else 0.0
             best = min(best, (self.n_blocks * block + root) / cand.pp + cand.num_microbatches * pipe
                        + self.bubble(cand) * (self.n_blocks * block_mb / cand.pp + pipe))
+        return best
+
+    def floor(self, cand: Candidate) -> float:
+        """A bound below lower_bound(cand) under every optimizer setup (advice.switches weighs five): the blocks'
+        per-microbatch seconds at their fastest option and the schedule's bubble, without the root and the step's
+        once-a-step terms (the optimizer's and reduction's), the only ones the setup changes. 0 where it cannot
+        tell: on one rank (whether the model runs unwrapped depends on the master weights), or where every option
+        offloads (the setup decides which may stream states)."""
+        if self.cluster.world_size == 1:
+            return 0.0
+        best = INF
+        for s in {self.cluster.node_of(cand.shape.layout.rank(s)): s for s in range(cand.pp)}.values():
+            lean = [o for o in self.options(cand) if not (o.placement.states_on_host or o.offloads_activations)]
+            if not lean:
+                return 0.0
+            st, blk = self.costs(cand, s), self.profile_at(cand).blocks[self.typical]
+            block_mb = min(st.cost(blk, o).t_mb for o in lean)
+            pipe = cpu_stage_time(st.node) * cand.virtual_stages if cand.pp > 1 else 0.0
+            best = min(best, self.n_blocks * block_mb * cand.num_microbatches / cand.pp
+                       + cand.num_microbatches * pipe + self.bubble(cand) * (self.n_blocks * block_mb / cand.pp + pipe))
         return best
 
     def bubble(self, cand: Candidate) -> float:

@@ -26,7 +26,7 @@ from snugfit.plan.piece_memory import (
     stepping_gradients, stream_windows,
 )
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
-from snugfit.plan.reduce_memory import reduce_moments
+from snugfit.plan.reduce_memory import reduce_moments, suffix_sums
 from snugfit.plan.schedules import partner
 from snugfit.plan.simulate import SimResult
 from snugfit.plan.walks import stage_walk, sync_held, tracked_walk
@@ -258,12 +258,12 @@ def rank_footprint(plan: Plan, prof: ModelProfile, pp_rank: int, sim: SimResult,
         last_backward_held = held if makes_grads else last_backward_held
     # the copies of reduce: FSDP2 reshards a unit before reducing it, and has prefetched the next zero-3 block
     order = [sp.piece.name for sp in all_pieces]
+    copies_from = dict(zip(order, suffix_sums([copy_of[n] for n in order])))  # of the pieces from each on
     root_copy = sum(gathered_bytes(plan, sp) for sp in all_pieces if not sp.is_block)
     tracked_step = step
     for at, m in enumerate(reduce_moments(plan, stages, {sp.piece.name: device_saved(sp) for sp in all_pieces}),
                            start=len(sim.snapshots[pp_rank])):
-        start = order.index(m.unit) if m.unit.startswith("block") else 0
-        at_reduce = copies - sum(copy_of[n] for n in order[start:]) + max(zero3, default=0)
+        at_reduce = copies - copies_from[m.unit if m.unit.startswith("block") else order[0]] + max(zero3, default=0)
         if not m.unit.startswith("block"):  # the root unit too is resharded before its reduce (reshard_after_backward)
             at_reduce -= root_copy
         # stepping in backward, the unit steps right after its reduce: its own gradients copied in and freed, its

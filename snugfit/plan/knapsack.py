@@ -83,9 +83,10 @@ class _Layer:
         self.src = np.maximum(src, 0)
         # out-of-range sources cost infinity: added as a penalty to the item times
         self.t = np.where(src >= 0, np.array([it[1] for it in items])[:, None], INF)
+        self._work = np.empty(self.src.shape)  # every call's candidates, in one buffer
 
     def __call__(self, f: np.ndarray) -> np.ndarray:
-        cand = f.take(self.src)
+        cand = f.take(self.src, out=self._work)
         cand += self.t
         return np.minimum.reduce(cand, axis=0)  # ndarray.min's Python wrapper costs a tenth of the call
 
@@ -103,20 +104,22 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], needs: list[frozenset[
     the knapsack is solved once per set of them (reserved up front, options needing others left out).
     """
     best, sols = [INF] * (n_max + 1), [None] * (n_max + 1)
+    # each option's (bytes, seconds, index), priced once for every set of buffers below
+    priced = [(b.mem(resident, m), b.time(m), i) for i, b in enumerate(blocks)]
+    rpriced = [(r.mem(resident, m), r.time(m), i) for i, r in enumerate(root or [])]
     for reserved in buffers.subsets(frozenset().union(*needs, *root_needs)):
         c = cap - buffers.bytes_of(reserved)
         if c <= 0:
             continue
         unit = c / buckets
-        items = pareto([(b.mem(resident, m), b.time(m), i) for i, b in enumerate(blocks) if needs[i] <= reserved])
+        items = pareto([it for it in priced if needs[it[2]] <= reserved])
         items = [it for it in items if it[0] <= c]
         if not items:
             continue
         w = [math.ceil(x / unit) for x, _, _ in items]
         f, root_sol, ritems = np.zeros(buckets + 1), None, []
         if root is not None:
-            ritems = pareto([(r.mem(resident, m), r.time(m), i) for i, r in enumerate(root)
-                             if root_needs[i] <= reserved])
+            ritems = pareto([it for it in rpriced if root_needs[it[2]] <= reserved])
             ritems = [it for it in ritems if it[0] <= c]
             if not ritems:
                 continue

@@ -75,14 +75,33 @@ def reduce_moments(plan: Plan, stages: dict, saved: dict[str, int]) -> list[Redu
         return range(len(units) if left_before else i)
 
     order = [sp.piece.name for k in sorted(stages) for sp in stages[k]]
+    # running sums, so that a rank of n units costs O(n) (the search's estimate() walks every rank's)
+    held_by = [reduce * t if accumulated else compute * f for t, f in zip(trainable, made_first)]
+    after = suffix_sums(held_by)  # after[i]: the units reduced after unit i
+    shards = [shard(j) for j in range(len(units))]
+    shards_up_to = [0, *_prefix_sums(shards)]  # shards_up_to[i]: units 0..i-1's
+    saved_before = [0, *_prefix_sums([saved[n] for n in order])]  # saved_before[k]: the pieces before order[k]
+    at = {n: k for k, n in enumerate(order)}
     out = []
     for i, unit in enumerate(units):
-        pending = sum(reduce * trainable[j] if accumulated else compute * made_first[j]
-                      for j in range(i + 1, len(units)))
+        pending = after[i + 1]
         own = (reduce if accumulated else compute) * trainable[i]
-        first = order.index(unit[0].piece.name)
-        before = 0 if not unit[0].is_block else sum(saved[n] for n in order[:first])
-        shards = sum(shard(j) for j in holding(i))
-        out.append(ReduceMoment(unit[0].piece.name, shards + pending + own, reduce * trainable[i], before, own,
-                                shard(i)))
+        before = saved_before[at[unit[0].piece.name]] if unit[0].is_block else 0
+        span = holding(i)
+        held = shards_up_to[span.stop] - shards_up_to[span.start] if span.stop > span.start else 0
+        out.append(ReduceMoment(unit[0].piece.name, held + pending + own, reduce * trainable[i], before, own,
+                                shards[i]))
     return out
+
+
+def _prefix_sums(xs: list[int]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
+
+
+def suffix_sums(xs: list[int]) -> list[int]:
+    """out[i] = sum(xs[i:]), for i in 0..len(xs) (whole bytes: the same as the sums, in any order)."""
+    return [*reversed(_prefix_sums(list(reversed(xs)))), 0]
