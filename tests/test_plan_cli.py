@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from snugfit.cli import _StdoutHandler
 from snugfit.commands import plan as plan_cmd
 from snugfit.commands import profile_hardware as hw_cmd
 from snugfit.errors import SnugfitError
@@ -22,7 +23,12 @@ def _run(argv, capsys):
     plan_cmd.add_parser(sub)
     hw_cmd.add_parser(sub)
     args = ap.parse_args(argv)
-    rc = (plan_cmd if argv[0] == "plan" else hw_cmd).run(args)
+    # as snugfit.cli.main: with --json, log lines (a first measurement of this machine) go to stderr
+    _StdoutHandler.to_stderr = "--json" in argv
+    try:
+        rc = (plan_cmd if argv[0] == "plan" else hw_cmd).run(args)
+    finally:
+        _StdoutHandler.to_stderr = False
     return rc, capsys.readouterr().out
 
 
