@@ -3,7 +3,8 @@
 Each rank of a cp group holds a contiguous chunk of every sequence; attention trades it for heads with all-to-alls.
 Every plan must give the loss and the gradients (reduced over dp x cp) of one forward over the whole global batch,
 with grouped-query attention whose key/value heads are fewer than cp, learned positions (GPT-2), data and tensor
-parallelism beside cp, pipeline stages each split over cp, a Hugging Face Llama, and recomputation. The batch masks prompts and padding, so cp ranks hold different numbers
+parallelism beside cp, pipeline stages each split over cp, a Hugging Face Llama, Gemma 2 (soft-capped attention,
+sliding windows) and Qwen3-MoE, and recomputation. The batch masks prompts and padding, so cp ranks hold different numbers
 of targets and the loss's divisors must count them all.
 """
 
@@ -25,6 +26,13 @@ GPT2 = ModelConfig(arch="gpt2", dim=32, n_layers=2, n_heads=4, vocab_size=64, ma
 # a Hugging Face Llama (transformers' layers, rotary module and SDPA) with 2 key/value heads, fewer than cp 4
 HF_LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+# Gemma 2: soft-capped attention logits (eager attention; the Ulysses attention caps them over the whole sequence),
+# alternating sliding (a window shorter than each rank's chunk) and full layers, soft-capped final logits
+HF_GEMMA2 = {**HF_LLAMA, "model_type": "gemma2", "head_dim": 8, "sliding_window": 8, "attn_logit_softcapping": 1.0,
+             "final_logit_softcapping": 3.0, "initializer_range": 0.3}  # logits large enough to be capped
+# Qwen3-MoE: token-wise experts on each rank's chunk (transformers' forward adds no router aux loss by default)
+HF_QWEN3_MOE = {**HF_LLAMA, "model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16}
 PROMPTS, PADDING = [1, 20, 3, 9], [0, 5, 12, 0]  # masked prompt and padding per row: cp chunks hold unequal targets
 
 # world -> name -> (config, Plan.uniform arguments), each for a global batch of ROWS rows
@@ -32,7 +40,9 @@ PLANS = {
     2: {"cp2": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
         "cp2-gpt2-zero0": (GPT2, dict(cp=2, micro_batch_size=4, num_microbatches=1)),
         "cp2-lora": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
-        "hf-cp2": (HF_LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
+        "hf-cp2": (HF_LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
+        "hf-gemma2-cp2": (HF_GEMMA2, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
+        "hf-qwen3-moe-cp2": (HF_QWEN3_MOE, dict(cp=2, micro_batch_size=2, num_microbatches=2))},
     4: {"cp4-gqa": (LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
         "dp2xcp2-recompute": (LLAMA, dict(dp=2, cp=2, micro_batch_size=1, num_microbatches=2,
                                             block=BlockPlan(zero=3, activations="recompute"))),

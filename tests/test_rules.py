@@ -56,7 +56,6 @@ MODEL_BREAKS = [
     (_plan(block=BlockPlan(mlp_tiles=4)), replace(FACTS, untileable_mlp="GPT-2's MLP (dropout inside)")),
     (_plan(cp=8), FACTS),
     (_plan(cp=2), replace(FACTS, attention="LlamaDecoderLayer", sequence_splits=False)),
-    (_plan(cp=2), replace(FACTS, n_experts=4, top_k=2)),
     (_plan(ep=2, dp=2), FACTS),
     (_plan(ep=3, dp=3), replace(FACTS, n_experts=4, top_k=2)),
     (_plan(ep=2, dp=2), replace(FACTS, n_experts=4, top_k=2, expert_splits=False)),

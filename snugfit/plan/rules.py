@@ -111,10 +111,7 @@ CP_MODEL_RULES: tuple[Rule, ...] = (
                    "and tp whose product divides them"),
     Rule(("cp", "model"), lambda p: p.cp > 1 and not p.model.sequence_splits,
          lambda p: f"context parallelism (cp {p.cp}) runs the built-in decoder's attention and Hugging Face "
-                   f"attention without logit soft-capping, not {p.model.attention or 'this model'}'s; plan with cp 1"),
-    Rule(("cp", "model"), lambda p: p.cp > 1 and p.model.n_experts > 0,
-         lambda p: f"context parallelism (cp {p.cp}) with Mixture-of-Experts blocks is not built yet (the router's "
-                   "load-balancing loss would count each rank's tokens apart); plan with cp 1"),
+                   f"attention without per-head sinks, not {p.model.attention or 'this model'}'s; plan with cp 1"),
 )
 
 # Expert parallelism (issue 44 item 2): what the model must have for it (all read beside the model's facts, as
