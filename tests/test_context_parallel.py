@@ -4,7 +4,7 @@ Each rank of a cp group holds a contiguous chunk of every sequence; attention tr
 Every plan must give the loss and the gradients (reduced over dp x cp) of one forward over the whole global batch,
 with grouped-query attention whose key/value heads are fewer than cp, learned positions (GPT-2), data and tensor
 parallelism beside cp, pipeline stages each split over cp, a Hugging Face Llama, Gemma 2 (soft-capped attention,
-sliding windows) and Qwen3-MoE, and recomputation. The batch masks prompts and padding, so cp ranks hold different numbers
+sliding windows) and Qwen3-MoE, recomputation, and compiled blocks (the all-to-alls traced into their graph). The batch masks prompts and padding, so cp ranks hold different numbers
 of targets and the loss's divisors must count them all.
 """
 
@@ -42,7 +42,10 @@ PLANS = {
         "cp2-lora": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
         "hf-cp2": (HF_LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
         "hf-gemma2-cp2": (HF_GEMMA2, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
-        "hf-qwen3-moe-cp2": (HF_QWEN3_MOE, dict(cp=2, micro_batch_size=2, num_microbatches=2))},
+        "hf-qwen3-moe-cp2": (HF_QWEN3_MOE, dict(cp=2, micro_batch_size=2, num_microbatches=2)),
+        # the block compiled whole (fullgraph), its recomputation and the all-to-alls inside the graph
+        "cp2-compiled-recompute": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, compile=True,
+                                               block=BlockPlan(zero=3, activations="recompute")))},
     4: {"cp4-gqa": (LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
         "dp2xcp2-recompute": (LLAMA, dict(dp=2, cp=2, micro_batch_size=1, num_microbatches=2,
                                             block=BlockPlan(zero=3, activations="recompute"))),
@@ -98,10 +101,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _step(env: DistEnv, world: int) -> dict:
     """Every plan for this world size: eval and one step on this rank's rows, checked against the reference."""
+    from torch._dynamo.utils import counters
+
+    from snugfit.runtime import compile as compiled
     from snugfit.runtime.build import build_engine
 
     out = {}
     for name, (cfg, spec) in PLANS[world].items():
+        graphs = counters["stats"]["unique_graphs"]
         lora = name.endswith("lora")
         ref_loss, ref_grads = reference(cfg, lora)
         model = fresh_model(cfg, lora)
@@ -126,7 +133,8 @@ def _step(env: DistEnv, world: int) -> dict:
         ev, step = engine.eval_loss(rank_batch), engine.train_step(rank_batch)
         ref_norm = torch.stack([g.norm() for g in ref_grads.values() if g is not None]).norm().item()
         out[name] = {"eval": ev, "loss": step.loss, "norm": step.grad_norm, "ref_norm": ref_norm, "bad": bad,
-                     "ref": ref_loss}
+                     "ref": ref_loss, "compiled": spec.get("compile", False),
+                     "graphs": counters["stats"]["unique_graphs"] - graphs, "eager": list(compiled._failed.values())}
     return out
 
 
@@ -138,6 +146,8 @@ def test_context_parallel_equals_one_process(world):
             assert res["eval"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-6), name
             assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5), name  # shards summed over dp x cp once
             assert not res["bad"], (name, res["bad"][:2])
+            if res["compiled"]:  # the blocks ran compiled, none fell back to eager
+                assert res["graphs"] > 0 and not res["eager"], (name, res["eager"])
 
 
 LONG = ["--model", "llama-3.1-8b", "--cluster", "8xH100-80GB", "--seq", "131072", "--global-batch", "8"]
@@ -145,7 +155,6 @@ LONG = ["--model", "llama-3.1-8b", "--cluster", "8xH100-80GB", "--seq", "131072"
 
 @pytest.mark.parametrize("extra, says", [
     (["--seq", "131071", "--cp", "2"], "cp 2 does not divide the sequence length (131071)"),
-    (["--cp", "2", "--compile"], "does not run compiled blocks"),
 ])
 def test_a_cp_that_cannot_run_is_one_line_before_any_rank(capsys, extra, says):
     from snugfit.cli import main

@@ -98,12 +98,10 @@ def _cp_undivided(p: Parts) -> list[str]:
 
 
 # Context parallelism (runtime.context_parallel): what it splits, and what it does not combine with yet; the plan's
-# own parts, then beside the model's facts
+# own parts, then beside the model's facts (compiled blocks trace its all-to-alls: torch's functional collectives)
 CP_RULES: tuple[Rule, ...] = (
     Rule(("cp", "seq_len"), lambda p: p.cp > 1 and p.seq_len % p.cp,
          lambda p: f"cp {p.cp} does not divide the sequence length ({p.seq_len}); choose a cp that divides it"),
-    Rule(("cp", "compile"), lambda p: p.cp > 1 and p.compile,
-         lambda p: f"context parallelism (cp {p.cp}) does not run compiled blocks yet; drop --compile or use cp 1"),
 )
 CP_MODEL_RULES: tuple[Rule, ...] = (
     Rule(("cp", "tp", "model", "seq_len"), lambda p: p.cp > 1 and bool(_cp_undivided(p)),
