@@ -206,3 +206,18 @@ def test_tracked_peak_per_rank_matches_the_model_at_cp_2():
     plans = {"cp2_zero3": (_plan(1, BlockPlan(zero=3), BlockPlan(zero=3), m=2, cp=2), ""),
              "cp2_recompute": (_plan(1, BlockPlan(activations="recompute"), m=2, cp=2), "lora")}
     _check(run_ranks(tracked_peaks, 2, plans), plans)
+
+
+def test_attention_sinks_are_refused_in_planning_and_at_run_time_soft_capping_is_not():
+    """gpt-oss's per-head sinks have no term in the Ulysses attention, so cp refuses it (the rule reads
+    sequence_splits); Gemma 2's soft-capped attention runs."""
+    from snugfit.model.hf import hf_from_config
+    from snugfit.plan.facts import ModelFacts
+    from snugfit.profile import profile_model
+    from snugfit.runtime.tensor_parallel import model_facts
+
+    sinks = {**HF_LLAMA, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8}
+    for cfg, splits in ((sinks, False), (HF_GEMMA2, True)):
+        assert model_facts(hf_from_config(cfg)).sequence_splits is splits, cfg["model_type"]
+        prof = profile_model(cfg, micro_batch_size=1, seq_len=SEQ, use_cache=False)
+        assert ModelFacts.of_profile(prof).sequence_splits is splits, cfg["model_type"]
