@@ -3,7 +3,8 @@
 Each rank of a cp group holds a contiguous chunk of every sequence; attention trades it for heads with all-to-alls.
 Every plan must give the loss and the gradients (reduced over dp x cp) of one forward over the whole global batch,
 with grouped-query attention whose key/value heads are fewer than cp, learned positions (GPT-2), data and tensor
-parallelism beside cp, pipeline stages each split over cp, a Hugging Face Llama, and recomputation. The batch masks prompts and padding, so cp ranks hold different numbers
+parallelism beside cp, pipeline stages each split over cp, a Hugging Face Llama, Gemma 2 (soft-capped attention,
+sliding windows) and Qwen3-MoE, recomputation, and compiled blocks (the all-to-alls traced into their graph). The batch masks prompts and padding, so cp ranks hold different numbers
 of targets and the loss's divisors must count them all.
 """
 
@@ -25,6 +26,13 @@ GPT2 = ModelConfig(arch="gpt2", dim=32, n_layers=2, n_heads=4, vocab_size=64, ma
 # a Hugging Face Llama (transformers' layers, rotary module and SDPA) with 2 key/value heads, fewer than cp 4
 HF_LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+# Gemma 2: soft-capped attention logits (eager attention; the Ulysses attention caps them over the whole sequence),
+# alternating sliding (a window shorter than each rank's chunk) and full layers, soft-capped final logits
+HF_GEMMA2 = {**HF_LLAMA, "model_type": "gemma2", "head_dim": 8, "sliding_window": 8, "attn_logit_softcapping": 1.0,
+             "final_logit_softcapping": 3.0, "initializer_range": 0.3}  # logits large enough to be capped
+# Qwen3-MoE: token-wise experts on each rank's chunk (transformers' forward adds no router aux loss by default)
+HF_QWEN3_MOE = {**HF_LLAMA, "model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16}
 PROMPTS, PADDING = [1, 20, 3, 9], [0, 5, 12, 0]  # masked prompt and padding per row: cp chunks hold unequal targets
 
 # world -> name -> (config, Plan.uniform arguments), each for a global batch of ROWS rows
@@ -32,7 +40,12 @@ PLANS = {
     2: {"cp2": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
         "cp2-gpt2-zero0": (GPT2, dict(cp=2, micro_batch_size=4, num_microbatches=1)),
         "cp2-lora": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
-        "hf-cp2": (HF_LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3)))},
+        "hf-cp2": (HF_LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
+        "hf-gemma2-cp2": (HF_GEMMA2, dict(cp=2, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=3))),
+        "hf-qwen3-moe-cp2": (HF_QWEN3_MOE, dict(cp=2, micro_batch_size=2, num_microbatches=2)),
+        # the block compiled whole (fullgraph), its recomputation and the all-to-alls inside the graph
+        "cp2-compiled-recompute": (LLAMA, dict(cp=2, micro_batch_size=2, num_microbatches=2, compile=True,
+                                               block=BlockPlan(zero=3, activations="recompute")))},
     4: {"cp4-gqa": (LLAMA, dict(cp=4, micro_batch_size=2, num_microbatches=2, block=BlockPlan(zero=2))),
         "dp2xcp2-recompute": (LLAMA, dict(dp=2, cp=2, micro_batch_size=1, num_microbatches=2,
                                             block=BlockPlan(zero=3, activations="recompute"))),
@@ -88,10 +101,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _step(env: DistEnv, world: int) -> dict:
     """Every plan for this world size: eval and one step on this rank's rows, checked against the reference."""
+    from torch._dynamo.utils import counters
+
+    from snugfit.runtime import compile as compiled
     from snugfit.runtime.build import build_engine
 
     out = {}
     for name, (cfg, spec) in PLANS[world].items():
+        graphs = counters["stats"]["unique_graphs"]
         lora = name.endswith("lora")
         ref_loss, ref_grads = reference(cfg, lora)
         model = fresh_model(cfg, lora)
@@ -116,7 +133,8 @@ def _step(env: DistEnv, world: int) -> dict:
         ev, step = engine.eval_loss(rank_batch), engine.train_step(rank_batch)
         ref_norm = torch.stack([g.norm() for g in ref_grads.values() if g is not None]).norm().item()
         out[name] = {"eval": ev, "loss": step.loss, "norm": step.grad_norm, "ref_norm": ref_norm, "bad": bad,
-                     "ref": ref_loss}
+                     "ref": ref_loss, "compiled": spec.get("compile", False),
+                     "graphs": counters["stats"]["unique_graphs"] - graphs, "eager": list(compiled._failed.values())}
     return out
 
 
@@ -128,6 +146,8 @@ def test_context_parallel_equals_one_process(world):
             assert res["eval"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-6), name
             assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5), name  # shards summed over dp x cp once
             assert not res["bad"], (name, res["bad"][:2])
+            if res["compiled"]:  # the blocks ran compiled, none fell back to eager
+                assert res["graphs"] > 0 and not res["eager"], (name, res["eager"])
 
 
 LONG = ["--model", "llama-3.1-8b", "--cluster", "8xH100-80GB", "--seq", "131072", "--global-batch", "8"]
@@ -135,7 +155,6 @@ LONG = ["--model", "llama-3.1-8b", "--cluster", "8xH100-80GB", "--seq", "131072"
 
 @pytest.mark.parametrize("extra, says", [
     (["--seq", "131071", "--cp", "2"], "cp 2 does not divide the sequence length (131071)"),
-    (["--cp", "2", "--compile"], "does not run compiled blocks"),
 ])
 def test_a_cp_that_cannot_run_is_one_line_before_any_rank(capsys, extra, says):
     from snugfit.cli import main
@@ -187,3 +206,18 @@ def test_tracked_peak_per_rank_matches_the_model_at_cp_2():
     plans = {"cp2_zero3": (_plan(1, BlockPlan(zero=3), BlockPlan(zero=3), m=2, cp=2), ""),
              "cp2_recompute": (_plan(1, BlockPlan(activations="recompute"), m=2, cp=2), "lora")}
     _check(run_ranks(tracked_peaks, 2, plans), plans)
+
+
+def test_attention_sinks_are_refused_in_planning_and_at_run_time_soft_capping_is_not():
+    """gpt-oss's per-head sinks have no term in the Ulysses attention, so cp refuses it (the rule reads
+    sequence_splits); Gemma 2's soft-capped attention runs."""
+    from snugfit.model.hf import hf_from_config
+    from snugfit.plan.facts import ModelFacts
+    from snugfit.profile import profile_model
+    from snugfit.runtime.tensor_parallel import model_facts
+
+    sinks = {**HF_LLAMA, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8}
+    for cfg, splits in ((sinks, False), (HF_GEMMA2, True)):
+        assert model_facts(hf_from_config(cfg)).sequence_splits is splits, cfg["model_type"]
+        prof = profile_model(cfg, micro_batch_size=1, seq_len=SEQ, use_cache=False)
+        assert ModelFacts.of_profile(prof).sequence_splits is splits, cfg["model_type"]

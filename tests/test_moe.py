@@ -1,8 +1,11 @@
 """The built-in Mixture-of-Experts MLP (model.moe): equal to a per-expert loop in forward and gradients, its aux loss
 the hand-computed value with its gradient reaching the router, and the decoder with experts trained equal to one
-process at 2 and 4 gloo ranks."""
+process at 2 and 4 gloo ranks, context parallelism included (each cp rank routes its chunk of the sequences; the
+aux loss counts the experts' tokens over the cp group)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,8 +96,11 @@ PLANS = {  # name -> Plan.uniform arguments
     "dp2-recompute": dict(dp=2, block=BlockPlan(activations="recompute")),
     "pp2": dict(pp=2, schedule="1f1b"),  # the first stage's routers get their aux gradient without a loss there
     "pp2xdp2-zero3": dict(pp=2, dp=2, schedule="1f1b", block=BlockPlan(zero=3)),
+    "cp2-zero3": dict(cp=2, block=BlockPlan(zero=3)),
+    "ep2xcp2": dict(cp=2, ep=2),  # the expert groups within the cp ranks: the experts split over the sequence's
+    "dp2xcp2-recompute": dict(dp=2, cp=2, block=BlockPlan(zero=3, activations="recompute")),
 }
-RUNS = {2: ["dp2-zero3", "dp2-recompute", "pp2"], 4: ["pp2xdp2-zero3"]}
+RUNS = {2: ["dp2-zero3", "dp2-recompute", "pp2", "cp2-zero3", "ep2xcp2"], 4: ["pp2xdp2-zero3", "dp2xcp2-recompute"]}
 
 
 def make_plan(name: str) -> Plan:
@@ -116,7 +122,7 @@ def reference(plan: Plan, steps: int, opt_cfg: OptimConfig = OPT
     opt = make_optimizer(list(model.parameters()), opt_cfg, plan.optimizer)
     losses, auxes, first = [], [], None
     for batch in batches(steps):
-        micro = [mb for rows in batch.chunk(plan.dp) for mb in split_batch(rows, plan)]
+        micro = [mb for rows in batch.chunk(plan.dp) for mb in split_batch(rows, replace(plan, shape=replace(plan.shape, cp=1)))]
         begin_step(model, 1.0 / len(micro), 1.0)
         total = 0.0
         for mb in micro:

@@ -26,7 +26,6 @@ def _plan(**kw) -> Plan:
 BREAKS = [
     _plan(ep=2),  # expert groups sit within dp x cp (1 x 1 here)
     _plan(cp=3),
-    _plan(cp=2, compile=True),
     _plan(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=3),
     _plan(pp=2, schedule="1f1b", num_microbatches=2, evict_bound=1),
     _plan(pp=2, tp=2, schedule="bpipe", num_microbatches=2),
@@ -56,7 +55,6 @@ MODEL_BREAKS = [
     (_plan(block=BlockPlan(mlp_tiles=4)), replace(FACTS, untileable_mlp="GPT-2's MLP (dropout inside)")),
     (_plan(cp=8), FACTS),
     (_plan(cp=2), replace(FACTS, attention="LlamaDecoderLayer", sequence_splits=False)),
-    (_plan(cp=2), replace(FACTS, n_experts=4, top_k=2)),
     (_plan(ep=2, dp=2), FACTS),
     (_plan(ep=3, dp=3), replace(FACTS, n_experts=4, top_k=2)),
     (_plan(ep=2, dp=2), replace(FACTS, n_experts=4, top_k=2, expert_splits=False)),

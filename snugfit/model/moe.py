@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_reduce, wait_tensor
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
@@ -120,6 +121,7 @@ class MoEMLP(nn.Module):
         self._aux_sum: torch.Tensor | None = None  # this step's aux loss so far (weighted), detached
         self._recorded = True  # False in forwards that are no microbatch (`unrecorded`)
         self._token_counts: torch.Tensor | None = None  # this step's (token, slot) pairs per expert, detached
+        self.cp_group = None  # the group a microbatch's sequences are split over (runtime.context_parallel)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, d) -> (router probabilities T x E in fp32, chosen experts T x k, their renormalised weights)."""
@@ -133,7 +135,13 @@ class MoEMLP(nn.Module):
         return probs, chosen, weights / weights.sum(dim=-1, keepdim=True)
 
     def aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """aux_coef * E * sum_e f_e * P_e (counts: the (token, slot) pairs each expert got)."""
+        """aux_coef * E * sum_e f_e * P_e (counts: the (token, slot) pairs each expert got on this rank).
+
+        Under context parallelism each cp rank routes an equal chunk of the microbatch's tokens: f_e is the whole
+        microbatch's (the counts summed over `cp_group`), P_e this rank's mean, so the mean over the cp ranks is
+        the microbatch's aux loss, and its gradient, averaged over dp x cp with the LM loss's, is the router's."""
+        if self.cp_group is not None:
+            counts = wait_tensor(all_reduce(counts, "sum", self.cp_group))
         share = counts.float() / counts.sum().clamp(min=1)
         return self.aux_coef * self.n_experts * (share * probs.mean(dim=0)).sum()
 

@@ -68,7 +68,7 @@ class ModelFacts:
         return cls(n_experts=experts, top_k=top_k,
                    unsplittable_block="Mixture-of-Experts blocks" if experts else None,
                    attention="built-in" if builtin else c.get("model_type"),
-                   sequence_splits=builtin or not c.get("attn_logit_softcapping"),  # runtime.context_parallel's
+                   sequence_splits=builtin or c.get("model_type") != "gpt_oss",  # runtime.context_parallel: no sinks
                    expert_splits=builtin or not experts or c.get("model_type") in EXPERT_PARALLEL_HF,
                    heads=heads, kv_heads=c.get("n_kv_heads") or c.get("num_key_value_heads") or heads,
                    mlp_hidden=c.get("ffn_dim") or c.get("intermediate_size"), vocabulary=c.get("vocab_size"),

@@ -98,12 +98,10 @@ def _cp_undivided(p: Parts) -> list[str]:
 
 
 # Context parallelism (runtime.context_parallel): what it splits, and what it does not combine with yet; the plan's
-# own parts, then beside the model's facts
+# own parts, then beside the model's facts (compiled blocks trace its all-to-alls: torch's functional collectives)
 CP_RULES: tuple[Rule, ...] = (
     Rule(("cp", "seq_len"), lambda p: p.cp > 1 and p.seq_len % p.cp,
          lambda p: f"cp {p.cp} does not divide the sequence length ({p.seq_len}); choose a cp that divides it"),
-    Rule(("cp", "compile"), lambda p: p.cp > 1 and p.compile,
-         lambda p: f"context parallelism (cp {p.cp}) does not run compiled blocks yet; drop --compile or use cp 1"),
 )
 CP_MODEL_RULES: tuple[Rule, ...] = (
     Rule(("cp", "tp", "model", "seq_len"), lambda p: p.cp > 1 and bool(_cp_undivided(p)),
@@ -111,10 +109,7 @@ CP_MODEL_RULES: tuple[Rule, ...] = (
                    "and tp whose product divides them"),
     Rule(("cp", "model"), lambda p: p.cp > 1 and not p.model.sequence_splits,
          lambda p: f"context parallelism (cp {p.cp}) runs the built-in decoder's attention and Hugging Face "
-                   f"attention without logit soft-capping, not {p.model.attention or 'this model'}'s; plan with cp 1"),
-    Rule(("cp", "model"), lambda p: p.cp > 1 and p.model.n_experts > 0,
-         lambda p: f"context parallelism (cp {p.cp}) with Mixture-of-Experts blocks is not built yet (the router's "
-                   "load-balancing loss would count each rank's tokens apart); plan with cp 1"),
+                   f"attention without per-head sinks, not {p.model.attention or 'this model'}'s; plan with cp 1"),
 )
 
 # Expert parallelism (issue 44 item 2): what the model must have for it (all read beside the model's facts, as

@@ -36,6 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+from snugfit.model.moe import moe_layers
+
 
 def sequence_part(t: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
     """This cp rank's contiguous chunk of the sequence (dim 1) of `t`; `t` itself at cp 1."""
@@ -97,29 +99,50 @@ class Ulysses(nn.Module):
 def hf_attention(block: nn.Module) -> nn.Module | None:
     """The attention module of a Hugging Face layer (model.hf_model.HFBlock's `layer`) whose kernel comes from
     transformers' attention registry (its `config._attn_implementation`), where context parallelism can run it:
-    None for others, and for attention logits soft-capped (Gemma 2), which the SDPA call here has no term for."""
+    None for others, and for attention with per-head sinks (gpt-oss), which the attention here has no term for."""
     layer = getattr(block, "layer", None)
     attn = getattr(layer, "self_attn", None)
-    config = getattr(attn, "config", None)
-    if config is None or getattr(config, "attn_logit_softcapping", None):
+    if getattr(attn, "config", None) is None or getattr(attn, "sinks", None) is not None:
         return None
     return attn
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+                scaling: float, softcap: float, causal: bool) -> torch.Tensor:
+    """Attention with its logits soft-capped (Gemma 2: softcap x tanh(logits / softcap), before the mask), which
+    SDPA has no term for; as transformers' eager attention, over the whole sequence. mask: boolean (True: attend)
+    or additive, as transformers builds it for the model's attention implementation; None: causal."""
+    logits = q @ k.transpose(-2, -1) * scaling
+    logits = softcap * torch.tanh(logits / softcap)
+    if mask is None and causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    probs = F.dropout(logits.softmax(dim=-1, dtype=torch.float32).to(q.dtype), p=dropout)
+    return probs @ v
 
 
 def _hf_ulysses(group, cp: int) -> str:
     """The name, in transformers' attention registry, of the Ulysses attention over `group`: the layer's q, k, v
     exchanged for the whole sequence of 1/cp of the heads, SDPA over them (flash on GPUs; the mask, where the layer
-    has one, is the whole sequence's: HFBlock.mask), and the output exchanged back. A function transformers calls
+    has one, is the whole sequence's: HFBlock.mask, a sliding window's included), or the soft-capped attention
+    where the layer passes `softcap` (Gemma 2), and the output exchanged back. A function transformers calls
     with the layer's own arguments is its documented extension point (AttentionInterface.register); SDPA is
     called here rather than the layer's own function because that repeats key/value heads by the layer's whole
     group count, which no longer holds once cp splits the heads."""
     from transformers import AttentionInterface
 
-    def attend(module, q, k, v, mask, dropout: float = 0.0, scaling: float | None = None, **_):
+    def attend(module, q, k, v, mask, dropout: float = 0.0, scaling: float | None = None,
+               softcap: float | None = None, **_):
         q, k, v = _whole_sequence(q, k, v, group, cp)
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                             is_causal=mask is None and getattr(module, "is_causal", True))
+        causal = mask is None and getattr(module, "is_causal", True)
+        if softcap:
+            out = _softcapped(q, k, v, mask, dropout, q.shape[-1] ** -0.5 if scaling is None else scaling, softcap,
+                              causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                 is_causal=causal)
         return _heads_to_seq(out, group, cp).transpose(1, 2), None  # transformers' layout: (b, s, heads, d)
 
     name = f"snugfit-ulysses-cp{cp}-{id(group)}"
@@ -131,7 +154,10 @@ def apply_cp(model: nn.Module, group, cp: int, cp_rank: int) -> None:
     """Install Ulysses around every attention of `model` and tell the model which chunk of each sequence it holds
     (its positions). The built-in decoder's `attn.attend` is wrapped; a Hugging Face layer's attention gets a
     copy of its config naming the Ulysses function in transformers' registry (`_hf_ulysses`), and its block the
-    cp rank and degree (HFBlock: positions and mask by global index)."""
+    cp rank and degree (HFBlock: positions and mask by global index). Mixture-of-Experts MLPs are token-wise, and
+    their routers' aux loss counts the experts' tokens over the cp group (model.moe.MoEMLP.aux_loss)."""
+    for m in moe_layers(model):
+        m.cp_group = group
     for block in model.blocks.values():
         hf = hf_attention(block)
         if hf is not None:
