@@ -35,8 +35,7 @@ class StepTerms:
     def phases(self, m: int, bubble: float) -> dict[str, float]:
         """The step's seconds by phase over m microbatches, `bubble` the schedule's idle time."""
         out = {k: m * v for k, v in self.per_microbatch.items()}
-        out = {"compute": out.pop("compute"), "expert_gemm": out.pop("expert_gemm"), "recompute": out.pop("recompute"),
-               "bubble": bubble, **out}
+        out = {"compute": out.pop("compute"), "recompute": out.pop("recompute"), "bubble": bubble, **out}
         out["dp_comm_exposed"] += self.reduces(m)
         out["offload_exposed"] += self.host_step
         out["optimizer"] = self.device_step + self.update
