@@ -82,3 +82,25 @@ def test_diagnose_prints_the_cost_of_the_imbalance(tmp_path, capsys):
     f = routing_imbalance(SKEWED, 2)
     assert f"routing imbalance over the 2 ep ranks: max/mean x{f:.2f}, about {(f - 1) * 0.5:.4g} s a step" in out
     assert routing_table(SKEWED, 1)[-1] == "routing imbalance not priced at ep 1 (one rank runs every expert)"
+
+
+def test_a_run_at_ep_2_stores_its_routing_imbalance_with_its_corrections(tmp_path, monkeypatch):
+    from snugfit.train.metrics import read_metrics
+    from tests.test_diagnose import RUN
+    from tests.test_train import run_cli
+
+    store = tmp_path / "corrections.json"
+    monkeypatch.setenv("SNUGFIT_CORRECTIONS", str(store))  # run_cli hands the environment to the ranks
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan.uniform(2, dp=2, ep=2, micro_batch_size=2, num_microbatches=1, seq_len=32).to_json())
+    args = [a for a in RUN if a != "dp"]
+    args[args.index("--plan") + 1:args.index("--plan") + 1] = [str(plan)]
+    proc = run_cli("train", *args, "--n-experts", "4", "--top-k", "2", "--moe-ffn-dim", "16",
+                   "--out-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = [r["tokens_per_expert"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+             if r.get("kind", "train") == "train"]
+    (entry,) = json.loads(store.read_text()).values()
+    # the re-plan runs beside training: it read the steps recorded by then, at least those up to its step
+    assert any(entry["factors"][IMBALANCE] == pytest.approx(routing_imbalance(steps[:n], 2))
+               for n in range(entry["step"], len(steps) + 1)), (entry["factors"], steps)
