@@ -14,7 +14,9 @@ comparison, and this GPU against the catalogue, in one script (under 8 minutes o
 (d) snugfit's plan against FSDP2 full CPU offload under a capped allocator (0.6 x the replicated plan's peak);
 (e) this GPU measured as `snugfit profile-hardware` measures it, against its catalogue entry;
 (f) the time model's corrections a run's calibration (`[train] replan`) derives on this card for the replicated
-    plan, per term, beside the catalogue's figures it corrects.
+    plan, per term, beside the catalogue's figures it corrects;
+(g) a built-in MoE decoder (grouped experts, ep 1) replicated, as a row of (a)-(c): losses against the plain
+    reference (router aux loss included), memory, and time against the plan's terms (`expert_gemm` apart).
 
 Writes acceptance.json and acceptance.md under $OUT (./ without $OUT) and prints the table.
 Usage: python bench/gpu/run.py [--model NAME|config.json] [--seq 1024] [--batch 4] [--steps 3]
@@ -78,6 +80,12 @@ DEFAULT_MODEL = ModelConfig(arch="llama", vocab_size=32000, dim=2048, n_layers=1
 # shape (dynamic=False), tens of seconds each on CPU, so one matrix shape and the norms' make the 8-bit and bf16 rows
 # compile two updates each, not five
 SMOKE_MODEL = ModelConfig(arch="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=256)
+# The MoE row (g): a built-in decoder whose MLPs are 16 experts, top 2, and a shared expert (about 0.3B
+# parameters, 0.1B active), on one GPU at ep 1: its experts' grouped GEMMs at 1/8 of the tokens each
+MOE_MODEL = ModelConfig(arch="llama", vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
+                        max_seq_len=2048, n_experts=16, top_k=2, moe_ffn_dim=512, n_shared_experts=1)
+SMOKE_MOE_MODEL = ModelConfig(arch="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, max_seq_len=256,
+                              n_experts=4, top_k=2, moe_ffn_dim=32)
 
 
 @dataclass
@@ -179,6 +187,7 @@ def build(cfg: ModelConfig, weights: dict[str, torch.Tensor], tune: str) -> Deco
 def reference_losses(model: Decoder, batch: torch.Tensor, mbs: int, steps: int, device: torch.device) -> list[float]:
     """Plain PyTorch in fp32: forward/backward per microbatch, clip, AdamW (the engine's groups and settings);
     NF4 weights dequantized into plain frozen fp32 tensors."""
+    from snugfit.model.moe import begin_step, moe_layers
     from snugfit.model.quantize import dequantized, is_quantized
 
     for m in model.modules():
@@ -193,6 +202,8 @@ def reference_losses(model: Decoder, batch: torch.Tensor, mbs: int, steps: int, 
     losses = []
     for _ in range(steps):
         total = 0.0
+        if moe_layers(model):  # the routers' aux loss joins each microbatch's backward, as in the engine
+            begin_step(model, 1.0 / len(micro), 1.0)
         for mb in micro:
             loss = model(mb[:, :-1], mb[:, 1:]) / len(micro)
             loss.backward()
@@ -304,6 +315,22 @@ def check_techniques(args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, mea
                                                            batch, mbs), report))
         free_memory(env)
         save(report, OUT)
+
+
+def check_moe(args, env: DistEnv, cluster: Cluster, measured: Cluster | None, dtype: str, report: dict) -> None:
+    """(g): the MoE decoder replicated (ep 1), a row of report["techniques"] as (a)-(c) make them."""
+    cfg = ModelConfig.from_dict((SMOKE_MOE_MODEL if args.smoke else MOE_MODEL).to_dict())
+    cfg.max_seq_len = max(cfg.max_seq_len, args.seq)
+    t = Technique(f"MoE, {cfg.n_experts} experts top {cfg.top_k}, ep 1", BlockPlan(), BlockPlan())
+    torch.manual_seed(0)
+    weights = Decoder(cfg).state_dict()
+    batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    row: dict = {"technique": t.name}
+    report["techniques"].append(row)
+    row.update(guarded(t.name, lambda: check_technique(t, args, cfg, env, cluster, measured, dtype, weights, batch,
+                                                       max(1, args.batch // 2)), report))
+    free_memory(env)
+    save(report, OUT)
 
 
 def check_technique(t: Technique, args, cfg: ModelConfig, env: DistEnv, cluster: Cluster, measured: Cluster | None,
@@ -455,6 +482,7 @@ def main() -> int:
     report["hardware"], measured = checked if isinstance(checked, tuple) else (checked, None)
     free_memory(env)
     check_techniques(args, cfg, env, cluster, measured, dtype, report)
+    check_moe(args, env, cluster, measured, dtype, report)
     report["offload_comparison"] = guarded("offload comparison",
                                            lambda: offload_comparison(args, cfg, env, cluster, dtype), report)
     report["corrections"] = guarded("corrections", lambda: corrections_check(args, cfg, env, cluster, dtype), report)

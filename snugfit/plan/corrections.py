@@ -21,7 +21,11 @@ from snugfit.profile.types import ModelProfile
 # what the simulated schedule leaves idle, and follows from the corrected stage times.
 TERMS = ("compute", "recompute", "dp_comm_exposed", "tp_comm", "offload_exposed", "pipeline_runtime", "optimizer")
 # Terms timed inside forward and backward spans: the trace cannot tell them apart, so they share one factor
-INSIDE_WORK = ("compute", "recompute", "tp_comm", "offload_exposed", "pipeline_runtime")
+INSIDE_WORK = ("compute", "expert_gemm", "recompute", "tp_comm", "ep_comm", "offload_exposed", "pipeline_runtime")
+# A named factor beside the terms: under expert parallelism the step waits on the ep rank whose experts got the
+# most tokens, so the experts' grouped GEMMs and the all-to-alls take (max/mean of the ep ranks' tokens) x their
+# balanced time (plan.timing applies it). Measured from the run's routing (`routing_imbalance`), not the trace.
+IMBALANCE = "routing_imbalance"
 # Terms one device's speed sets, whatever the ranks: they carry over to another number of ranks of the same cards
 PER_DEVICE = ("compute", "recompute", "optimizer")
 EVIDENCE = 0.02  # a term predicted below this share of the step gets no factor (too small to measure apart)
@@ -103,10 +107,28 @@ def attribute(measured: MeasuredStep, predicted: dict[str, float], pipelined: bo
     return out
 
 
-def derive(measured: list[MeasuredStep], predicted: dict[str, float], pipelined: bool, **keys) -> TimeCorrections:
+def routing_imbalance(steps: list[list[list[int]]], ep: int) -> float:
+    """The IMBALANCE factor of recorded routing (metrics.jsonl's `tokens_per_expert`: per step, per MoE layer,
+    tokens per expert): per layer and step, the most tokens an ep rank's experts got (runtime.expert_parallel
+    gives rank r the r-th contiguous E/ep experts) over the ranks' mean, averaged. 1.0 at ep 1 or without counts:
+    one rank runs every expert (a grouped GEMM's largest group then sets its last tile wave, not priced)."""
+    ratios = []
+    for layers in steps:
+        for counts in layers:
+            local = len(counts) // ep if ep > 1 else 0
+            if not local or not sum(counts):
+                continue
+            ranks = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+            ratios.append(max(ranks) * ep / sum(ranks))
+    return sum(ratios) / len(ratios) if ratios else 1.0
+
+
+def derive(measured: list[MeasuredStep], predicted: dict[str, float], pipelined: bool, imbalance: float = 1.0,
+           **keys) -> TimeCorrections:
     """Factors from every rank's traced step: the mean over ranks (ranks in lockstep take alike times), but for
     dp communication the least (a rank's collectives also hold its waits for a slower peer; the slowest rank's
-    hold none). keys: machine, shape, step."""
+    hold none); and the routing's IMBALANCE where it is not balanced (`routing_imbalance`; `predicted` should
+    already price it, or its cost lands in the compute factor too). keys: machine, shape, step."""
     mean = MeasuredStep(*(sum(getattr(m, f) for m in measured) / len(measured) for f in vars(measured[0])))
     mean.dp_comm = min(m.dp_comm for m in measured)
     seconds = attribute(mean, predicted, pipelined)
@@ -116,6 +138,8 @@ def derive(measured: list[MeasuredStep], predicted: dict[str, float], pipelined:
         want, got = predicted.get(term, 0.0), seconds.get(term)
         if got is not None and want >= floor:
             factors[term] = min(max(got / want, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+    if imbalance != 1.0:
+        factors[IMBALANCE] = imbalance
     return TimeCorrections(factors, measured=seconds, predicted=dict(predicted), **keys)
 
 

@@ -67,12 +67,14 @@ def step_terms(stages: list[tuple[StageTime, int]], *, reduce: float, host_step:
     StageTime.split_host); passes: the forward and backward seconds where they are not the stages' own (what one
     more alike block adds to a stage, stage_costs); sync: collectives made once a step besides the reductions
     (estimate.tied_sync_time)."""
-    per_mb = dict.fromkeys(("compute", "recompute", "dp_comm_exposed", "tp_comm", "cp_comm", "ep_comm", "offload_exposed",
+    per_mb = dict.fromkeys(("compute", "expert_gemm", "recompute", "dp_comm_exposed", "tp_comm", "cp_comm", "ep_comm", "offload_exposed",
                             "pipeline_runtime", "optimizer"), 0.0)
     own = replayed = update = 0.0
     for st, replays in stages:
-        per_mb["compute"] += st.fwd + st.bwd
-        per_mb["recompute"] += st.recompute * replays
+        # the experts' grouped GEMMs apart from the rest of the work (recomputed ones included)
+        per_mb["compute"] += st.fwd + st.bwd - st.expert_fwd - st.expert_bwd
+        per_mb["expert_gemm"] += st.expert_fwd + st.expert_bwd + st.expert_rc * replays
+        per_mb["recompute"] += (st.recompute - st.expert_rc) * replays
         per_mb["dp_comm_exposed"] += st.comm_exposed
         per_mb["tp_comm"] += st.tp_fwd + st.tp_bwd
         per_mb["cp_comm"] += st.cp_fwd + st.cp_bwd

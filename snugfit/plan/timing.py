@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from snugfit.hardware.catalogue import GPU, Host, Link
 from snugfit.hardware.cluster import Node
-from snugfit.plan.corrections import corrected
+from snugfit.plan.corrections import IMBALANCE, corrected
 from snugfit.plan.cpu_ranks import cpu_fsdp_time, cpu_share, cpu_stage_time, fsdp_units, line_cost, local_ranks
 from snugfit.plan.kernels import attention_rates, gemm_seconds
 from snugfit.plan.piece_memory import StagePiece, host_saved
@@ -171,6 +171,27 @@ def recompute_time(p: PieceProfile, policy: ActivationPolicy, fwd: float, gpu: G
     return 0.0
 
 
+def expert_gemm_time(p: PieceProfile, gpu: GPU, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of p's experts' grouped GEMMs at balanced routing, of piece_compute's: on a GPU
+    by tile and wave at their tokens per expert (plan.kernels), else at the flat rate. A measured piece's time holds
+    them too; this is their share as the roofline sees it."""
+    gemms = [p.gemms[i] for i in p.expert_gemms]
+    if not gemms:
+        return 0.0, 0.0
+    trainable = p.num_trainable / max(p.num_params, 1)
+    if gpu.name != "cpu" and gpu.sms:
+        f, b, _, _ = gemm_seconds(gemms, gpu, dtype, trainable)
+        return f, b
+    flops = sum(2.0 * m * n * k for m, n, k in gemms)
+    return flops / gpu.flops_per_s(dtype), flops * (1 + trainable) / gpu.flops_per_s(dtype)
+
+
+def imbalance_cost_s(balanced_s: float, factor: float) -> float:
+    """Seconds a routing IMBALANCE `factor` (plan.corrections.routing_imbalance) adds to `balanced_s` of the
+    experts' grouped GEMMs and all-to-alls under expert parallelism: the ranks wait for the busiest one."""
+    return (factor - 1.0) * balanced_s
+
+
 def weight_share(p: PieceProfile) -> float:
     """Of the piece's backward, the part that computes weight gradients (the W of a split backward): its linear
     layers' weight GEMMs, as many FLOPs as their forward for trainable weights, none for frozen ones."""
@@ -236,6 +257,11 @@ class StageTime:
     cp_bwd: float = 0.0  # and in backward, recomputation's included
     ep_fwd: float = 0.0  # expert parallelism's all-to-alls in forward (plan.expert_parallel, all exposed)
     ep_bwd: float = 0.0  # and in backward, recomputation's included
+    # of fwd, bwd and recompute: the experts' grouped GEMMs (`expert_gemm_time`; recomputed at their share of the
+    # forward), at the routing's imbalance under ep
+    expert_fwd: float = 0.0
+    expert_bwd: float = 0.0
+    expert_rc: float = 0.0
     sm_share: float = 0.0  # of the GPU's SMs, what NCCL holds while a dp collective overlaps compute
     # per reduction (timing.reductions): FSDP2's reduce-scatter copy-in, each sharded unit's gradients read and written
     # into the reduce buffer in the reduce dtype (foreach_reduce_scatter_copy_in, torch 2.13's
@@ -295,6 +321,9 @@ def stage_time(
         else:
             f, b = computed[p.name, extra]
         rc = recompute_time(p, policy, f, gpu, dtype, measured_on)
+        xf, xb = expert_gemm_time(p, gpu, dtype) if p.expert_gemms else (0.0, 0.0)
+        st.expert_fwd, st.expert_bwd = st.expert_fwd + xf * share, st.expert_bwd + xb * share
+        st.expert_rc += (xf * rc / f if f else 0.0) * share
         st.fwd, st.bwd, st.recompute = st.fwd + f * share, st.bwd + b * share, st.recompute + rc * share
         st.wgrad += b * share * weight_share(p)
         if on_cpu:  # on a GPU the host runs ahead of the kernels, so this hides behind them
@@ -341,9 +370,19 @@ def stage_time(
 
 
 def _corrected_stage(st: StageTime, node: Node) -> StageTime:
-    """The stage's times with the run-measured factors of `node` (plan.corrections) applied, term by term."""
+    """The stage's times with the run-measured factors of `node` (plan.corrections) applied, term by term. Under
+    expert parallelism (its all-to-alls timed) the routing's IMBALANCE scales the experts' grouped GEMMs and the
+    all-to-alls: every ep rank waits for the one whose experts got the most tokens."""
     fix = lambda term, s: corrected(term, s, node)  # noqa: E731
+    if st.ep_fwd or st.ep_bwd:
+        skew = fix(IMBALANCE, 1.0)
+        more = [imbalance_cost_s(x, skew) for x in (st.expert_fwd, st.expert_bwd, st.expert_rc, st.ep_fwd, st.ep_bwd)]
+        st.fwd, st.bwd, st.recompute = st.fwd + more[0], st.bwd + more[1], st.recompute + more[2]
+        st.expert_fwd, st.expert_bwd, st.expert_rc = st.expert_fwd + more[0], st.expert_bwd + more[1], st.expert_rc + more[2]
+        st.ep_fwd, st.ep_bwd = st.ep_fwd + more[3], st.ep_bwd + more[4]
     st.fwd, st.bwd, st.wgrad = fix("compute", st.fwd), fix("compute", st.bwd), fix("compute", st.wgrad)
+    st.expert_fwd, st.expert_bwd = fix("compute", st.expert_fwd), fix("compute", st.expert_bwd)
+    st.expert_rc = fix("recompute", st.expert_rc)
     st.recompute = fix("recompute", st.recompute)
     st.comm_exposed = fix("dp_comm_exposed", st.comm_exposed)
     st.offload_exposed = fix("offload_exposed", st.offload_exposed)

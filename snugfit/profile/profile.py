@@ -129,6 +129,7 @@ def _piece(name: str, rec: PieceRecord, params: tuple[dict[str, int], int, int, 
         bwd_flops=rec.bwd.flops, fwd_mem_bytes=rec.fwd.mem_bytes, bwd_mem_bytes=rec.bwd.mem_bytes,
         fwd_fresh_bytes=rec.fwd.fresh_bytes, bwd_fresh_bytes=rec.bwd.fresh_bytes,
         fwd_ops=rec.fwd.ops, bwd_ops=rec.bwd.ops, gemms=[list(g) for g in rec.fwd.gemms], head_dim=rec.head_dim,
+        expert_gemms=list(rec.fwd.expert_gemms),
         mlp_share=mlp_share(rec, mlp_grads) if is_block else {},
     )
 

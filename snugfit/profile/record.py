@@ -52,6 +52,7 @@ class PhaseStats:
     ops: int = 0  # operators dispatched: each costs a fixed launch/dispatch time, whatever the batch
     peak_delta: int = 0  # peak live bytes above the live bytes at the piece's start
     gemms: list[list[int]] = field(default_factory=list)  # 2-D matmuls (linear layers) as [M, N, K]
+    expert_gemms: list[int] = field(default_factory=list)  # of gemms, the indices of grouped GEMMs' groups (experts)
     # a block's MLP (window from its call to its output; backward: from its output's gradient to its input's), in
     # bytes above the piece's start: "before"/"after" the peak outside it, "at" live at its start, "peak" inside
     # it; its "flops", "mem_bytes", "ops"; forward: its "out"put's bytes, the bytes it "saved" for backward that it
@@ -242,6 +243,8 @@ class StepRecorder(TorchDispatchMode):
         stats.mem_bytes += cost.mem_bytes
         stats.fresh_bytes += cost.fresh_bytes
         if cost.gemm is not None:
+            if cost.groups > 1:  # a grouped GEMM: the experts'
+                stats.expert_gemms.extend(range(len(stats.gemms), len(stats.gemms) + cost.groups))
             stats.gemms.extend([cost.gemm] * cost.groups)
         if cost.kind == "attention":
             rec.head_dim = args[0].shape[-1]

@@ -15,7 +15,7 @@ from pathlib import Path
 # 14: "selective_half"'s saved bytes and measured recompute time; 15-16: trainable matrices' sizes (quantized states),
 # the peaks' fixed part; 17: compiled blocks (profile.compiled); 18: eager NF4 traffic as torchao moves it
 # 20: a block's MLP share (mlp_share), what a tiled MLP divides; 21: trainable parameters by kind (expert adapters)
-PROFILE_VERSION = 21
+PROFILE_VERSION = 22
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -77,6 +77,9 @@ class PieceProfile:
     # the forward's 2-D matmuls (the linear layers) as [M, N, K], M the microbatch's tokens: what plan.kernels
     # times by tile and wave on a GPU (their backward is two GEMMs of the same sizes, transposed)
     gemms: list[list[int]] = field(default_factory=list)
+    # of gemms, the indices of the experts' grouped GEMMs (each group one entry): what the routing's imbalance
+    # slows (plan.timing.expert_gemm_time)
+    expert_gemms: list[int] = field(default_factory=list)
     head_dim: int = 0  # of its attention (the FLOPs beyond the GEMMs): what flash attention's rate depends on; 0: none
     # run as a compiled graph (Plan.compile, profile.compiled): saved bytes, memory traffic and operators (then
     # kernel launches) are the compiled graphs'

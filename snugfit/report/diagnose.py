@@ -270,7 +270,8 @@ def diagnose(run_dir: Path, picture: Path | None = None) -> Diagnosis:
         diag.table += table
         findings += term_findings(run, measured, step)
     findings += straggler_findings(run) + memory_findings(run) + checkpoint_findings(run) + replan_findings(run)
-    diag.table += routing_table([r["tokens_per_expert"] for r in run.kind("train") if "tokens_per_expert" in r])
+    diag.table += routing_table([r["tokens_per_expert"] for r in run.kind("train") if "tokens_per_expert" in r],
+                                run.plan.ep, run.predicted()[0])
     diag.findings = sorted(findings, key=lambda f: not f.alarm)
     if picture is not None:
         from snugfit.report.diagnose_picture import draw

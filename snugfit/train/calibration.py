@@ -141,6 +141,15 @@ def save_trace(out: Path, step: int, traces: list[StepTrace], fsdp_share: list[f
     return path
 
 
+def _routing_so_far(cfg) -> list[list[list[int]]]:
+    """The recorded steps' tokens per expert (metrics.jsonl), for the routing's imbalance; none without."""
+    from snugfit.train.metrics import read_metrics
+
+    path = Path(cfg.train.out_dir) / "metrics.jsonl"
+    records = read_metrics(path) if path.exists() else []
+    return [r["tokens_per_expert"] for r in records if r.get("kind", "train") == "train" and "tokens_per_expert" in r]
+
+
 def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_time_s: float) -> dict:
     """On rank 0: the corrections this run's traced step gives, stored for later plans, and the plan the corrected
     model chooses for the same ranks, as a metrics record ("replan")."""
@@ -148,7 +157,9 @@ def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_
 
     from snugfit.calibrate.corrections import save_corrections
     from snugfit.hardware.load import other_load_now
-    from snugfit.plan.corrections import derive, machine_key, on_cluster, shape_key
+    from snugfit.plan.corrections import (
+        IMBALANCE, TimeCorrections, derive, machine_key, on_cluster, routing_imbalance, shape_key,
+    )
     from snugfit.plan.estimate import estimate
     from snugfit.plan.explain import summary
     from snugfit.plan.search import NoPlanError, search
@@ -157,10 +168,14 @@ def replan_record(cfg, env, plan, measured: list[MeasuredStep], step: int, step_
 
     # the re-plan keeps the run's compile choice: its blocks compiled (or not) at start-up
     profile, cluster = _profile(cfg, 1, env.device, plan.compile), local_cluster(env)
-    raw = estimate(replace(plan, predicted=None), profile, cluster)  # the uncorrected model's view of this plan
+    # the routing's imbalance so far (rank 0's metrics.jsonl), priced in the uncorrected view too: else its cost
+    # would land in the compute factor as well
+    imbalance = routing_imbalance(_routing_so_far(cfg), plan.ep)
+    skewed = on_cluster(cluster, TimeCorrections({IMBALANCE: imbalance}))
+    raw = estimate(replace(plan, predicted=None), profile, skewed)  # the uncorrected model's view of this plan
     # other work's share of the cores, sampled now, with the run's other ranks waiting for this one: what the
     # traced step shared the machine with, as near as one rank sees it
-    corrections = derive(measured, raw.time_by_phase, plan.pp > 1, machine=machine_key(cluster),
+    corrections = derive(measured, raw.time_by_phase, plan.pp > 1, imbalance, machine=machine_key(cluster),
                          shape=shape_key(profile), step=step, measured_at=time.time(), other_load=other_load_now())
     stored = save_corrections(corrections)
     fixed = cluster if not corrections.factors else on_cluster(cluster, corrections)
