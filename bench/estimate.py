@@ -66,8 +66,8 @@ PLANS = [
     (4, 2, "selective", "eager"),
 ]
 
-# (name, dp, pp, block plan, root zero, microbatches, tp, cp[, fine-tuning[, gradient reduction[, optimizer]]]); micro-batch
-# 2, keep, sdpa. fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears),
+# (name, dp, pp, block plan, root zero, microbatches, tp, cp[, fine-tuning[, gradient reduction[, optimizer[, ep]]]]);
+# micro-batch 2, keep, sdpa. fine-tuning: "lora" (rank 4 adapters, base frozen), "qlora" (the same over NF4 block linears),
 # "freeze" (the embedding and the first two blocks frozen), "moe" (a Mixture-of-Experts model: MOE_EXPERTS experts, top
 # 2, each as wide as the dense MLP; trained in full); gradient reduction: plan.GRAD_REDUCE (default "step");
 # optimizer: plan.OptimizerPlan (default fp32 weights and states, stepped after backward; the root streams its
@@ -111,6 +111,10 @@ MULTI = [
     ("dp2 moe zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, 1, "moe"),
     ("dp2 moe zero2+recompute", 2, 1, BlockPlan(zero=2, activations="recompute"), 2, 2, 1, 1, "moe"),
     ("pp2 moe 1f1b", 1, 2, BlockPlan(), 0, 4, 1, 1, "moe"),
+    # experts split over ep ranks, tokens dispatched by all-to-all (balanced routing in the model)
+    ("dp2 ep2 moe zero3", 2, 1, BlockPlan(zero=3), 3, 2, 1, 1, "moe", "step", OptimizerPlan(), 2),
+    ("dp4 ep2 moe zero3", 4, 1, BlockPlan(zero=3), 3, 2, 1, 1, "moe", "step", OptimizerPlan(), 2),
+    ("dp4 ep4 moe zero3", 4, 1, BlockPlan(zero=3), 3, 2, 1, 1, "moe", "step", OptimizerPlan(), 4),
 ]
 LORA_RANK, FROZEN, MOE_EXPERTS = 4, "embed,blocks:0-1", 4
 
@@ -135,8 +139,8 @@ MULTI_MBS = 2
 
 
 def multi_plan(layers: int, seq: int, dp: int, pp: int, block: BlockPlan, root_zero: int, m: int, tp: int, cp: int,
-               grad_reduce: str, optimizer: OptimizerPlan) -> Plan:
-    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, cp=cp, block=block,
+               grad_reduce: str, optimizer: OptimizerPlan, ep: int) -> Plan:
+    return Plan.uniform(layers, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, block=block,
                         root=BlockPlan(zero=root_zero, placement="streamed" if block.placement.streams_states
                                        else Placement.DEVICE),
                         micro_batch_size=MULTI_MBS, num_microbatches=m, seq_len=seq, grad_reduce=grad_reduce,
@@ -183,12 +187,12 @@ def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int
         return profiles[tune]
 
     rows = []
-    defaults = ("", "step", OptimizerPlan())  # fine-tuning, gradient reduction, optimizer
+    defaults = ("", "step", OptimizerPlan(), 1)  # fine-tuning, gradient reduction, optimizer, expert parallel
     specs = [(name, dp, pp, b, rz, m, tp, cp, *rest, *defaults[len(rest):])
              for name, dp, pp, b, rz, m, tp, cp, *rest in MULTI if any(part in name for part in args.only.split(","))]
-    for world in sorted({dp * pp * tp * cp for _, dp, pp, _, _, _, tp, cp, _, _, _ in specs}):
-        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, cp, reduce, opt), tune)
-                 for name, dp, pp, b, rz, m, tp, cp, tune, reduce, opt in specs if dp * pp * tp * cp == world}
+    for world in sorted({dp * pp * tp * cp for _, dp, pp, _, _, _, tp, cp, *_ in specs}):
+        plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, cp, reduce, opt, ep), tune)
+                 for name, dp, pp, b, rz, m, tp, cp, tune, reduce, opt, ep in specs if dp * pp * tp * cp == world}
         per_rank = run_ranks(run_multi, world, cfg, plans, args.steps)
         for name, (plan, tune) in plans.items():
             if any(name not in r for r in per_rank):
