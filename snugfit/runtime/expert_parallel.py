@@ -31,8 +31,9 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.utils import parametrize
 
-from snugfit.model.moe import GroupedExperts, grouped_mm, local_experts, moe_layers
+from snugfit.model.moe import GroupedExperts, grouped_mm, local, local_experts, moe_layers
 from snugfit.plan.facts import EXPERT_PARALLEL_HF
 
 
@@ -77,8 +78,14 @@ class DispatchedExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, dispatch=local_experts):
         super().__init__()
-        self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
-        self.n_experts, self.dispatch = experts.gate_up_proj.shape[0], dispatch
+        self.act_fn, self.n_experts, self.dispatch = experts.act_fn, experts.gate_up_proj.shape[0], dispatch
+        for name in ("gate_up_proj", "down_proj"):
+            if parametrize.is_parametrized(experts, name):  # LoRA (model.lora.LoRAExpertWeight): the same adapter
+                adapted = experts.parametrizations[name]
+                self.register_parameter(name, adapted.original)
+                parametrize.register_parametrization(self, name, adapted[0], unsafe=True)
+            else:
+                self.register_parameter(name, getattr(experts, name))
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
@@ -91,9 +98,8 @@ class DispatchedExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """This rank's experts over x, sorted by expert (GroupedExperts' GEMMs with the model's activation)."""
-        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
-        gate, up = grouped_mm(x, gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), offs)
+        gate, up = grouped_mm(x, local(self.gate_up_proj).transpose(1, 2), offs).chunk(2, dim=-1)
+        return grouped_mm(self.act_fn(gate) * up, local(self.down_proj).transpose(1, 2), offs)
 
 
 def hf_experts(part: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -117,11 +123,14 @@ def shard_experts(part: nn.Module, ep_mesh: DeviceMesh) -> None:
     layers = [(m.experts, m) for m in moe_layers(part)] + [
         (m, m) for m in part.modules() if isinstance(m, DispatchedExperts)]
     for experts, caller in layers:
-        for pname, p in list(experts.named_parameters(recurse=False)):
-            n = p.shape[0] // ep
-            piece = p.detach()[rank * n:(rank + 1) * n].clone()
-            held = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
-            experts.register_parameter(pname, nn.Parameter(held, requires_grad=p.requires_grad))
+        # the weights, and where LoRA adapts them their frozen base and adapters (E x ... each): all split alike
+        for owner in experts.modules():
+            for pname, p in list(owner.named_parameters(recurse=False)):
+                n = p.shape[0] // ep
+                piece = p.detach()[rank * n:(rank + 1) * n].clone()
+                held = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                          stride=p.stride())
+                owner.register_parameter(pname, nn.Parameter(held, requires_grad=p.requires_grad))
         caller.dispatch = dispatch
 
 
