@@ -191,7 +191,7 @@ def test_expert_parallel_matches_single_process(runs, name):
     if name.endswith("-lora"):  # each rank's experts' adapters, its E/ep of them; no base nor router trained
         adapters = {f"blocks.1.mlp.experts.parametrizations.{w}.0.lora_{ab}" for w in ("gate_up_proj", "down_proj")
                     for ab in "ab"}
-        assert adapters | {"blocks.0.attn.wq.lora_b"} <= checked, checked
+        assert adapters | {"blocks.0.attn.q.lora_b"} <= checked, checked
         assert not [n for n in checked if n.endswith("original") or "router" in n], checked
         return
     assert {"blocks.0.mlp.router.weight", "blocks.1.mlp.router.weight", "blocks.1.mlp.experts.gate_up_proj",
@@ -265,18 +265,19 @@ def test_ep_that_does_not_divide_the_data_parallel_ranks_is_refused_in_one_line(
 
 # -- checkpoints across ep --
 
-def resume_across_ep(env, root: str) -> dict:
-    """Train a step under plan a, save, train the next step; then build plan b, load, train the same next step."""
+def resume_across_ep(env, root: str, lora: bool) -> dict:
+    """Train a step under plan a, save, train the next step; then build plan b, load, train the same next step
+    (with LoRA: the adapters, the experts' ones split over ep, are what the step trained)."""
     out = {}
     for a, b in (("ep2", "ep1"), ("ep1", "ep2")):
         plans = {"ep2": make_plan(dict(dp=2, ep=2, block=BlockPlan(zero=3))), "ep1": make_plan(dict(dp=2))}
         first, second = batches(2)
-        engine = engine_of(env, plans[a])
+        engine = engine_of(env, plans[a], lora)
         engine.train_step(my_rows(plans[a], first, env.rank))
         path = f"{root}/{a}"
         dcp.save(engine.state_dict(), checkpoint_id=path)
         went_on = engine.train_step(my_rows(plans[a], second, env.rank)).loss
-        resumed = engine_of(env, plans[b])
+        resumed = engine_of(env, plans[b], lora)
         state = resumed.state_dict()
         dcp.load(state, checkpoint_id=path)
         resumed.load_state_dict(state)
@@ -284,8 +285,9 @@ def resume_across_ep(env, root: str) -> dict:
     return out
 
 
-def test_checkpoint_resumes_under_another_ep(tmp_path):
-    for r in run_ranks(resume_across_ep, 2, str(tmp_path)):
+@pytest.mark.parametrize("lora", [False, True])
+def test_checkpoint_resumes_under_another_ep(tmp_path, lora):
+    for r in run_ranks(resume_across_ep, 2, str(tmp_path), lora):
         for key, (went_on, resumed) in r.items():
             assert resumed == pytest.approx(went_on, rel=1e-5), key
 
@@ -411,3 +413,22 @@ def test_hugging_face_qwen3_moe_at_ep_2_matches_one_process(tmp_path):
     for name, t in results[0]["state"].items():
         torch.testing.assert_close(torch.from_numpy(t), torch.from_numpy(ref_state[name]), rtol=1e-5, atol=1e-5,
                                    msg=name)
+
+
+def _hf_lora_ep_ranks(env, folder: str) -> dict:
+    from tests.test_moe_lora import _hf_steps
+
+    plan = Plan.uniform(2, dp=2, ep=2, block=BlockPlan(zero=3), micro_batch_size=2, num_microbatches=2, seq_len=16)
+    return {"losses": _hf_steps(env, folder, plan), "ref": _hf_steps(None, folder, plan) if env.rank == 0 else None}
+
+
+def test_hugging_face_qwen3_moe_expert_adapters_at_ep_2_match_one_process(tmp_path):
+    """LoRA on every linear and expert weight of the Qwen3-MoE folder (test_moe_lora's three steps, whose adapters'
+    updates move the losses well beyond the tolerance), the experts and their adapters split over ep 2."""
+    pytest.importorskip("transformers")
+    from tests.test_moe_lora import qwen3_moe
+
+    qwen3_moe().save_pretrained(tmp_path)
+    results = run_ranks(_hf_lora_ep_ranks, 2, str(tmp_path))
+    for r in results:
+        assert r["losses"] == pytest.approx(results[0]["ref"], rel=1e-5)
