@@ -1,7 +1,9 @@
 """Expert parallelism (runtime.expert_parallel): the built-in MoE decoder trained with its experts split over ep
 ranks equals one process in losses, aux losses and gradients (each rank's expert shard against the reference's
 slice) at 2 and 4 gloo ranks, ep 2 and 4, with ZeRO-3 and recomputation; the ep groups are plan.RankLayout's; a
-checkpoint saved at ep 2 resumes at ep 1 and one saved at ep 1 resumes at ep 2, with the same next-step loss."""
+checkpoint saved at ep 2 resumes at ep 1 and one saved at ep 1 resumes at ep 2, with the same next-step loss. With
+LoRA on every linear and expert weight the experts' adapters split as their weights: the same, and the Qwen3-MoE
+folder's adapters at ep 2 equal one process."""
 
 from __future__ import annotations
 

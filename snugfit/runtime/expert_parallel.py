@@ -4,7 +4,9 @@ to their experts' ranks and back by all-to-all (as torchtitan's ExpertParallel).
     weights     rank r of the ep group keeps experts [r E/ep, (r+1) E/ep) of each 3-D expert weight, as a DTensor
                 sharded on dim 0 over the ep mesh (`shard_experts`): its logical shape stays E x ..., so checkpoints
                 (DCP) hold whole experts and resume under any ep; FSDP2 then shards each local slice over the
-                ranks holding the same experts (runtime.mesh `expert_shard`, dp x cp / ep of them)
+                ranks holding the same experts (runtime.mesh `expert_shard`, dp x cp / ep of them); where LoRA
+                adapts them (model.lora.LoRAExpertWeight), their frozen base and their adapters (A, B: E x ...)
+                are split alike, so each rank trains its own experts' adapters
     dispatch    after routing, each rank's (token, slot) copies are sorted by expert, so expert group r's copies
                 are one contiguous run: the per-expert counts are exchanged (all-to-all of E counts), then the
                 copies themselves (all-to-all with uneven splits); what arrives is ordered by (source rank, local
