@@ -223,8 +223,9 @@ def test_memory_model_holds_each_rank_its_experts(runs, name):
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="at dp 2 the dispatch's activations (zero 0: +22%) and zero 3's buffers at the peak are "
-    "not modelled yet")) if n.startswith("dp2") else n for n in MEMORY])
+    strict=True, reason="zero 3 with recomputation at dp 2: the predicted peak is 8% above the tracked one (its "
+    "gathered buffers at the peak moment: 40 KB tracked, 88 KB predicted; the activations 30 KB, 8 KB)"))
+    if n == "dp2-ep2-zero3-recompute" else n for n in MEMORY])
 def test_memory_model_peak_per_rank(runs, name):
     """The tracked peak of each rank within 5% of the memory model's."""
     pred = _predicted(name)

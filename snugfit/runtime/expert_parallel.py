@@ -63,9 +63,11 @@ class ExpertParallel:
         # one zero row more, the last expert's: a rank that receives no copy still runs its experts (a grouped
         # GEMM's backward over no rows fails), and the zero row adds nothing to their gradients
         offs = got.sum(0).cumsum(0) + (torch.arange(local, device=x.device) == local - 1)
-        y = experts(torch.cat([arrived[order], arrived.new_zeros(1, x.shape[1])]), offs.to(torch.int32))[:-1]
-        back = torch.empty_like(y).index_copy(0, order, y)  # y[order.argsort()], without a second sort
-        return _exchange(back, send, recv, self.group)
+        y = experts(torch.cat([arrived[order], arrived.new_zeros(1, x.shape[1])]), offs.to(torch.int32))
+        # back in arrival order: y[order.argsort()], the inverse permutation by a scatter rather than a second
+        # sort; an index_select saves only its index for backward (index_copy kept y, a copy per block)
+        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        return _exchange(y.index_select(0, unsort), send, recv, self.group)
 
 
 def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
