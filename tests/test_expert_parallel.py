@@ -1,7 +1,9 @@
 """Expert parallelism (runtime.expert_parallel): the built-in MoE decoder trained with its experts split over ep
 ranks equals one process in losses, aux losses and gradients (each rank's expert shard against the reference's
 slice) at 2 and 4 gloo ranks, ep 2 and 4, with ZeRO-3 and recomputation; the ep groups are plan.RankLayout's; a
-checkpoint saved at ep 2 resumes at ep 1 and one saved at ep 1 resumes at ep 2, with the same next-step loss."""
+checkpoint saved at ep 2 resumes at ep 1 and one saved at ep 1 resumes at ep 2, with the same next-step loss. With
+LoRA on every linear and expert weight the experts' adapters split as their weights: the same, and the Qwen3-MoE
+folder's adapters at ep 2 equal one process."""
 
 from __future__ import annotations
 
@@ -32,9 +34,28 @@ PLANS = {  # name -> Plan.uniform arguments
     "dp4-ep2-zero0": dict(dp=4, ep=2, block=BlockPlan(zero=0)),
     "dp4-ep4": dict(dp=4, ep=4),
     "pp2xdp2-ep2-zero3": dict(pp=2, dp=2, ep=2, schedule="1f1b", block=BlockPlan(zero=3)),
+    # LoRA on every linear and expert weight (the routers frozen): the experts' adapters split as their weights
+    "dp2-ep2-lora": dict(dp=2, ep=2),
+    "dp4-ep2-zero3-lora": dict(dp=4, ep=2, block=BlockPlan(zero=3)),
+    "dp4-ep4-lora": dict(dp=4, ep=4),
 }
-RUNS = {2: ["dp2-ep2", "dp2-ep2-zero3-recompute", "dp2-ep2-zero0"], 4: ["dp4-ep2-zero3", "dp4-ep2-zero0", "dp4-ep4",
-                                                                       "pp2xdp2-ep2-zero3"]}
+RUNS = {2: ["dp2-ep2", "dp2-ep2-zero3-recompute", "dp2-ep2-zero0", "dp2-ep2-lora"],
+        4: ["dp4-ep2-zero3", "dp4-ep2-zero0", "dp4-ep4", "pp2xdp2-ep2-zero3", "dp4-ep2-zero3-lora", "dp4-ep4-lora"]}
+LORA_RANK = 4
+
+
+def adapt(model) -> None:
+    """The LoRA runs' adapters (name ending -lora): all-linear, experts included, drawn from the runs' seed."""
+    from snugfit.model.lora import apply_lora
+
+    apply_lora(model, LORA_RANK, targets=["all-linear"], seed=SEED)
+
+
+def base_expert(experts) -> torch.Tensor:
+    """An experts module's gate_up_proj as held (its frozen base where LoRA adapts it)."""
+    if hasattr(experts, "parametrizations"):
+        return experts.parametrizations.gate_up_proj.original
+    return experts.gate_up_proj
 
 
 # -- the dispatcher alone: equal to every expert on one rank, also when a rank receives no token --
@@ -86,9 +107,11 @@ def make_plan(spec: dict) -> Plan:
     return Plan.uniform(DIST.n_layers, micro_batch_size=rows // MICRO, num_microbatches=MICRO, seq_len=SEQ, **spec)
 
 
-def engine_of(env, plan: Plan):
+def engine_of(env, plan: Plan, lora: bool = False):
     with torch.device("meta"):
         model = Decoder(DIST)
+    if lora:
+        adapt(model)
     return build_engine(model, plan, OPT, env, InitWeights(SEED))
 
 
@@ -97,9 +120,9 @@ def my_rows(plan: Plan, batch: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def train_and_check(env, name: str, steps: int = 2) -> dict:
-    plan = make_plan(PLANS[name])
-    ref_losses, ref_aux, ref_grads, ref_norm = reference_with_norm(plan, steps)
-    engine = engine_of(env, plan)
+    plan, lora = make_plan(PLANS[name]), name.endswith("-lora")
+    ref_losses, ref_aux, ref_grads, ref_norm = reference_with_norm(plan, steps, lora)
+    engine = engine_of(env, plan, lora)
     dims = ParallelDims.of(plan, env)
     groups = None if plan.ep == 1 else (sorted(dims.ep_mesh.mesh.flatten().tolist()), sorted(dims.expert_shard.mesh.flatten().tolist()),
               plan.layout.ep_group(env.rank), plan.layout.expert_shard_group(env.rank))
@@ -112,29 +135,30 @@ def train_and_check(env, name: str, steps: int = 2) -> dict:
         auxes.append(result.aux_loss)
         norms.append(result.grad_norm)
         engine._update = update
-    local = next(iter(engine.model.blocks.values())).mlp.experts.gate_up_proj.to_local().shape[0]
+    local = base_expert(next(iter(engine.model.blocks.values())).mlp.experts).to_local().shape[0]
     return {"losses": losses, "ref_losses": ref_losses, "aux": auxes, "ref_aux": ref_aux, "norms": norms,
             "ref_norm": ref_norm, "checked": checked, "bad": bad, "groups": groups, "local_rows": local,
-            "peak": balanced_peak(env, plan) if name in MEMORY else None}
+            "peak": balanced_peak(env, plan, lora) if name in MEMORY + LORA_MEMORY else None}
 
 
 MEMORY = ["dp2-ep2-zero0", "dp2-ep2-zero3-recompute", "dp4-ep2-zero3", "dp4-ep4"]  # test_memory_model_...
+LORA_MEMORY = ["dp2-ep2-lora", "dp4-ep4-lora"]  # test_memory_model_holds_each_rank_its_experts
 
 
-def balanced_peak(env, plan: Plan) -> dict:
+def balanced_peak(env, plan: Plan, lora: bool = False) -> dict:
     """The tracked peak of a step under balanced routing (model.moe.set_balanced), which the planner prices: each
     rank's experts then receive as many copies as it sends."""
     from snugfit.model.moe import set_balanced
 
-    engine = engine_of(env, plan)
+    engine = engine_of(env, plan, lora)
     set_balanced(engine.model)
     engine.train_step(my_rows(plan, batches(1)[0], env.rank))
     return engine.memory.peak()
 
 
-def reference_with_norm(plan: Plan, steps: int):
+def reference_with_norm(plan: Plan, steps: int, lora: bool = False):
     """test_moe's one-process reference, and its first step's gradient norm (before clipping)."""
-    losses, auxes, first = reference(plan, steps, OPT)
+    losses, auxes, first = reference(plan, steps, OPT, adapt if lora else None)
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in first.values()])).item()
     return losses, auxes, first, norm
 
@@ -166,6 +190,12 @@ def test_expert_parallel_matches_single_process(runs, name):
         zero = PLANS[name].get("block", BlockPlan()).zero
         assert r["local_rows"] == DIST.n_experts // ep // (1 if zero == 0 else len(want_shard))
     checked = set().union(*(r["checked"] for r in runs[name]))
+    if name.endswith("-lora"):  # each rank's experts' adapters, its E/ep of them; no base nor router trained
+        adapters = {f"blocks.1.mlp.experts.parametrizations.{w}.0.lora_{ab}" for w in ("gate_up_proj", "down_proj")
+                    for ab in "ab"}
+        assert adapters | {"blocks.0.attn.q.lora_b"} <= checked, checked
+        assert not [n for n in checked if n.endswith("original") or "router" in n], checked
+        return
     assert {"blocks.0.mlp.router.weight", "blocks.1.mlp.router.weight", "blocks.1.mlp.experts.gate_up_proj",
             "blocks.1.mlp.experts.down_proj"} <= checked
 
@@ -176,14 +206,16 @@ def _predicted(name: str) -> dict:
     from snugfit.profile import profile_model
 
     plan = make_plan(PLANS[name])
-    prof = profile_model(DIST, micro_batch_size=plan.micro_batch_size, seq_len=SEQ, use_cache=False)
+    lora = dict(lora_rank=LORA_RANK, lora_targets="all-linear") if name.endswith("-lora") else {}
+    prof = profile_model(DIST, micro_batch_size=plan.micro_batch_size, seq_len=SEQ, use_cache=False, **lora)
     return estimate(plan, prof, parse_cluster(f"{plan.world_size}xcpu")).tracked_by_rank
 
 
-@pytest.mark.parametrize("name", MEMORY)
+@pytest.mark.parametrize("name", MEMORY + LORA_MEMORY)
 def test_memory_model_holds_each_rank_its_experts(runs, name):
     """Each rank's parameters and optimizer states as the memory model predicts: its E/ep experts' (then FSDP2's
-    share of them) beside the dense weights' shard (plan.piece_memory.ep_parts)."""
+    share of them) beside the dense weights' shard (plan.piece_memory.ep_parts); under LoRA its experts' frozen
+    base and their adapters' E/ep (then FSDP2's share)."""
     pred = _predicted(name)
     for rank, r in enumerate(runs[name]):
         for kind in ("device.parameters", "device.optimizer"):
@@ -191,8 +223,10 @@ def test_memory_model_holds_each_rank_its_experts(runs, name):
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="at dp 2 the dispatch's activations (zero 0: +22%) and zero 3's buffers at the peak are "
-    "not modelled yet")) if n.startswith("dp2") else n for n in MEMORY])
+    strict=True, reason="zero 3: the predicted peak is 5-8% above the tracked one; plan.footprint counts two whole "
+    "blocks gathered (the running one and the prefetched one), where FSDP2 prefetches one unit, the block's dense "
+    "part or its experts (dp 4: 88 KB of buffers predicted, 76 KB tracked, about one experts unit)"))
+    if "zero3" in n else n for n in MEMORY])
 def test_memory_model_peak_per_rank(runs, name):
     """The tracked peak of each rank within 5% of the memory model's."""
     pred = _predicted(name)
@@ -235,18 +269,19 @@ def test_ep_that_does_not_divide_the_data_parallel_ranks_is_refused_in_one_line(
 
 # -- checkpoints across ep --
 
-def resume_across_ep(env, root: str) -> dict:
-    """Train a step under plan a, save, train the next step; then build plan b, load, train the same next step."""
+def resume_across_ep(env, root: str, lora: bool) -> dict:
+    """Train a step under plan a, save, train the next step; then build plan b, load, train the same next step
+    (with LoRA: the adapters, the experts' ones split over ep, are what the step trained)."""
     out = {}
     for a, b in (("ep2", "ep1"), ("ep1", "ep2")):
         plans = {"ep2": make_plan(dict(dp=2, ep=2, block=BlockPlan(zero=3))), "ep1": make_plan(dict(dp=2))}
         first, second = batches(2)
-        engine = engine_of(env, plans[a])
+        engine = engine_of(env, plans[a], lora)
         engine.train_step(my_rows(plans[a], first, env.rank))
         path = f"{root}/{a}"
         dcp.save(engine.state_dict(), checkpoint_id=path)
         went_on = engine.train_step(my_rows(plans[a], second, env.rank)).loss
-        resumed = engine_of(env, plans[b])
+        resumed = engine_of(env, plans[b], lora)
         state = resumed.state_dict()
         dcp.load(state, checkpoint_id=path)
         resumed.load_state_dict(state)
@@ -254,8 +289,9 @@ def resume_across_ep(env, root: str) -> dict:
     return out
 
 
-def test_checkpoint_resumes_under_another_ep(tmp_path):
-    for r in run_ranks(resume_across_ep, 2, str(tmp_path)):
+@pytest.mark.parametrize("lora", [False, True])
+def test_checkpoint_resumes_under_another_ep(tmp_path, lora):
+    for r in run_ranks(resume_across_ep, 2, str(tmp_path), lora):
         for key, (went_on, resumed) in r.items():
             assert resumed == pytest.approx(went_on, rel=1e-5), key
 
@@ -266,9 +302,8 @@ def test_ep_on_hugging_face_experts_is_refused_in_one_line():
     assert "not gpt_oss's Hugging Face ones yet; use ep 1" in message and "\n" not in message
 
 
-def test_ep_with_adapters_is_refused_in_one_line():
-    message = problem(parts_of(Shape(ep=2, dp=2), model=ModelFacts(n_experts=8, top_k=2, adapters=True)))
-    assert "does not split LoRA adapters yet" in message and "\n" not in message
+def test_ep_with_adapters_is_allowed():
+    assert problem(parts_of(Shape(ep=2, dp=2), model=ModelFacts(n_experts=8, top_k=2, adapters=True))) is None
 
 
 # -- the CLI: --ep reaches the plan, and a bad one is one line before any rank --
@@ -382,3 +417,22 @@ def test_hugging_face_qwen3_moe_at_ep_2_matches_one_process(tmp_path):
     for name, t in results[0]["state"].items():
         torch.testing.assert_close(torch.from_numpy(t), torch.from_numpy(ref_state[name]), rtol=1e-5, atol=1e-5,
                                    msg=name)
+
+
+def _hf_lora_ep_ranks(env, folder: str) -> dict:
+    from tests.test_moe_lora import _hf_steps
+
+    plan = Plan.uniform(2, dp=2, ep=2, block=BlockPlan(zero=3), micro_batch_size=2, num_microbatches=2, seq_len=16)
+    return {"losses": _hf_steps(env, folder, plan), "ref": _hf_steps(None, folder, plan) if env.rank == 0 else None}
+
+
+def test_hugging_face_qwen3_moe_expert_adapters_at_ep_2_match_one_process(tmp_path):
+    """LoRA on every linear and expert weight of the Qwen3-MoE folder (test_moe_lora's three steps, whose adapters'
+    updates move the losses well beyond the tolerance), the experts and their adapters split over ep 2."""
+    pytest.importorskip("transformers")
+    from tests.test_moe_lora import qwen3_moe
+
+    qwen3_moe().save_pretrained(tmp_path)
+    results = run_ranks(_hf_lora_ep_ranks, 2, str(tmp_path))
+    for r in results:
+        assert r["losses"] == pytest.approx(results[0]["ref"], rel=1e-5)

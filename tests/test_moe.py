@@ -114,12 +114,16 @@ def batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, DIST.vocab_size, (8, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def reference(plan: Plan, steps: int, opt_cfg: OptimConfig = OPT
+def reference(plan: Plan, steps: int, opt_cfg: OptimConfig = OPT, adapt=None
               ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """One process over every rank's microbatches: losses, aux losses, the first step's gradients."""
+    """One process over every rank's microbatches: losses, aux losses, the first step's (trained) gradients.
+    adapt: called on the model after its init (LoRA)."""
     model = Decoder(DIST)
     model.init_weights(SEED)
-    opt = make_optimizer(list(model.parameters()), opt_cfg, plan.optimizer)
+    if adapt is not None:
+        adapt(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(trained, opt_cfg, plan.optimizer)
     losses, auxes, first = [], [], None
     for batch in batches(steps):
         micro = [mb for rows in batch.chunk(plan.dp) for mb in split_batch(rows, replace(plan, shape=replace(plan.shape, cp=1)))]
@@ -131,8 +135,8 @@ def reference(plan: Plan, steps: int, opt_cfg: OptimConfig = OPT
             total += loss.item()
         losses.append(total)
         auxes.append(step_aux_loss(model).item())
-        first = first or {n: p.grad.clone() for n, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
+        first = first or {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        torch.nn.utils.clip_grad_norm_(trained, opt_cfg.grad_clip)
         opt.step()
         opt.zero_grad()
     return losses, auxes, first

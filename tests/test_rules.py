@@ -58,7 +58,6 @@ MODEL_BREAKS = [
     (_plan(ep=2, dp=2), FACTS),
     (_plan(ep=3, dp=3), replace(FACTS, n_experts=4, top_k=2)),
     (_plan(ep=2, dp=2), replace(FACTS, n_experts=4, top_k=2, expert_splits=False)),
-    (_plan(ep=2, dp=2), replace(FACTS, n_experts=4, top_k=2, adapters=True)),
     (_plan(), replace(FACTS, n_experts=4, top_k=2, nf4_experts=True)),
     (_plan(), replace(FACTS, max_seq_len=SEQ // 2)),
 ]

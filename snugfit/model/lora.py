@@ -21,12 +21,12 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.utils import parametrize
 
 from snugfit.errors import SnugfitError
-from snugfit.model.moe import grouped_mm
+from snugfit.model.moe import grouped_mm, local
 from snugfit.model.quantize import dequantized, is_quantized
+from snugfit.model.shards import write_whole
 
 # Default adapted projections: attention, per architecture (the built-in Decoder's names under "snugfit").
 LORA_TARGETS = {
@@ -101,13 +101,11 @@ class LoRALinear(nn.Module):
 @torch.no_grad()
 def _reset_pair(lora_a: torch.Tensor, lora_b: torch.Tensor, generator: torch.Generator | None) -> None:
     """A ~ Kaiming-uniform over its input dimension (as nn.Linear), B = 0; drawn whole on CPU, so a sharded A
-    keeps its own rows of it."""
+    (FSDP2's rows, expert parallelism's experts, or both) keeps its own part of it."""
     bound = 1.0 / math.sqrt(lora_a.shape[-1])
     a = torch.rand(lora_a.shape, generator=generator, dtype=torch.float32) * 2 * bound - bound
-    if isinstance(lora_a, DTensor):  # FSDP2 sharded it (a model built on meta, filled after sharding)
-        a = distribute_tensor(a.to(lora_a.device), lora_a.device_mesh, lora_a.placements, src_data_rank=None)
-    lora_a.copy_(a)
-    lora_b.zero_()
+    write_whole(lora_a, a)
+    local(lora_b).zero_()
 
 
 class LoRAExpertWeight(nn.Module):
@@ -151,8 +149,8 @@ class LoRAExpertWeight(nn.Module):
         (x A_e^T) B_e^T through two grouped GEMMs, rank wide in between, where the grouped forward is ours
         (model.moe.GroupedExperts, whose weights are E x out x in): no merged weight made, no gradient of one
         computed."""
-        low = grouped_mm(x, self.lora_a.transpose(1, 2), offs)
-        return grouped_mm(low, self.lora_b.transpose(1, 2), offs) * self.scale
+        low = grouped_mm(x, local(self.lora_a).transpose(1, 2), offs)
+        return grouped_mm(low, local(self.lora_b).transpose(1, 2), offs) * self.scale
 
 
 def expert_weights(block: nn.Module) -> dict[str, tuple[nn.Module, str]]:

@@ -66,9 +66,14 @@ class GroupedExperts(nn.Module):
         wherever grouped GEMM takes rank-wide rows (`low_rank`)."""
         adapted = self.parametrizations[name] if parametrize.is_parametrized(self, name) else None
         if adapted is not None and adapted[0].low_rank(x):
-            return grouped_mm(x, adapted.original.transpose(1, 2), offs) + adapted[0].project(x, offs)
-        w = getattr(self, name)
-        return grouped_mm(x, (w.to_local() if isinstance(w, DTensor) else w).transpose(1, 2), offs)
+            return grouped_mm(x, local(adapted.original).transpose(1, 2), offs) + adapted[0].project(x, offs)
+        return grouped_mm(x, local(getattr(self, name)).transpose(1, 2), offs)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of `t`: a DTensor's local rows (expert parallelism splits experts and their adapters
+    over the ep ranks), else t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

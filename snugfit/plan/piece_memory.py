@@ -58,6 +58,7 @@ class StagePiece:
     n_params: int  # parameters this rank holds for the piece (tied weights included on the last stage)
     n_trainable: int = -1  # of which trainable; -1: the piece's trainable count
     experts: tuple[int, ...] = ()  # sizes of its 3-D expert weights (all E experts; in n_params), which ep splits
+    expert_adapters: tuple[int, ...] = ()  # sizes of their LoRA adapters (in n_params, n_trainable), split alike
     ranks: int = 0  # the ranks FSDP2 shards it over (`shard_ranks`); 0: the plan's dp x cp
     mask_bytes: int = 0  # a stage's first block: packed documents' mask, which it makes and holds for them all
 
@@ -70,14 +71,37 @@ class StagePiece:
         return self.piece.name.startswith("block")
 
 
-def expert_tensors(prof: ModelProfile) -> tuple[int, ...]:
-    """The sizes of one MoE block's 3-D expert weights (E x 2 width x hidden, E x hidden x width: SwiGLU); none for
-    a dense model."""
+def _expert_dims(prof: ModelProfile) -> tuple[int, int, int]:
+    """(experts, hidden, expert width) of the profiled model's MoE blocks; zeros for a dense one."""
     c = prof.config
     experts = c.get("n_experts") or c.get("num_experts") or c.get("num_local_experts") or 0
     width = c.get("moe_ffn_dim") or c.get("moe_intermediate_size") or c.get("intermediate_size") or 0
-    one = experts * (c.get("dim") or c.get("hidden_size") or 0) * width
+    return experts, c.get("dim") or c.get("hidden_size") or 0, width
+
+
+def expert_tensors(prof: ModelProfile) -> tuple[int, ...]:
+    """The sizes of one MoE block's 3-D expert weights (E x 2 width x hidden, E x hidden x width: SwiGLU); none for
+    a dense model."""
+    experts, dim, width = _expert_dims(prof)
+    one = experts * dim * width
     return (2 * one, one) if one else ()
+
+
+def expert_adapters(prof: ModelProfile) -> tuple[int, ...]:
+    """The sizes of one MoE block's expert adapters (model.lora.LoRAExpertWeight: A E x rank x in, B E x out x rank
+    of gate_up_proj, down_proj or both), from the block's trainable expert parameters (the profile's
+    trainable_by_kind); none where the experts are trained whole, frozen, or the count fits no rank."""
+    experts, dim, width = _expert_dims(prof)
+    per_block = prof.trainable_by_kind.get("experts", 0) // max(len(prof.blocks), 1)
+    if not experts or not per_block or per_block == sum(expert_tensors(prof)):
+        return ()
+    shapes = {"gate_up_proj": (2 * width, dim), "down_proj": (dim, width)}  # out, in
+    for adapted in (("gate_up_proj", "down_proj"), ("gate_up_proj",), ("down_proj",)):
+        per_rank = experts * sum(sum(shapes[w]) for w in adapted)
+        if per_block % per_rank == 0:
+            rank = per_block // per_rank
+            return tuple(experts * rank * n for w in adapted for n in reversed(shapes[w]))  # A (in), B (out)
+    return ()
 
 
 def shard_ranks(plan: Plan, sp: StagePiece) -> int:
@@ -90,21 +114,24 @@ def ep_parts(plan: Plan, sp: StagePiece) -> list[StagePiece]:
     rank's E/ep experts over the dp x cp / ep ranks holding the same ones (runtime.sharding)."""
     if plan.ep == 1 or not sp.experts:
         return [sp]
-    n = sum(sp.experts)
-    trained = n if sp.n_trainable == sp.n_params else 0  # adapters beside ep are refused (plan.rules)
+    adapters = sp.expert_adapters
+    whole = sp.n_trainable == sp.n_params
+    trained = sp.experts if whole else adapters  # the experts' trainable tensors: themselves, or their adapters
+    n = sum(sp.experts) + sum(adapters)
     dense = list(sp.piece.matrices)
-    for m in sp.experts:
+    for m in trained:
         if m in dense:
             dense.remove(m)
     return [replace(sp, piece=replace(sp.piece, matrices=dense), n_params=sp.n_params - n,
-                    n_trainable=sp.n_trainable - trained, experts=()),
-            replace(sp, piece=replace(sp.piece, matrices=[m // plan.ep for m in sp.experts]),
-                    n_params=n // plan.ep, n_trainable=trained // plan.ep, experts=(), ranks=plan.shard_ranks // plan.ep)]
+                    n_trainable=sp.n_trainable - sum(trained), experts=(), expert_adapters=()),
+            replace(sp, piece=replace(sp.piece, matrices=[m // plan.ep for m in trained]), n_params=n // plan.ep,
+                    n_trainable=sum(trained) // plan.ep, experts=(), expert_adapters=(),
+                    ranks=plan.shard_ranks // plan.ep)]
 
 
 def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[StagePiece]]:
     """Global stage index -> its pieces, for the stages pipeline rank pp_rank runs."""
-    experts = expert_tensors(prof)
+    experts, adapters = expert_tensors(prof), expert_adapters(prof)
     ranges = plan.stage_ranges()
     last = len(ranges) - 1
     out: dict[int, list[StagePiece]] = {}
@@ -113,7 +140,7 @@ def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[
         pieces = [StagePiece(prof.embed, plan.root, prof.embed.num_params)] if k == 0 else []
         # a tiled MLP's block holds and runs what PieceProfile.tiled says
         pieces += [StagePiece(prof.blocks[i].tiled(plan.blocks[i].mlp_tiles), plan.blocks[i], prof.blocks[i].num_params,
-                              experts=experts, mask_bytes=prof.mask_bytes if i == blocks[0] else 0) for i in blocks]
+                              experts=experts, expert_adapters=adapters, mask_bytes=prof.mask_bytes if i == blocks[0] else 0) for i in blocks]
         if k == last:
             # the head's stage holds its own copy of tied weights (runtime.tied_embeddings), on the embedding's rank
             # too where a V folds the last stage back: the two stages are separate FSDP2 roots

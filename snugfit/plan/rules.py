@@ -124,9 +124,6 @@ EP_RULES: tuple[Rule, ...] = (
     Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts and not p.model.expert_splits,
          lambda p: f"expert parallelism (ep {p.ep}) splits the built-in decoder's experts, not "
                    f"{p.model.attention or 'this model'}'s Hugging Face ones yet; use ep 1"),
-    Rule(("ep", "model"), lambda p: p.ep > 1 and p.model.n_experts and p.model.adapters,
-         lambda p: f"expert parallelism (ep {p.ep}) does not split LoRA adapters yet (the experts' adapters would "
-                   "stay whole on every rank); use ep 1, or train without adapters"),
 )
 
 

@@ -15,7 +15,8 @@ from snugfit.plan.corrections import corrected
 from snugfit.plan.memory import FRAGMENTATION
 from snugfit.plan.optimizer import master_bytes
 from snugfit.plan.piece_memory import (
-    StagePiece, accumulating_grad_bytes, device_saved, expert_tensors, gathered_bytes, host_saved, param_state,
+    StagePiece, accumulating_grad_bytes, device_saved, expert_adapters, expert_tensors, gathered_bytes, host_saved,
+    param_state,
 )
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
 from snugfit.plan.shape import Shape
@@ -115,6 +116,7 @@ class StageCosts:
         self.context = context  # prof is then one context-parallel rank's (plan.context_parallel.context_split)
         self.experts = experts  # its MoE blocks dispatch over this ep group (plan.expert_parallel.ExpertParallel)
         self.expert_tensors = expert_tensors(prof)  # a block's 3-D expert weights, which ep splits (piece_memory)
+        self.expert_adapters = expert_adapters(prof)  # and their LoRA adapters' parameters
         self.gathers = gathers  # microbatches one gather of a ZeRO-1/2 unit serves (timing.gather_every)
         self.grad_reduce = grad_reduce  # plan.GRAD_REDUCE: when gradients are reduced
         self.replays = replays  # times a backward recomputes what the policy dropped (2 where the schedule splits it)
@@ -185,7 +187,9 @@ class StageCosts:
 
     def _piece(self, p: PieceProfile, o: BlockPlan) -> StagePiece:
         """p under option o, as piece_memory counts it (a block's experts named, which ep splits)."""
-        return StagePiece(p, o, p.num_params, experts=self.expert_tensors if p.name.startswith("block") else ())
+        block = p.name.startswith("block")
+        return StagePiece(p, o, p.num_params, experts=self.expert_tensors if block else (),
+                          expert_adapters=self.expert_adapters if block else ())
 
     def cost(self, p: PieceProfile, o: BlockPlan) -> Cost:
         """A block under option o (what one more such block adds to the stage). Called in the search's inner

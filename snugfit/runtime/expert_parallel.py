@@ -4,7 +4,9 @@ to their experts' ranks and back by all-to-all (as torchtitan's ExpertParallel).
     weights     rank r of the ep group keeps experts [r E/ep, (r+1) E/ep) of each 3-D expert weight, as a DTensor
                 sharded on dim 0 over the ep mesh (`shard_experts`): its logical shape stays E x ..., so checkpoints
                 (DCP) hold whole experts and resume under any ep; FSDP2 then shards each local slice over the
-                ranks holding the same experts (runtime.mesh `expert_shard`, dp x cp / ep of them)
+                ranks holding the same experts (runtime.mesh `expert_shard`, dp x cp / ep of them); where LoRA
+                adapts them (model.lora.LoRAExpertWeight), their frozen base and their adapters (A, B: E x ...)
+                are split alike, so each rank trains its own experts' adapters
     dispatch    after routing, each rank's (token, slot) copies are sorted by expert, so expert group r's copies
                 are one contiguous run: the per-expert counts are exchanged (all-to-all of E counts), then the
                 copies themselves (all-to-all with uneven splits); what arrives is ordered by (source rank, local
@@ -31,8 +33,9 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.utils import parametrize
 
-from snugfit.model.moe import GroupedExperts, grouped_mm, local_experts, moe_layers
+from snugfit.model.moe import GroupedExperts, grouped_mm, local, local_experts, moe_layers
 from snugfit.plan.facts import EXPERT_PARALLEL_HF
 
 
@@ -60,9 +63,11 @@ class ExpertParallel:
         # one zero row more, the last expert's: a rank that receives no copy still runs its experts (a grouped
         # GEMM's backward over no rows fails), and the zero row adds nothing to their gradients
         offs = got.sum(0).cumsum(0) + (torch.arange(local, device=x.device) == local - 1)
-        y = experts(torch.cat([arrived[order], arrived.new_zeros(1, x.shape[1])]), offs.to(torch.int32))[:-1]
-        back = torch.empty_like(y).index_copy(0, order, y)  # y[order.argsort()], without a second sort
-        return _exchange(back, send, recv, self.group)
+        y = experts(torch.cat([arrived[order], arrived.new_zeros(1, x.shape[1])]), offs.to(torch.int32))
+        # back in arrival order: y[order.argsort()], the inverse permutation by a scatter rather than a second
+        # sort; an index_select saves only its index for backward (index_copy kept y, a copy per block)
+        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        return _exchange(y.index_select(0, unsort), send, recv, self.group)
 
 
 def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -77,8 +82,14 @@ class DispatchedExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, dispatch=local_experts):
         super().__init__()
-        self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
-        self.n_experts, self.dispatch = experts.gate_up_proj.shape[0], dispatch
+        self.act_fn, self.n_experts, self.dispatch = experts.act_fn, experts.gate_up_proj.shape[0], dispatch
+        for name in ("gate_up_proj", "down_proj"):
+            if parametrize.is_parametrized(experts, name):  # LoRA (model.lora.LoRAExpertWeight): the same adapter
+                adapted = experts.parametrizations[name]
+                self.register_parameter(name, adapted.original)
+                parametrize.register_parametrization(self, name, adapted[0], unsafe=True)
+            else:
+                self.register_parameter(name, getattr(experts, name))
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
@@ -91,9 +102,8 @@ class DispatchedExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """This rank's experts over x, sorted by expert (GroupedExperts' GEMMs with the model's activation)."""
-        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
-        gate, up = grouped_mm(x, gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), offs)
+        gate, up = grouped_mm(x, local(self.gate_up_proj).transpose(1, 2), offs).chunk(2, dim=-1)
+        return grouped_mm(self.act_fn(gate) * up, local(self.down_proj).transpose(1, 2), offs)
 
 
 def hf_experts(part: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -117,11 +127,14 @@ def shard_experts(part: nn.Module, ep_mesh: DeviceMesh) -> None:
     layers = [(m.experts, m) for m in moe_layers(part)] + [
         (m, m) for m in part.modules() if isinstance(m, DispatchedExperts)]
     for experts, caller in layers:
-        for pname, p in list(experts.named_parameters(recurse=False)):
-            n = p.shape[0] // ep
-            piece = p.detach()[rank * n:(rank + 1) * n].clone()
-            held = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
-            experts.register_parameter(pname, nn.Parameter(held, requires_grad=p.requires_grad))
+        # the weights, and where LoRA adapts them their frozen base and adapters (E x ... each): all split alike
+        for owner in experts.modules():
+            for pname, p in list(owner.named_parameters(recurse=False)):
+                n = p.shape[0] // ep
+                piece = p.detach()[rank * n:(rank + 1) * n].clone()
+                held = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                          stride=p.stride())
+                owner.register_parameter(pname, nn.Parameter(held, requires_grad=p.requires_grad))
         caller.dispatch = dispatch
 
 

@@ -150,6 +150,12 @@ class MemoryTracker:
     def _params(self) -> list[torch.Tensor]:
         return [fp.sharded_param for g in self._groups for fp in g.fsdp_params] + self._plain
 
+    def _gathered(self) -> set[int]:
+        """Storages of the unsharded DTensor parameters in flight (expert parallelism's experts): what a weight's
+        to_local() view that autograd saves holds, counted as buffers, not activations."""
+        return {storage_key(fp._unsharded_param) for g in self._groups if g.is_unsharded for fp in g.fsdp_params
+                if isinstance(fp._unsharded_param, DTensor)}
+
     def _buffers(self, resting: set[int] | None = None) -> int:
         """Unsharded parameters in flight and module buffers; `resting`: storages of parameters at rest."""
         seen = set(resting) if resting is not None else {storage_key(p) for p in self._params()}
@@ -241,7 +247,7 @@ class MemoryTracker:
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
                 return t
             key = storage_key(t)
-            if key in static or key == 0 or key in self.not_saved():
+            if key in static or key == 0 or key in self.not_saved() or t._base is not None and key in self._gathered():
                 return t
             entry = self._saved.setdefault(key, [local(t).untyped_storage().nbytes(), 0])
             if entry[1] == 0:
