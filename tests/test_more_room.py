@@ -14,10 +14,13 @@ import pytest
 from snugfit.hardware import parse_cluster
 from snugfit.hardware.cluster import with_host_ram
 from snugfit.plan.search import NoPlanError, search
+from snugfit.plan.verify import SIMPLER_MARGIN
 from tests.test_search import synth
 
 GiB = 2**30
-RESOLUTION = 0.01
+# the time model's resolution, and what the search gives up for a plan with nothing offloaded (verify.simpler): more
+# room can make that simpler plan fit, up to SIMPLER_MARGIN slower than the one it replaces
+RESOLUTION = (1 + 0.01) * (1 + SIMPLER_MARGIN) - 1
 CASES = {  # (blocks, hidden, seq), cluster, global batch: the host RAM binds in most of them at the low end
     "16x4096-2xRTX4090": ((16, 4096, 2048), "2xRTX4090", 8),
     "24x2048-1xRTX4090": ((24, 2048, 1024), "1xRTX4090", 4),
@@ -50,12 +53,12 @@ SLOWER_WITH_MORE_GPU_MEMORY = pytest.mark.xfail(strict=True, reason=(
     "known: the knapsack's time for parameter offload and recomputation differs from estimate()'s, and with more "
     "room it takes options estimate() finds slower; verify.polish only ever gives room back. One RTX 4090, 24 "
     "blocks of 2048: 60% of its memory gives a plan of 0.62 s, 70% one of 0.71 s (12 blocks with parameter offload "
-    "where 60% keeps 13 replicated with checkpoints offloaded), 80% 0.47 s, 90% 0.53 s; 4x RTX 3090: 3.15 s at "
-    "60%, 3.53 s at 70%"))
+    "where 60% keeps 13 replicated with checkpoints offloaded), 80% 0.47 s, 90% 0.53 s (4x RTX 3090, 24 blocks of 4096, was such a case until FSDP2's copy kernels were "
+    "charged)"))
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=SLOWER_WITH_MORE_GPU_MEMORY)
-                                  if c in ("24x2048-1xRTX4090", "24x4096-4xRTX3090") else c for c in CASES])
+                                  if c == "24x2048-1xRTX4090" else c for c in CASES])
 def test_more_gpu_memory_never_slows_the_plan(case):
     (n, dim, seq), spec, gb = CASES[case]
     prof, cluster = synth(n, dim, seq=seq), parse_cluster(spec)

@@ -18,8 +18,8 @@ def poison_steps(monkeypatch, bad: set[int]):
     calls = {"n": 0}
     real = Decoder.forward
 
-    def forward(self, tokens, targets=None):
-        out = real(self, tokens, targets)
+    def forward(self, tokens, targets=None, docs=None):
+        out = real(self, tokens, targets, docs)
         if targets is not None and self.training:
             calls["n"] += 1
             if calls["n"] in bad:
