@@ -111,28 +111,3 @@ def test_plan_command_reports_the_choice(tmp_path, capsys):
         out = capsys.readouterr().out
         assert line in out and ("blocks compiled:" in out) == (line == "compile: chosen")
 
-
-def test_the_compiled_side_searched_in_a_second_process_is_the_one_searched_here(tmp_path, profiles):
-    """`snugfit plan` traces and searches the compiled blocks in a forked process while it searches the eager side
-    (commands.ahead): what comes back is the search this process would make, nothing fitting included, and what
-    the child caches is there for this process."""
-    import os
-    import pickle
-
-    from snugfit.commands.ahead import in_second_process
-    from snugfit.plan.compile_choice import compiled_side
-    from snugfit.plan.search import NoPlanError
-
-    profile_for, _, made = profiles
-    here = compiled_side(profile_for, GPU, global_batch=4, alternatives=0)
-    pid, there = in_second_process(lambda: (os.getpid(), compiled_side(profile_for, GPU, global_batch=4,
-                                                                        alternatives=0)))()
-    assert pid != os.getpid() and there.best == here.best and there.candidates == here.candidates
-    tiny = compiled_side(profile_for, GPU, global_batch=4, alternatives=0, memory_budget=2**20)
-    assert isinstance(tiny, NoPlanError)
-    back = pickle.loads(pickle.dumps(tiny))
-    assert str(back) == str(tiny) and back.result.rejected == tiny.result.rejected
-    cached = in_second_process(lambda: profile_model(CFG, micro_batch_size=1, seq_len=SEQ, dtype="bfloat16",
-                                                     kernels="gpu", cache_dir=str(tmp_path), compile=True).compiled)
-    assert cached() is True and len(list((tmp_path / "profiles").glob("*.json"))) == 2  # eager and compiled
-    assert in_second_process(lambda: 1 / 0)() is None  # a failed child: the caller does the work itself

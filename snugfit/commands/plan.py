@@ -14,7 +14,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from snugfit.commands.options import add_config_options, config_from_args
@@ -23,8 +23,7 @@ from snugfit.errors import SnugfitError
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import block_count, resolve_model
 from snugfit.model.decoder import ModelConfig
-from snugfit.commands.ahead import in_second_process
-from snugfit.plan.compile_choice import compiled_side, search_compiled_or_eager, weighs_compiled
+from snugfit.plan.compile_choice import search_compiled_or_eager
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import canonical_dtype, dtype_for_cluster
 from snugfit.plan.advice import Variant, advise, switches
@@ -118,7 +117,6 @@ class Target:
     kernels: str = "cpu"  # whose saved tensors to profile: "gpu" for clusters of GPUs (profile.kernels)
     lora_targets: str = ""  # finetune.lora_targets: layer names, comma-separated, or "all-linear"
     pack: bool = False  # data.packs: packed examples' attention mask charged (profile_model's pack)
-    pending: list = field(default_factory=list, repr=False)  # waits for work started ahead (commands.ahead)
 
     def varied(self, v: Variant) -> "Target":
         """This target under the advice's change (plan.advice.Variant): LoRA on the default targets, QLoRA."""
@@ -132,8 +130,6 @@ class Target:
         its blocks eager or as torch.compile runs them (profile.compiled)."""
         from snugfit.profile.profile import profile_model
 
-        while compile and self.pending:  # the compiled profile a second process makes ahead is cached once done
-            self.pending.pop()()
         if isinstance(self.model, ModelConfig) and self.model.max_seq_len < seq:
             self.model.max_seq_len = seq
         return profile_model(self.model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name,
@@ -280,12 +276,7 @@ def run(args: argparse.Namespace) -> int:
 
         def profile_for(compiled: bool) -> ModelProfile:
             return target.profile(micro or 1, seq, dtype, compiled)
-        ahead = None
-        if weighs_compiled(weighed, cluster):  # traced and searched on the second core while this one searches eager
-            ahead = in_second_process(lambda: compiled_side(profile_for, cluster, **search_args))
-            target.pending.append(ahead)  # the compiled profile it caches is read once it is done
-        chosen = search_compiled_or_eager(profile_for, cluster, compile=weighed, steps=t.steps, compiled_ahead=ahead,
-                                          **search_args)
+        chosen = search_compiled_or_eager(profile_for, cluster, compile=weighed, steps=t.steps, **search_args)
     except NoPlanError as e:
         if not e.result.candidates:
             raise SnugfitError(str(e)) from None

@@ -35,24 +35,12 @@ def weighs_compiled(compile: bool | None, cluster: Cluster) -> bool:
     return not (compile is False or (compile is None and cluster.gpu_of(0).name == "cpu"))
 
 
-def compiled_side(profile_for: Callable[[bool], ModelProfile], cluster: Cluster,
-                  **search_args) -> SearchResult | NoPlanError | None:
-    """The compiled side's search as search_compiled_or_eager runs it (None where the blocks cannot be traced), for
-    a caller to run beside the eager side's (its `compiled_ahead`)."""
-    profile = profile_for(True)
-    return _searched(profile, cluster, search_args) if profile.compiled else None
-
-
 def search_compiled_or_eager(profile_for: Callable[[bool], ModelProfile], cluster: Cluster, *,
-                             compile: bool | None, steps: int,
-                             compiled_ahead: Callable[[], SearchResult | NoPlanError | None] | None = None,
-                             **search_args) -> CompileChoice:
+                             compile: bool | None, steps: int, **search_args) -> CompileChoice:
     """search() on the eager profile, the compiled one, or both, as `compile` (None: weigh it) and the cluster say.
 
     profile_for(compiled): the model's profile, eager or compiled (compiled=True gives an eager profile, with the
-    reason logged, where the blocks cannot be traced). compiled_ahead: where the caller ran compiled_side
-    meanwhile (commands.plan: in a second process, while this one searches the eager side), its result, or None
-    where it has none (then the compiled side is searched here). steps: the run's, over which compiling must pay.
+    reason logged, where the blocks cannot be traced). steps: the run's, over which compiling must pay.
     Raises NoPlanError where nothing fits: the compiled side's where --compile asked for it, else the eager side's.
     """
     eager_profile = profile_for(False)
@@ -67,9 +55,7 @@ def search_compiled_or_eager(profile_for: Callable[[bool], ModelProfile], cluste
         if isinstance(eager, NoPlanError):
             raise eager
         return CompileChoice(eager, eager_profile, why)
-    compiled = compiled_ahead() if compiled_ahead else None
-    if compiled is None:
-        compiled = _searched(compiled_profile, cluster, search_args)
+    compiled = _searched(compiled_profile, cluster, search_args)
     if isinstance(compiled, NoPlanError):
         if compile or isinstance(eager, NoPlanError):
             raise compiled if compile else eager

@@ -56,9 +56,6 @@ class NoPlanError(PlanError):
         super().__init__(message)
         self.result = result
 
-    def __reduce__(self):  # pickled whole, result too (commands.ahead sends one between processes)
-        return NoPlanError, (str(self), self.result)
-
 
 def explain_losses(model: CostModel, cands: list[Candidate], found: list[Candidate], res: SearchResult) -> None:
     """Fill res.rejected (and res.least_need when nothing fits); `found`: the verified candidates, fastest first."""
