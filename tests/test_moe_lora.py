@@ -257,9 +257,7 @@ def _hf_steps(env, folder: str, plan) -> list[float]:
     from pathlib import Path
 
     from snugfit.model.hf import FolderWeights, load_hf
-    from snugfit.model.moe import begin_step
     from snugfit.runtime.build import build_engine
-    from snugfit.runtime.microbatches import split_batch
     from snugfit.runtime.optimizer import OptimConfig, make_optimizer
 
     optim = OptimConfig(lr=5e-2, grad_clip=1.0)  # the adapters' steps move the losses well beyond the tolerance
@@ -272,25 +270,32 @@ def _hf_steps(env, folder: str, plan) -> list[float]:
     trained = [p for p in model.parameters() if p.requires_grad]
     opt, losses = make_optimizer(trained, optim, plan.optimizer), []
     for batch in batches:
-        micro = [mb for rows in batch.chunk(2) for mb in split_batch(rows, plan)]
-        begin_step(model, 1.0 / len(micro), 1.0)
-        total = 0.0
-        for mb in micro:
-            loss = model(*mb) / len(micro)
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
+        losses.append(_accumulate(model, batch, plan))
         torch.nn.utils.clip_grad_norm_(trained, optim.grad_clip)
         opt.step()
         opt.zero_grad()
     return losses
 
 
-def _two_ranks(env, folder: str) -> dict:
+def _accumulate(model, batch: torch.Tensor, plan) -> float:
+    """One process's step before its update: `batch` split as two dp ranks and their microbatches would, each
+    microbatch's share of the loss backpropagated; the step's loss."""
     from snugfit.model.moe import begin_step
+    from snugfit.runtime.microbatches import split_batch
+
+    micro = [mb for rows in batch.chunk(2) for mb in split_batch(rows, plan)]
+    begin_step(model, 1.0 / len(micro), 1.0)
+    total = 0.0
+    for mb in micro:
+        loss = model(*mb) / len(micro)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def _two_ranks(env, folder: str) -> dict:
     from snugfit.plan import BlockPlan, Plan
     from snugfit.runtime.build import build_engine
-    from snugfit.runtime.microbatches import split_batch
     from snugfit.runtime.optimizer import OptimConfig, make_optimizer
     from snugfit.train.build import InitWeights
 
@@ -303,14 +308,7 @@ def _two_ranks(env, folder: str) -> dict:
     opt = make_optimizer([p for p in ref.parameters() if p.requires_grad], optim, plan.optimizer)
     ref_losses, first = [], None
     for batch in _batches():
-        micro = [mb for rows in batch.chunk(2) for mb in split_batch(rows, plan)]
-        begin_step(ref, 1.0 / len(micro), 1.0)
-        total = 0.0
-        for mb in micro:
-            loss = ref(*mb) / len(micro)
-            loss.backward()
-            total += loss.item()
-        ref_losses.append(total)
+        ref_losses.append(_accumulate(ref, batch, plan))
         first = first or {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
         torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], optim.grad_clip)
         opt.step()
