@@ -7,6 +7,7 @@ from snugfit.hardware import parse_cluster
 from snugfit.plan.estimate import estimate_step
 from snugfit.plan.footprint import MOMENTS, StageBuffers, largest_tensor_bytes, stage_moments
 from snugfit.plan.plan import BlockPlan
+from snugfit.plan.piece_memory import StagePiece, gathered_bytes, prefetched_part
 from snugfit.plan.placement import Placement
 from snugfit.plan.stage_costs import Cost
 from snugfit.plan.step_terms import step_terms
@@ -15,16 +16,33 @@ from tests.test_memory_model import _plan, synthetic_profile
 
 
 def test_stage_buffers_are_named_by_what_needs_them():
-    b = StageBuffers(zero3_copies=8.0, activation_window=4.0, checkpoint_window=2.0, states_window=1.0)
+    b = StageBuffers(zero3_copies=8.0, activation_window=4.0, checkpoint_window=2.0, states_window=1.0, prefetched=3.0)
     assert StageBuffers.needs(BlockPlan(zero=3, activations="offload")) == {"zero3_copies", "activation_window"}
     assert StageBuffers.needs(BlockPlan(activations="recompute_offload")) == {"checkpoint_window"}
     assert StageBuffers.needs(BlockPlan(zero=3, placement=Placement.STREAMED)) == {"zero3_copies", "states_window"}
     assert StageBuffers.needs(BlockPlan(zero=3, placement=Placement.STREAMED), root=True) == {"zero3_copies"}
     assert StageBuffers.needs(BlockPlan(zero=2)) == frozenset()
-    assert b.extra(BlockPlan(zero=3, activations="offload")) == 12.0 and b.prefetched == 4.0
+    assert b.extra(BlockPlan(zero=3, activations="offload")) == 12.0  # `prefetched` is part of the copies, no buffer
     # every subset of what is asked for, once, the empty one first (the knapsack solves one table for each)
     subsets = b.subsets(frozenset({"zero3_copies", "states_window"}))
     assert list(subsets) == [frozenset(), {"zero3_copies"}, {"states_window"}, {"zero3_copies", "states_window"}]
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_zero3_copies_are_a_block_whole_and_what_fsdp2_prefetches_of_the_next(ep):
+    """A dense block is one FSDP2 unit: two blocks' copies. Under ep a block's experts are a unit inside it, which
+    FSDP2 gathers only once the block's backward reaches them: the running block whole and the next one's dense
+    part, in the search's buffers (StageBuffers.of_block) as in the footprint (test_expert_parallel checks it)."""
+    prof = synthetic_profile()
+    experts = (4_000_000, 2_000_000)  # of block_params: its 3-D expert weights, split over ep
+    plan = _plan(dp=4, ep=ep, block=BlockPlan(zero=3))
+    sp = StagePiece(prof.blocks[0], plan.blocks[0], prof.blocks[0].num_params, experts=experts)
+    whole = 10_000_000 * 2
+    dense = whole if ep == 1 else (10_000_000 - sum(experts)) * 2
+    b = StageBuffers.of_block(plan, sp)
+    assert (b.zero3_copies, b.prefetched) == (whole + dense, dense)
+    assert gathered_bytes(plan, sp) == (whole if ep == 1 else dense + sum(experts) // ep * 2)
+    assert gathered_bytes(plan, prefetched_part(plan, sp)) == dense
 
 
 def test_stage_moments_bound_a_stage_by_its_passes_and_its_roots_reduce():

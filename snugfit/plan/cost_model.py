@@ -79,7 +79,7 @@ class CostModel:
         self._costs_of: dict[tuple, StageCosts] = {}  # by candidate key and stage
         self._views: dict[tuple, StageView] = {}  # the same
         self.tables: dict[tuple, Table] = {}  # knapsack tables by their inputs (solve._table)
-        self._buffers_of: dict[tuple[int, int], StageBuffers] = {}
+        self._buffers_of: dict[tuple[int, int, int], StageBuffers] = {}
         self._options: dict[tuple, list[BlockPlan]] = {}
         self._fastest_of: dict[tuple[int, int], tuple[float, float, float]] = {}
 
@@ -282,10 +282,9 @@ class CostModel:
 
     def buffers(self, cand: Candidate) -> StageBuffers:
         """The once-per-stage buffers an option may need, on the candidate's typical block."""
-        key = (cand.micro_batch_size, cand.tp)
+        key = (cand.micro_batch_size, cand.tp, cand.ep)
         if key not in self._buffers_of:
-            blk = self.profile_at(cand).blocks[self.typical]
-            self._buffers_of[key] = StageBuffers.of_block(blk, self.profile.dtype, self.optimizer)
+            self._buffers_of[key] = self.costs(cand, 0).buffers(self.profile_at(cand).blocks[self.typical])
         return self._buffers_of[key]
 
     def host_fits(self, cand: Candidate, st: StageCosts, blk, roots, opts: list[BlockPlan],

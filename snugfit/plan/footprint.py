@@ -22,15 +22,15 @@ from typing import Protocol
 
 from snugfit.plan.optimizer import state_bytes
 from snugfit.plan.piece_memory import (
-    accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, output_grad_bytes, param_state, rank_stages,
-    stepping_gradients, stream_windows,
+    StagePiece, accumulating_grad_bytes, device_saved, gathered_bytes, host_saved, output_grad_bytes, param_state,
+    prefetched_part, rank_stages, stepping_gradients, stream_windows,
 )
-from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan
+from snugfit.plan.plan import BlockPlan, Plan
 from snugfit.plan.reduce_memory import reduce_moments, suffix_sums
 from snugfit.plan.schedules import partner
 from snugfit.plan.simulate import SimResult
 from snugfit.plan.walks import stage_walk, sync_held, tracked_walk
-from snugfit.profile.types import DTYPE_BYTES, ModelProfile, PieceProfile
+from snugfit.profile.types import DTYPE_BYTES, ModelProfile
 
 MOMENTS = ("forward", "backward", "reduce", "step")  # a step's moments, in order; start-up comes before them
 
@@ -38,23 +38,25 @@ MOMENTS = ("forward", "backward", "reduce", "step")  # a step's moments, in orde
 @dataclass(frozen=True)
 class StageBuffers:
     """Device buffers a stage holds once whichever blocks need them, two blocks' worth of each (the one in use and
-    the next), sized on the typical block as rank_footprint counts them; the states unsharded (an upper bound)."""
+    the next), sized on the typical block as rank_footprint counts them; the states unsharded (an upper bound).
+    `prefetched` is no buffer of its own: the part of zero3_copies still held at the root's reduce."""
 
-    zero3_copies: float = 0.0  # ZeRO-3: the running block's gathered copy and the one FSDP2 prefetches
+    zero3_copies: float = 0.0  # ZeRO-3: the running block's gathered copy and the unit FSDP2 prefetches of the next
     activation_window: float = 0.0  # a policy whose whole saved activations wait on host: two blocks in flight
     checkpoint_window: float = 0.0  # one whose recomputation checkpoint waits on host
     states_window: float = 0.0  # streamed optimizer states: the stepping unit's and the next one's
+    prefetched: float = 0.0  # ZeRO-3: the unit FSDP2 has prefetched of a block while the root is reduced
 
     @classmethod
-    def of_block(cls, blk: PieceProfile, dtype: str, optimizer: OptimizerPlan) -> "StageBuffers":
-        states = state_bytes(optimizer, blk.matrices, blk.num_trainable, 1)
-        return cls(2 * blk.num_params * DTYPE_BYTES[dtype], 2 * blk.saved_bytes["keep"],
-                   2 * blk.saved_bytes["recompute"], 2 * states)
-
-    @property
-    def prefetched(self) -> float:
-        """One ZeRO-3 block's gathered copy: the one prefetched while the root is reduced."""
-        return self.zero3_copies / 2
+    def of_block(cls, plan: Plan, sp: StagePiece) -> "StageBuffers":
+        """On block `sp` of `plan` (the search's stub: its ep, compute dtype and optimizer), the copies by parameter
+        count; rank_footprint's gathered copies the same way: the block whole and the part it prefetches of the next
+        (piece_memory.prefetched_part), two whole blocks where a block is one FSDP2 unit."""
+        blk, dtype = sp.piece, DTYPE_BYTES[plan.compute_dtype]
+        states = state_bytes(plan.optimizer, blk.matrices, blk.num_trainable, 1)
+        prefetched = prefetched_part(plan, sp).n_params * dtype
+        return cls(blk.num_params * dtype + prefetched, 2 * blk.saved_bytes["keep"],
+                   2 * blk.saved_bytes["recompute"], 2 * states, prefetched)
 
     @staticmethod
     @functools.lru_cache(maxsize=1 << 12)  # asked for every option of every stage the search weighs
@@ -180,10 +182,12 @@ def rank_footprint(plan: Plan, prof: ModelProfile, pp_rank: int, sim: SimResult,
         _add(host, h)
     reduced = static.pop("gradients", 0)
     # gathered from forward through backward: zero 0-2 blocks and the root unit (FSDP2 never reshards the root
-    # after forward); zero-3 blocks while they run, plus the one prefetched in backward
+    # after forward); a zero-3 block while it runs, whole, plus in backward the unit it prefetches of the next
     copies = static.pop("comm_buffers", 0)
     copies += sum(gathered_bytes(plan, sp) for sp in all_pieces if not sp.is_block and sp.decision.zero == 3)
-    zero3 = [gathered_bytes(plan, sp) for sp in all_pieces if sp.is_block and sp.decision.zero == 3]
+    zero3 = [sp for sp in all_pieces if sp.is_block and sp.decision.zero == 3]
+    running = max((gathered_bytes(plan, sp) for sp in zero3), default=0)
+    prefetched = max((gathered_bytes(plan, prefetched_part(plan, sp)) for sp in zero3), default=0)
     fresh = {sp.piece.name: accumulating_grad_bytes(plan, sp) for sp in all_pieces}
     if plan.reduces_every_microbatch:  # each piece's gradient is reduced as it is made: only shards accumulate
         fresh = shard_grads
@@ -222,7 +226,7 @@ def rank_footprint(plan: Plan, prof: ModelProfile, pp_rank: int, sim: SimResult,
             walks["backward", k, resident] = stage_walk(sps, True, None if resident else made, released)
             walks["sync", k, resident] = stage_walk(sps, True, None if resident else made, released,
                                                     sync_held(plan, sps, fresh, resident))
-    gathered = copies + 2 * max(zero3, default=0)
+    gathered = copies + running + prefetched
     tracked_of = {k: tracked_walk(plan, sps) for k, sps in stages.items()}
     best: dict[str, Moment] = {}
     first_at: dict[str, int] = {}  # where in the step each kind's busiest moment is: the earliest wins a tie
@@ -256,14 +260,15 @@ def rank_footprint(plan: Plan, prof: ModelProfile, pp_rank: int, sim: SimResult,
             tracked_pass = {"activations": held + saved, "comm_buffers": copies + copy, "gradients": g}
         grads_resident = grads_resident or makes_grads
         last_backward_held = held if makes_grads else last_backward_held
-    # the copies of reduce: FSDP2 reshards a unit before reducing it, and has prefetched the next zero-3 block
+    # the copies of reduce: FSDP2 reshards a unit before reducing it, and has prefetched (a unit of) the next
+    # zero-3 block
     order = [sp.piece.name for sp in all_pieces]
     copies_from = dict(zip(order, suffix_sums([copy_of[n] for n in order])))  # of the pieces from each on
     root_copy = sum(gathered_bytes(plan, sp) for sp in all_pieces if not sp.is_block)
     tracked_step = step
     for at, m in enumerate(reduce_moments(plan, stages, {sp.piece.name: device_saved(sp) for sp in all_pieces}),
                            start=len(sim.snapshots[pp_rank])):
-        at_reduce = copies - copies_from[m.unit if m.unit.startswith("block") else order[0]] + max(zero3, default=0)
+        at_reduce = copies - copies_from[m.unit if m.unit.startswith("block") else order[0]] + prefetched
         if not m.unit.startswith("block"):  # the root unit too is resharded before its reduce (reshard_after_backward)
             at_reduce -= root_copy
         # stepping in backward, the unit steps right after its reduce: its own gradients copied in and freed, its

@@ -11,7 +11,7 @@ degree; t = trainable elements: frozen ones have no gradient, master or optimize
               unit from forward through backward, zero 0-2 blocks until their backward (FSDP2
               reshards after it; zero 0 too: FSDP2 copies even on a one-rank shard group,
               though not frozen elements, which a zero-0 unit leaves out of FSDP2); a zero-3
-              block while it runs, plus, in backward, the one FSDP2 prefetches for the next.
+              block while it runs, plus, in backward, the unit FSDP2 prefetches of the next (`prefetched_part`).
   reduce_buffers in the backward that syncs, FSDP2's reduce-scatter inputs (g per element,
               unsharded) and the head's unsharded gradient (plan.reduce_memory).
   gradients   accumulating (gradient sync off, microbatches after the first): unsharded,
@@ -127,6 +127,14 @@ def ep_parts(plan: Plan, sp: StagePiece) -> list[StagePiece]:
             replace(sp, piece=replace(sp.piece, matrices=[m // plan.ep for m in trained]), n_params=n // plan.ep,
                     n_trainable=sum(trained) // plan.ep, experts=(), expert_adapters=(),
                     ranks=plan.shard_ranks // plan.ep)]
+
+
+def prefetched_part(plan: Plan, sp: StagePiece) -> StagePiece:
+    """What FSDP2 prefetches of a zero-3 block while the one after it runs its backward: the block's own unit (under
+    ep its dense part, `ep_parts`). It prefetches one unit, in reverse post-forward order, where a block's experts
+    come before the block (torch's FSDPParamGroup._backward_prefetch): the experts' unit is gathered only once the
+    block's own backward reaches it, beside the block's own unit, which stays gathered until the block is done."""
+    return ep_parts(plan, sp)[0]
 
 
 def rank_stages(plan: Plan, prof: ModelProfile, pp_rank: int) -> dict[int, list[StagePiece]]:

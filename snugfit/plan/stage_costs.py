@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from snugfit.hardware.catalogue import GPU
 from snugfit.hardware.cluster import Cluster
 from snugfit.plan.corrections import corrected
+from snugfit.plan.footprint import StageBuffers
 from snugfit.plan.memory import FRAGMENTATION
 from snugfit.plan.optimizer import master_bytes
 from snugfit.plan.piece_memory import (
@@ -184,6 +185,10 @@ class StageCosts:
         if not self.stub.optimizer.in_backward:
             return 0.0
         return min(param_state(self.stub, self._piece(blk, o))[0].get("gradients", 0) for o in opts)
+
+    def buffers(self, blk: PieceProfile) -> StageBuffers:
+        """The once-per-stage buffers options may need, on block `blk` (its experts split over this rank's ep)."""
+        return StageBuffers.of_block(self.stub, self._piece(blk, BlockPlan(zero=3)))
 
     def _piece(self, p: PieceProfile, o: BlockPlan) -> StagePiece:
         """p under option o, as piece_memory counts it (a block's experts named, which ep splits)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from snugfit.plan.piece_memory import StagePiece, device_saved, gathered_bytes
+from snugfit.plan.piece_memory import StagePiece, device_saved, gathered_bytes, prefetched_part
 from snugfit.plan.plan import Plan
 from snugfit.profile.types import DTYPE_BYTES
 
@@ -77,8 +77,8 @@ def tracked_walk(plan: Plan, pieces: list[StagePiece]) -> tuple[int, int]:
     """(saved activations, zero-3 copies) at the held peak of one microbatch through a stage.
 
     A zero-3 block holds its gathered copy only while it runs (and, in backward,
-    the previous zero-3 block's prefetched one), on top of what this and earlier
-    pieces saved; the walk's transients are not held.
+    what FSDP2 prefetches of the previous zero-3 block: piece_memory.prefetched_part), on top of what this and
+    earlier pieces saved; the walk's transients are not held.
     """
     best, saved, before = (0, 0), 0, 0
     for sp in pieces:
@@ -86,5 +86,5 @@ def tracked_walk(plan: Plan, pieces: list[StagePiece]) -> tuple[int, int]:
         copy = gathered_bytes(plan, sp) if sp.is_block and sp.decision.zero == 3 else 0
         if saved + copy + before > sum(best):
             best = (saved, copy + before)
-        before = copy  # prefetched while this block's backward runs
+        before = gathered_bytes(plan, prefetched_part(plan, sp)) if copy else 0  # while this block's backward runs
     return best
