@@ -16,7 +16,7 @@ from pathlib import Path
 from dataclasses import asdict, dataclass, field, fields
 
 from snugfit.errors import SnugfitError
-from snugfit.model import ModelConfig
+from snugfit.model.config import ModelConfig
 from snugfit.model.hub import local_model
 from snugfit.plan.dtype import canonical_dtype
 from snugfit.plan.options import Constraints

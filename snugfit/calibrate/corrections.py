@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from snugfit.hardware.catalogue import hardware_cache_path
@@ -76,3 +77,18 @@ def _age(seconds: float) -> str:
         if seconds >= 2 * size:
             return f"{seconds / size:.0f} {unit}"
     return f"{seconds:.0f} s"
+
+
+def planning_inputs(cluster_of: Callable[[], Cluster], profile: ModelProfile, ranks: int,
+                    measure: Callable[[int], None]) -> tuple[Cluster, str | None]:
+    """The cluster a plan for it is predicted on, wherever it is planned (`snugfit plan`, the auto plan of `snugfit
+    train`): CPU ranks as this machine measured them (measured first where it is not yet, `ranks` of them per node:
+    `measure`, train.autoplan.measure_once, passed in so that planning for GPUs imports no torch; the cluster built
+    again from the measurement), carrying the corrections a run stored for these ranks and this model shape, with
+    the line that says so (None where there are none). One function, so that both show one predicted step for one
+    plan."""
+    cluster = cluster_of()
+    if all(n.gpu.name == "cpu" for n in cluster.nodes):
+        measure(ranks)
+        cluster = cluster_of()
+    return with_stored_corrections(cluster, profile)

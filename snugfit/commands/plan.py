@@ -17,12 +17,13 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from snugfit.calibrate.corrections import planning_inputs
 from snugfit.commands.options import add_config_options, config_from_args
 from snugfit.config import optimizer_plan
 from snugfit.errors import SnugfitError
 from snugfit.hardware.cluster import Cluster, parse_cluster, with_host_ram
 from snugfit.model.catalogue import block_count, resolve_model
-from snugfit.model.decoder import ModelConfig
+from snugfit.model.config import ModelConfig
 from snugfit.plan.compile_choice import search_compiled_or_eager
 from snugfit.plan.estimate import estimate
 from snugfit.plan.dtype import canonical_dtype, dtype_for_cluster
@@ -222,12 +223,10 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
 
     def planned_on(micro_batch: int, seq_len: int, dtype: str) -> Cluster:
-        """The cluster as `snugfit train` plans it (train.autoplan.planning_inputs: CPU ranks measured as train
-        measures them, a run's stored corrections), the line naming corrections among the notes."""
-        from snugfit.train.autoplan import planning_inputs
-
+        """The cluster as `snugfit train` plans it (calibrate.corrections.planning_inputs: CPU ranks measured as
+        train measures them, a run's stored corrections), the line naming corrections among the notes."""
         profile = target.profile(micro_batch, seq_len, dtype, False)  # its shape keys the corrections
-        found, line = planning_inputs(cluster_of, profile, cluster.nodes[0].count)
+        found, line = planning_inputs(cluster_of, profile, cluster.nodes[0].count, _measure_cpu_ranks)
         notes.extend([line] if line else [])
         return found
 
@@ -325,6 +324,13 @@ def _draw(args: argparse.Namespace, plan: Plan, target: Target, cluster: Cluster
     sim, detail = timeline_for(plan, prof, cluster, budget)
     out = draw_timeline(sim, plan, args.timeline, detail=detail)
     print(f"timeline: {out}", file=sys.stderr if args.json else sys.stdout)
+
+
+def _measure_cpu_ranks(ranks: int) -> None:
+    """train.autoplan.measure_once, imported only where CPU ranks are planned (it needs torch)."""
+    from snugfit.train.autoplan import measure_once
+
+    measure_once(ranks)
 
 
 def _read_plan(path_text: str) -> Plan:

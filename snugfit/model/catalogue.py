@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from snugfit.errors import SnugfitError
-from snugfit.model.decoder import ModelConfig
+from snugfit.model.config import ModelConfig
 from snugfit.model.hub import looks_like_hub_id, not_cached
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from snugfit.calibrate.corrections import planning_inputs
 from snugfit.config import RunConfig, optimizer_plan
 from snugfit.errors import PeerFailed, SnugfitError
 from snugfit.hardware.cluster import Cluster, Node, get_link, make_node, parse_cluster
@@ -167,21 +168,6 @@ def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device, compil
                          compile=compile, pack=cfg.data.packs)
 
 
-def planning_inputs(cluster_of: Callable[[], Cluster], profile, ranks: int) -> tuple[Cluster, str | None]:
-    """The cluster a plan for it is predicted on, wherever it is planned (`snugfit plan`, the auto plan of `snugfit
-    train`): CPU ranks as this machine measured them (measured first where it is not yet, `ranks` of them per node:
-    measure_once; the cluster built again from the measurement), carrying the corrections a run stored for these
-    ranks and this model shape, with the line that says so (None where there are none). One function, so that
-    both show one predicted step for one plan."""
-    from snugfit.calibrate.corrections import with_stored_corrections
-
-    cluster = cluster_of()
-    if all(n.gpu.name == "cpu" for n in cluster.nodes):
-        measure_once(ranks, True)
-        cluster = cluster_of()
-    return with_stored_corrections(cluster, profile)
-
-
 def predicted_timeline(cfg: RunConfig, env: DistEnv, plan: Plan):
     """The time model's simulation of `plan` on the launched ranks, to draw beside a measured step, on what the
     plan was predicted with: this machine's measurement, the plan's own corrections (Prediction.corrections, not
@@ -245,7 +231,7 @@ def fixed_constraints(cfg: RunConfig, world_size: int):
 
 
 def _search(cfg: RunConfig, cluster_of: Callable[[], Cluster], ranks: int, device: torch.device, fixed) -> Plan:
-    """The auto plan for the cluster `cluster_of` builds (`ranks` local ranks: planning_inputs), logged."""
+    """The auto plan for the cluster `cluster_of` builds (`ranks` local ranks: calibrate.corrections.planning_inputs), logged."""
     from snugfit.plan.compile_choice import search_compiled_or_eager
     from snugfit.plan.advice import advise
     from snugfit.plan.explain import format_result
@@ -254,7 +240,7 @@ def _search(cfg: RunConfig, cluster_of: Callable[[], Cluster], ranks: int, devic
     t = cfg.train
     if t.compile and device.type == "cpu":
         measure_compiled_once()
-    cluster, corrected = planning_inputs(cluster_of, _profile(cfg, 1, device, False), ranks)
+    cluster, corrected = planning_inputs(cluster_of, _profile(cfg, 1, device, False), ranks, measure_once)
     if corrected:  # what a run measured here, where one did
         log.info(corrected)
     try:
