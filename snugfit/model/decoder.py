@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
