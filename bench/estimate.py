@@ -193,7 +193,8 @@ def multi_rows(args, cfg: ModelConfig) -> list[tuple[str, float, float, int, int
     for world in sorted({dp * pp * tp * cp for _, dp, pp, _, _, _, tp, cp, *_ in specs}):
         plans = {name: (multi_plan(args.layers, args.seq, dp, pp, b, rz, m, tp, cp, reduce, opt, ep), tune)
                  for name, dp, pp, b, rz, m, tp, cp, tune, reduce, opt, ep in specs if dp * pp * tp * cp == world}
-        per_rank = run_ranks(run_multi, world, cfg, plans, args.steps)
+        # every plan of this world in one call: past run_ranks' default deadline on a loaded machine
+        per_rank = run_ranks(run_multi, world, cfg, plans, args.steps, timeout_s=3600)
         for name, (plan, tune) in plans.items():
             if any(name not in r for r in per_rank):
                 continue

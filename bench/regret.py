@@ -136,7 +136,8 @@ def model_errors(plans: list[Plan], times: list[float | None], prof, cluster, bu
 def measured_times(world: int, plans: list[Plan], passes: int, steps: int) -> tuple[list[float | None], list[str]]:
     """Per plan: the median over passes of the slowest rank's best step time (None where refused), and
     the refusal reasons (rank 0's)."""
-    per_rank = run_ranks(_measure, world, [p.to_json() for p in plans], passes, steps)
+    # every plan in one call: past run_ranks' default deadline on a loaded machine
+    per_rank = run_ranks(_measure, world, [p.to_json() for p in plans], passes, steps, timeout_s=3600)
     times: list[float | None] = []
     for i in range(len(plans)):
         if any(isinstance(r[i], str) for r in per_rank):

@@ -260,8 +260,10 @@ def test_an_unknown_card_is_measured_from_its_properties():
     assert gpu.pcie_gen in (3, 4, 5) and node.pcie.name == f"pcie{gpu.pcie_gen}"
 
 
-def test_collectives_are_measured_in_spawned_processes_once_an_accelerator_ran(monkeypatch):
-    """Forked children of a process whose autograd ran on a GPU die ('Unable to handle autograd's threading in
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_collectives_are_measured_in_processes_of_the_fork_server(monkeypatch, accelerator):
+    """Never a fork of this process: a forked child of a threaded torch process deadlocked in a futex (the test
+    suite), and one of a process whose autograd ran on a GPU dies ('Unable to handle autograd's threading in
     combination with fork-based multiprocessing': profile-hardware on an H200)."""
     import torch.multiprocessing as mp
 
@@ -274,10 +276,10 @@ def test_collectives_are_measured_in_spawned_processes_once_an_accelerator_ran(m
         raise RuntimeError("not started")
 
     monkeypatch.setattr(mp, "start_processes", start_processes)
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator)
     with pytest.raises(RuntimeError, match="not started"):
         measure_collectives(2)
-    assert methods == ["spawn"]
+    assert methods == ["forkserver"]
 
 
 def test_gpus_without_peer_access_disable_nccl_p2p(monkeypatch):

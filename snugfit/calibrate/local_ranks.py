@@ -12,13 +12,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from snugfit.calibrate.timers import best_time, interleaved_times, typical_time
 from snugfit.hardware.catalogue import Host, Link
-from snugfit.runtime.spawn import free_port
+from snugfit.runtime.spawn import forkserver, free_port
 
 
 FSDP_UNITS = 4  # blocks timed for FSDP2's own costs
@@ -183,7 +184,8 @@ def _collective_worker(rank: int, world: int, port: int, out: str, nbytes: int) 
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a peer that never comes fails the measurement in two minutes, not gloo's default half hour
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         x = torch.ones(nbytes // 4)
         small = torch.ones(1)
@@ -211,11 +213,11 @@ def measure_collectives(world: int = 2, nbytes: int = 16 * 2**20) -> tuple[Link,
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result")
-        # fork where there is one: the children skip re-importing torch (seconds on a busy machine); not after
-        # an accelerator ran here (profile-hardware on a GPU machine): autograd's device threads do not survive it
-        method = "fork" if "fork" in mp.get_all_start_methods() and not torch.accelerator.is_available() else "spawn"
+        # forked from the fork server: the children skip re-importing torch (seconds on a busy machine), and none
+        # is a fork of this process, whatever threads it runs
+        forkserver()
         mp.start_processes(_collective_worker, args=(world, free_port(), out, nbytes), nprocs=world, join=True,
-                           start_method=method)
+                           start_method="forkserver")
         r = json.loads(Path(out).read_text())
     return Link("gloo-loopback", r["gbps"], r["latency"]), r["fsdp"], r["together"]
 
