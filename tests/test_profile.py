@@ -131,6 +131,7 @@ def test_a_cached_profile_is_read_without_importing_torch(tmp_path):
     import subprocess
     import sys
     from importlib.metadata import version
+    from pathlib import Path
 
     cfg = ModelConfig(arch="llama", dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=32)
     built = profile_model(cfg, micro_batch_size=2, seq_len=32, cache_dir=tmp_path, kernels="gpu")
@@ -142,7 +143,7 @@ from snugfit.profile import profile_model
 prof = profile_model(ModelConfig(**{cfg.to_dict()!r}), micro_batch_size=2, seq_len=32, cache_dir={str(tmp_path)!r},
                      kernels="gpu")
 print(json.dumps({{"torch": "torch" in sys.modules, "profile": prof.to_dict()}}))
-"""], capture_output=True, text=True, check=True)
+"""], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
     out = json.loads(read.stdout)
     assert not out["torch"]
     assert ModelProfile.from_dict(out["profile"]) == built
