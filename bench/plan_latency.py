@@ -20,7 +20,7 @@ from snugfit.model.catalogue import resolve_model  # noqa: E402
 from snugfit.plan.explain import summary  # noqa: E402
 from snugfit.plan.kernels import gemm_cache_clear  # noqa: E402
 from snugfit.plan.search import search  # noqa: E402
-from snugfit.profile.profile import profile_model  # noqa: E402
+from snugfit.profile.cache import profile_model  # noqa: E402
 
 CASES = [  # model, cluster, global batch, sequence, target seconds
     ("llama-2-7b", "4xRTX4090", 32, 2048, 0.2),

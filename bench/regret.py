@@ -45,7 +45,7 @@ from snugfit.plan.plan import BlockPlan, Plan  # noqa: E402
 from snugfit.plan.rules import allows_unit  # noqa: E402
 from snugfit.plan.cost_model import CostModel  # noqa: E402
 from snugfit.plan.search import Constraints, budget_for, search  # noqa: E402
-from snugfit.profile.profile import profile_model  # noqa: E402
+from snugfit.profile.cache import profile_model  # noqa: E402
 from snugfit.runtime.spawn import run_ranks  # noqa: E402
 
 CFG = ModelConfig(dim=128, n_layers=4, n_heads=4, vocab_size=512, max_seq_len=128)

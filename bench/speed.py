@@ -52,7 +52,7 @@ from snugfit.config import DEFAULT_MODEL  # noqa: E402
 from snugfit.model.decoder import Decoder, ModelConfig  # noqa: E402
 from snugfit.plan import Plan  # noqa: E402
 from snugfit.plan.estimate import estimate  # noqa: E402
-from snugfit.profile.profile import profile_model  # noqa: E402
+from snugfit.profile.cache import profile_model  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.compile import compile_seconds  # noqa: E402
 from snugfit.runtime.dist import DistEnv  # noqa: E402

@@ -10,7 +10,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from snugfit.hardware.cluster import parse_cluster
 from snugfit.model.catalogue import resolve_model
 from snugfit.plan.plan import BlockPlan, Plan
-from snugfit.profile.profile import profile_model
+from snugfit.profile.cache import profile_model
 from snugfit.report.timeline import draw_timeline, timeline_for
 
 IMG = Path(__file__).parent / "img"

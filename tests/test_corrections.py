@@ -8,7 +8,7 @@ from snugfit.model.decoder import ModelConfig
 from snugfit.plan import BlockPlan, Plan
 from snugfit.plan.corrections import MeasuredStep, TimeCorrections, derive, machine_key, on_cluster
 from snugfit.plan.estimate import estimate
-from snugfit.profile.profile import profile_model
+from snugfit.profile.cache import profile_model
 
 PREDICTED = {"compute": 0.10, "recompute": 0.02, "dp_comm_exposed": 0.04, "tp_comm": 0.0, "offload_exposed": 0.0,
              "pipeline_runtime": 0.0, "optimizer": 0.01, "bubble": 0.0}

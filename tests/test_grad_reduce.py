@@ -126,7 +126,7 @@ def test_a_7b_zero3_plan_reducing_every_microbatch_holds_the_gradient_shard():
     """The issue's case: llama-2-7b on 8 A100s, ZeRO-3, 4 microbatches of 1 x 4096 tokens. Reduced once a step,
     every GPU holds the whole fp32 gradient (25.1 GiB); reduced every microbatch, its eighth (3.1 GiB)."""
     from snugfit.model.catalogue import resolve_model
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     prof = profile_model(resolve_model("llama-2-7b"), micro_batch_size=1, seq_len=4096, dtype="bfloat16",
                          use_cache=False, kernels="gpu")

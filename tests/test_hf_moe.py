@@ -122,7 +122,7 @@ def test_export_reloads_in_transformers(tmp_path):
 
 
 def test_plan_profiles_experts_in_float32():
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     cfg = hf_moe("qwen3_moe").config.to_dict()
     prof = profile_model(cfg, micro_batch_size=2, seq_len=32, use_cache=False)
@@ -237,7 +237,7 @@ def test_gpt_oss_and_deepseek_v3_saved_by_transformers_load_equal(arch, tmp_path
 def test_gpt_oss_profiles_its_mlp_though_it_returns_router_scores_too():
     """gpt-oss's MLP returns (hidden states, router scores): the profile still measures the MLP's output."""
     from snugfit.model.hf import attention_for
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     cfg = AutoConfig.for_model("gpt_oss", **OTHERS["gpt_oss"])
     cfg._attn_implementation = attention_for(cfg)

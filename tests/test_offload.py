@@ -14,7 +14,7 @@ from snugfit.hardware.cluster import parse_cluster
 from snugfit.model import Decoder, ModelConfig
 from snugfit.plan import BlockPlan, Plan
 from snugfit.plan.estimate import estimate
-from snugfit.profile.profile import profile_model
+from snugfit.profile.cache import profile_model
 from snugfit.runtime.build import build_engine
 from snugfit.runtime.dist import DistEnv
 from snugfit.runtime.optimizer import OptimConfig

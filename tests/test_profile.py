@@ -124,6 +124,31 @@ def test_cache_roundtrip_and_scaling(tmp_path):
     assert scaled.train_flops() == pytest.approx(big.train_flops())
 
 
+def test_a_cached_profile_is_read_without_importing_torch(tmp_path):
+    """`snugfit plan` of a profiled model imports no torch (profile.cache): a fresh interpreter reads the profile
+    this one built, equal to it, with torch never imported; the key's torch version is the one torch reports."""
+    import json
+    import subprocess
+    import sys
+    from importlib.metadata import version
+    from pathlib import Path
+
+    cfg = ModelConfig(arch="llama", dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=32)
+    built = profile_model(cfg, micro_batch_size=2, seq_len=32, cache_dir=tmp_path, kernels="gpu")
+    assert version("torch") == torch.__version__
+    read = subprocess.run([sys.executable, "-c", f"""
+import json, sys
+from snugfit.model.config import ModelConfig
+from snugfit.profile import profile_model
+prof = profile_model(ModelConfig(**{cfg.to_dict()!r}), micro_batch_size=2, seq_len=32, cache_dir={str(tmp_path)!r},
+                     kernels="gpu")
+print(json.dumps({{"torch": "torch" in sys.modules, "profile": prof.to_dict()}}))
+"""], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    out = json.loads(read.stdout)
+    assert not out["torch"]
+    assert ModelProfile.from_dict(out["profile"]) == built
+
+
 def test_measured_times_are_positive():
     cfg = ModelConfig(arch="llama", dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=32)
     prof = profile_model(cfg, micro_batch_size=1, seq_len=32, use_cache=False, measure_on="cpu", repeats=1)

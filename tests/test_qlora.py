@@ -153,7 +153,7 @@ def test_the_profile_charges_what_torchao_dispatches_for_each_nf4_linear():
 
     from snugfit.model.decoder import ModelConfig
     from snugfit.model.quantize import quantize
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
     from snugfit.profile.types import NF4_LINEAR_BYTES, NF4_LINEAR_OPS
 
     for shape in ((128, 512), (512, 1024)):
@@ -181,7 +181,7 @@ def test_compiled_nf4_dequantization_is_one_fused_kernel_per_linear():
     """Compiled, each NF4 linear's dequantization is one kernel a pass, reading the 4-bit weight and writing it in
     the compute dtype: a twelfth of eager's traffic (NF4_LINEAR_BYTES), which is what QLoRA gains from compile."""
     from snugfit.model.decoder import ModelConfig
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
     from snugfit.profile.types import NF4_LINEAR_BYTES, nf4_bytes
 
     cfg = ModelConfig(arch="llama", dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=16)

@@ -83,7 +83,7 @@ def probed():
 def test_gradient_bytes_at_each_reduce_match_the_live_tensors(probed, name):
     from snugfit.plan.piece_memory import device_saved, rank_stages
     from snugfit.plan.reduce_memory import reduce_moments
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     plan = _plan(name)
     prof = profile_model(CFG, micro_batch_size=MBS, seq_len=SEQ, use_cache=False)

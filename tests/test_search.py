@@ -44,7 +44,7 @@ def synth(n_blocks: int, dim: int, seq: int = 1024, vocab: int = 32000, dtype: s
 def tiny_profile(tmp_path_factory):
     """A real (meta-device) profile of a tiny built-in decoder, as the trainer would have."""
     from snugfit.model.decoder import ModelConfig
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     cfg = ModelConfig(dim=32, n_layers=4, n_heads=2, vocab_size=128, max_seq_len=64)
     return profile_model(cfg, micro_batch_size=1, seq_len=64, cache_dir=tmp_path_factory.mktemp("profiles"))

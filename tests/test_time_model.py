@@ -207,7 +207,7 @@ def test_linear_layers_are_recorded_and_timed_by_shape_on_gpus():
     from snugfit.hardware.catalogue import GPUS
     from snugfit.model import ModelConfig
     from snugfit.plan.kernels import gemm_seconds
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=512, ffn_dim=768)
     prof = profile_model(cfg, micro_batch_size=2, seq_len=512, use_cache=False)
@@ -308,7 +308,7 @@ def test_cpu_attention_runs_at_its_measured_rate_and_the_linear_layers_at_the_ma
     from dataclasses import replace
 
     from snugfit.model.decoder import ModelConfig
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     cfg = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=128)
     block = profile_model(cfg, micro_batch_size=2, seq_len=128, dtype="float32", use_cache=False).blocks[0]
@@ -330,7 +330,7 @@ def test_a_cpu_step_runs_its_linear_layers_and_memory_bound_operators_at_their_m
     from dataclasses import replace
 
     from snugfit.model.decoder import ModelConfig
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     cfg = ModelConfig(arch="llama", dim=64, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=128)
     block = profile_model(cfg, micro_batch_size=2, seq_len=128, dtype="float32", use_cache=False).blocks[0]

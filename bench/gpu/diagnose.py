@@ -21,7 +21,7 @@ from run import DEFAULT_MODEL, OPTIM, OUT, SMOKE_MODEL, build, free_memory, one_
 from snugfit.model.decoder import Decoder, ModelConfig
 from snugfit.plan.estimate import estimate
 from snugfit.plan.plan import Plan
-from snugfit.profile.profile import profile_model
+from snugfit.profile.cache import profile_model
 from snugfit.runtime.build import build_engine
 from snugfit.train.autoplan import local_cluster
 

@@ -55,7 +55,7 @@ from snugfit.plan.kernels import attention_rates  # noqa: E402
 from snugfit.plan.memory import device_bytes  # noqa: E402
 from snugfit.plan.plan import BlockPlan, OptimizerPlan, Plan  # noqa: E402
 from snugfit.plan.search import Constraints, NoPlanError, search  # noqa: E402
-from snugfit.profile.profile import profile_model  # noqa: E402
+from snugfit.profile.cache import profile_model  # noqa: E402
 from snugfit.runtime.build import build_engine  # noqa: E402
 from snugfit.runtime.compile import compile_seconds  # noqa: E402
 from snugfit.runtime.dist import DistEnv, init_distributed  # noqa: E402

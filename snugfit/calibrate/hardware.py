@@ -104,7 +104,7 @@ def dispatch_costs(device: str, sync) -> tuple[float, float]:
     A chain of bare multiplies measured 12.5-13.6 us per operator on an H200's host, where plain PyTorch's Llama
     step took 10.3 us per counted operator (docs/gpu.md)."""
     from snugfit.model.decoder import Decoder, ModelConfig
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
     from snugfit.runtime.activations import apply_activation_policy
 
     cfg = ModelConfig(arch="llama", dim=32, n_layers=4, n_heads=2, vocab_size=64, max_seq_len=8)

@@ -35,6 +35,7 @@ from snugfit.plan.optimizer import describe as describe_optimizer
 from snugfit.plan.plan import DTYPES, BlockPlan, OptimizerPlan, Plan, PlanError, Prediction
 from snugfit.plan.policies import ACTIVATION_POLICIES
 from snugfit.plan.search import NoPlanError
+from snugfit.profile.cache import profile_model
 from snugfit.profile.types import ModelProfile
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
@@ -129,8 +130,6 @@ class Target:
     def profile(self, micro_batch: int, seq: int, dtype: str, compile: bool) -> ModelProfile:
         """The model's profile for this sequence and dtype (cached; search rescales it to other micro-batches),
         its blocks eager or as torch.compile runs them (profile.compiled)."""
-        from snugfit.profile.profile import profile_model
-
         if isinstance(self.model, ModelConfig) and self.model.max_seq_len < seq:
             self.model.max_seq_len = seq
         return profile_model(self.model, micro_batch_size=micro_batch, seq_len=seq, dtype=dtype, name=self.name,

@@ -120,3 +120,10 @@ class ModelConfig:
             per_block += 2 * (3 if self.arch == "llama" else 2) * d * self.ffn_dim
         forward = self.n_layers * per_block + 2 * d * self.vocab_size
         return 3 * forward
+
+
+def parse_targets(text: str) -> tuple[str, ...] | None:
+    """`finetune.lora_targets` ("attn.q, attn.v", "all-linear") as model.lora.apply_lora takes it; None (the
+    default) when empty. The one parser, so that `snugfit plan` profiles the adapters `snugfit train` builds; here,
+    without torch, since it keys the profile cache (profile.cache)."""
+    return tuple(t for t in (t.strip() for t in text.split(",")) if t) or None

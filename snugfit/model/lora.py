@@ -53,12 +53,6 @@ PEFT_NAMES = {
 }
 
 
-def parse_targets(text: str) -> tuple[str, ...] | None:
-    """`finetune.lora_targets` ("attn.q, attn.v", "all-linear") as apply_lora takes it; None (the default) when
-    empty. The one parser, so that `snugfit plan` profiles the adapters `snugfit train` builds."""
-    return tuple(t for t in (t.strip() for t in text.split(",")) if t) or None
-
-
 def _is_linear(mod: nn.Module) -> bool:
     return isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D"
 

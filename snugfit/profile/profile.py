@@ -17,10 +17,7 @@ Saved-activation policies (bytes a block keeps between its forward and backward)
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import json
-import os
 import statistics
 import time
 import warnings
@@ -28,14 +25,14 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from snugfit.model.decoder import Decoder, Documents, ModelConfig, flex_trains_on
 from snugfit.model.moe import set_balanced
-from snugfit.model.lora import apply_lora, freeze, parse_targets, trainable_by_kind
+from snugfit.model.config import parse_targets
+from snugfit.model.lora import apply_lora, freeze, trainable_by_kind
 from snugfit.model.recompute import RECOMPUTE_POLICIES, recompute
 from snugfit.model.tiled_mlp import mlp_of
 from snugfit.profile.alike import stand_ins
@@ -45,7 +42,7 @@ from snugfit.plan.policies import PROFILED
 from snugfit.profile.kernels import gpu_kernels
 from snugfit.profile.record import ModelParts, PieceRecord, record_step
 from snugfit.profile.types import (
-    DTYPE_BYTES, NF4_LINEAR_BYTES, NF4_LINEAR_OPS, PROFILE_VERSION, ModelProfile, PieceProfile, nf4_bytes,
+    DTYPE_BYTES, NF4_LINEAR_BYTES, NF4_LINEAR_OPS, ModelProfile, PieceProfile, nf4_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -246,54 +243,16 @@ def compile_module(prof: ModelProfile, model: nn.Module, parts: ModelParts, voca
     return replace(prof, blocks=blocks)
 
 
-def _cache_path(cache_dir: str | Path | None, key: dict) -> Path:
-    root = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "snugfit"
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return root / "profiles" / f"{digest}.json"
-
-
-def profile_model(
-    model: ModelConfig | dict, *, micro_batch_size: int, seq_len: int, dtype: str = "float32",
-    name: str | None = None, cache_dir: str | Path | None = None, use_cache: bool = True,
-    measure_on: str | None = None, repeats: int = 3, clock: Callable[[], float] = time.perf_counter,
-    lora_rank: int | None = None, frozen: str | None = None, quantize_base: str = "none", kernels: str = "cpu",
-    lora_targets: str = "", compile: bool = False, pack: bool = False,
+def build_profile(
+    model: ModelConfig | dict, *, micro_batch_size: int, seq_len: int, dtype: str, label: str,
+    eager: ModelProfile | None, measure_on: str | None, repeats: int, clock: Callable[[], float],
+    lora_rank: int | None, frozen: str | None, quantize_base: str, kernels: str, lora_targets: str, pack: bool,
 ) -> ModelProfile:
-    """Profile a built-in ModelConfig or a Hugging Face config dict (cached by its inputs).
-
-    pack: the run packs its examples (data.packing): the built-in decoder's documents' mask is charged
-    (ModelProfile.mask_bytes) as the target device holds it, the kernels' (`flex_trains_on`): a FlexAttention
-    block mask on GPUs, dense seq x seq on CPU ranks, where the blocks are recorded attending under it. Hugging
-    Face layers make their own mask each (transformers' mask functions), recorded as theirs.
-
-    compile: its blocks as torch.compile runs them (Plan.compile; profile.compiled); measured times are eager's,
-    so a compiled profile is not measured (measure_on is refused).
-
-    lora_rank / lora_targets / frozen: profile the model fine-tuned as the runtime will (model.lora):
-    frozen parameters have no gradients or optimizer states, and their weight-gradient
-    matmuls are absent from the recorded backward. quantize_base="nf4": the frozen block
-    linears are stored in 4 bits (`PieceProfile.quantized`) and dequantized for each use.
-
-    kernels="gpu": saved tensors as GPU kernels keep them where they differ from the CPU path
-    (profile.kernels: fused RMSNorm); plan GPU clusters with it, CPU ranks with "cpu".
-
-    measure_on="cpu" also times each piece's forward and backward on this machine
-    with real (random) weights: only for models that fit in host memory. `clock` is
-    what times it (time.process_time on a single-threaded CPU run ignores other load).
-    """
-    if compile and measure_on:
-        raise ValueError("a compiled profile is not measured: its times come from the time model")
+    """The profile profile.cache.profile_model found no copy of (its arguments; label: the model's name there):
+    recorded on the meta device, or with `eager`, the model's eager profile, its blocks traced as torch.compile
+    runs them."""
     is_hf = isinstance(model, dict)
     config = dict(model) if is_hf else model.to_dict()
-    key = {"config": config, "mbs": micro_batch_size, "seq": seq_len, "dtype": dtype,
-           "measure": measure_on, "v": PROFILE_VERSION, "torch": torch.__version__, "lora": lora_rank,
-           "lora_targets": parse_targets(lora_targets) if lora_rank else None,
-           "frozen": frozen, "quantize": quantize_base, "kernels": kernels, "compile": compile,
-           **({"pack": True} if pack else {})}  # unpacked profiles keep their cached keys
-    path = _cache_path(cache_dir, key)
-    label = name or config.get("_name_or_path") or config.get("model_type") or config.get("arch", "model")
-    if use_cache and path.exists():
-        return replace(ModelProfile.load(path), model=label)  # models of one config share it; the name is ours
     if is_hf:
         from snugfit.model.hf import hf_from_config
 
@@ -306,11 +265,7 @@ def profile_model(
     fine_tune(net, lora_rank, frozen, lora_targets)
     set_balanced(net)  # experts priced at balanced routing: fake (or random) weights route by chance
     with gpu_kernels(net) if kernels == "gpu" else nullcontext():
-        if compile:  # the eager profile's recording (cached on its own: `snugfit plan` weighs both), blocks traced
-            eager = profile_model(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, name=name,
-                                  cache_dir=cache_dir, use_cache=use_cache, lora_rank=lora_rank, frozen=frozen,
-                                  quantize_base=quantize_base, kernels=kernels, lora_targets=lora_targets,
-                                  pack=pack)
+        if eager is not None:
             prof = compile_module(eager, net, model_parts(net), net.cfg.vocab_size)
         else:
             prof = profile_module(net, model_parts(net), name=label, config=config, micro_batch_size=micro_batch_size,
@@ -319,13 +274,10 @@ def profile_model(
                                       "cuda" if kernels == "gpu" else "cpu")) if pack else None)
     prof.trainable_by_kind = trainable_by_kind(net)  # counted as `snugfit train` counts the model it trains
     # traced blocks' traffic and launches replace the eager ones NF4's were charged to, so they are charged again
-    if quantize_base == "nf4" and prof.compiled == compile:
+    if quantize_base == "nf4" and prof.compiled == (eager is not None):
         count_quantized(prof, net)
     if measure_on and not is_hf:
         measure_times(prof, cfg, measure_on, repeats, clock, lora_rank, frozen, lora_targets)
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prof.save(path)
     return prof
 
 

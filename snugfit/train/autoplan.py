@@ -158,7 +158,7 @@ def decided_on_main(decide, env: DistEnv):
 
 def _profile(cfg: RunConfig, micro_batch_size: int, device: torch.device, compile: bool):
     """The run's model profiled for the planner, its blocks eager or as torch.compile runs them."""
-    from snugfit.profile.profile import profile_model
+    from snugfit.profile.cache import profile_model
 
     model = cfg.model if not cfg.model.name else resolve_model(cfg.model.name, cfg.model.attention)
     return profile_model(model, micro_batch_size=micro_batch_size, seq_len=cfg.train.seq_len, dtype=cfg.train.dtype,

@@ -21,8 +21,9 @@ from snugfit.errors import SnugfitError
 from snugfit.model import Decoder
 from snugfit.model.decoder import init_name, initial_value, tensor_generator
 from snugfit.model.hf import FolderWeights, fingerprint, load_hf
-from snugfit.model.lora import (apply_lora, freeze, init_adapters, parse_targets, plain_name, plain_named_tensors,
-                                trainable_by_kind, trainable_summary)
+from snugfit.model.config import parse_targets
+from snugfit.model.lora import (apply_lora, freeze, init_adapters, plain_name, plain_named_tensors, trainable_by_kind,
+                                trainable_summary)
 from snugfit.model.shards import local_shard
 from snugfit.model.quantize import quantize_base
 from snugfit.plan import Plan
