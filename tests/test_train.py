@@ -128,19 +128,27 @@ FIXED = ["--dim", "64", "--n-layers", "4", "--n-heads", "4", "--eval-every", "0"
          "--checkpoint-every", "0", "--progress", "false", "--plot", "false"]
 
 
-def _cli_losses(tmp_path, name, *args) -> dict[int, float]:
+def _losses(out) -> dict[int, float]:
     from snugfit.train.metrics import read_metrics
 
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def _cli_losses(tmp_path, name, *args) -> dict[int, float]:
     proc = run_cli("train", *FIXED, "--out-dir", str(tmp_path / name), *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    plan = json.loads((tmp_path / name / "plan.json").read_text())
-    return plan, {r["step"]: r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"}
+    return json.loads((tmp_path / name / "plan.json").read_text()), _losses(tmp_path / name)
 
 
-def test_train_takes_the_fixed_parts_of_a_plan_as_options(tmp_path):
+def test_train_takes_the_fixed_parts_of_a_plan_as_options(tmp_path, monkeypatch, capsys):
     """`snugfit train --nproc N --zero 3` / `--pp 4 --schedule bpipe` / `--tp 2` / `--pp 2 --schedule zbv`: the rest
-    searched, no plan file; losses equal the one-process run's."""
-    _, alone = _cli_losses(tmp_path, "one", "--steps", "4")
+    searched, no plan file; losses equal the one-process run's. The one-process run and the refused option run
+    in this process (main, the CLI's entry): the multi-rank runs are the launches under test."""
+    from snugfit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *FIXED, "--out-dir", str(tmp_path / "one"), "--steps", "4"]) == 0
+    alone = _losses(tmp_path / "one")
     plan2, zero3 = _cli_losses(tmp_path, "zero3", "--steps", "4", "--nproc", "2", "--zero", "3")
     plan4, bpipe = _cli_losses(tmp_path, "bpipe", "--steps", "4", "--nproc", "4", "--pp", "4", "--schedule", "bpipe")
     plan_tp, tp2 = _cli_losses(tmp_path, "tp2", "--steps", "4", "--nproc", "2", "--tp", "2")
@@ -151,8 +159,9 @@ def test_train_takes_the_fixed_parts_of_a_plan_as_options(tmp_path):
     assert (v_shape["schedule"], v_shape["virtual_stages"]) == ("zbv", 2)
     for losses in (zero3, bpipe, tp2, zbv):
         assert losses == pytest.approx(alone, rel=1e-5)
-    proc = run_cli("train", *FIXED, "--steps", "2", "--zero", "3", "--plan", "dp", cwd=tmp_path)
-    assert proc.returncode == 2 and "drop --plan (auto) or the fixed parts" in proc.stderr
+    capsys.readouterr()
+    assert main(["train", *FIXED, "--steps", "2", "--zero", "3", "--plan", "dp"]) == 2
+    assert "drop --plan (auto) or the fixed parts" in capsys.readouterr().err
 
 
 def test_a_searched_plan_that_cannot_fit_names_the_fixed_part_to_drop(tmp_path):
