@@ -97,13 +97,17 @@ def simulate(
     split = split or [(b / 2, b / 2) for b in bwd]
     seconds = {"F": fwd, "B": bwd, "I": [s[0] for s in split], "W": [s[1] for s in split]}
     order = _order(schedule, pp, m, v, bound)
-    steps, waits, owned = order.steps, order.waits, order.owned
+    steps, waits, owned, neighbours = order.steps, order.waits, order.owned, order.neighbours
+    lengths = [len(s) for s in steps]
+    # the ranks whose snapshots add what their partner holds for them (BPipe)
+    lends = [sched.evicts and partner(pp, r) != r for r in range(pp)]
     pos = [0] * pp
     free = [0.0] * pp
     ends = [[0.0] * len(s) for s in steps]  # each rank's steps' end times, those before pos[r] set
     evicted_counts = [dict.fromkeys(owned[r], 0) for r in range(pp)]  # r's own held by its partner, by stage
     res = SimResult(snapshots={r: [] for r in range(pp)}, busy=[0.0] * pp)
-    remaining = sum(len(s) for s in steps)
+    snapshots, busy, add_event = [res.snapshots[r] for r in range(pp)], res.busy, res.events.append
+    remaining = sum(lengths)
 
     def ready_at(r: int) -> float:
         """When rank r's next compute action could start, or inf while its inputs are missing."""
@@ -148,17 +152,17 @@ def simulate(
         dur = seconds[kind][k]
         ev = Event(r, k, kind, j, ready, ready + dur)
         resident = order.resident[r][at]
-        if sched.evicts and partner(pp, r) != r:
+        if lends[r]:
             resident = {**resident, **evicted_counts[partner(pp, r)]}  # the partner's stages: other keys
-        res.snapshots[r].append(Snapshot(ev, resident, order.awaiting[r][at] if order.awaiting else None))
-        res.events.append(ev)
-        res.busy[r] += dur
+        snapshots[r].append(Snapshot(ev, resident, order.awaiting[r][at]))
+        add_event(ev)
+        busy[r] += dur
         free[r] = ends[r][at] = ev.end
         pos[r] += 1
         remaining -= 1
-        starts[r] = ready_at(r) if pos[r] < len(steps[r]) else math.inf
-        for q in order.neighbours[r]:  # a neighbour already ready has all its inputs: unchanged
-            if starts[q] == math.inf and pos[q] < len(steps[q]):
+        starts[r] = ready_at(r) if pos[r] < lengths[r] else math.inf
+        for q in neighbours[r]:  # a neighbour already ready has all its inputs: unchanged
+            if starts[q] == math.inf and pos[q] < lengths[q]:
                 starts[q] = ready_at(q)
     res.makespan = max(e.end for e in res.events)
     return res
@@ -177,7 +181,7 @@ class _Order:
     owned: list[list[int]]  # rank -> its stages
     neighbours: list[list[int]]  # rank -> the ranks that may wait for it
     resident: list[list[dict[int, int]]]  # rank -> step -> own stage -> microbatches held (the step's own left out)
-    awaiting: list[list[dict[int, int]]] | None  # the same, of those between I and W (a split backward)
+    awaiting: list[list[dict[int, int] | None]]  # the same, of those between I and W (None: the backward is whole)
 
 
 NEVER = (0, math.inf)  # what a wait for something no action makes names: never done (simulate() deadlocks)
@@ -215,7 +219,7 @@ def _order(schedule: str, pp: int, m: int, v: int, bound: int | None) -> _Order:
               for moves, a in steps[r]] for r in range(pp)]
     neighbours = [sorted({rank_of[k + d] for k in owned[r] for d in (-1, 1) if 0 <= k + d < n_stages}
                          | ({partner(pp, r)} if sched.evicts else set()) - {r}) for r in range(pp)]
-    resident, awaiting = [], [] if sched.splits_backward else None
+    resident, awaiting = [], []
     for r in range(pp):
         counts = dict.fromkeys(owned[r], 0)  # (stage, mb) held on r, by stage (r's own)
         waiting = dict.fromkeys(owned[r], 0)
@@ -241,8 +245,7 @@ def _order(schedule: str, pp: int, m: int, v: int, bound: int | None) -> _Order:
                 if kind == "W":
                     waiting[k] -= 1
         resident.append(held_of)
-        if awaiting is not None:
-            awaiting.append(waiting_of)
+        awaiting.append(waiting_of if sched.splits_backward else [None] * len(waiting_of))
     return _Order(steps, waits, made, owned, neighbours, resident, awaiting)
 
 
