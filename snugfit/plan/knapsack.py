@@ -71,10 +71,10 @@ class _Layer:
     """Adds one item to a knapsack table: g[b] = min over options j of f[b - w_j] + t_j.
 
     The gather indices depend only on the weights, so they are built once per item set and reused for every
-    block added (a 70B search on 8x8 H100s adds 70,000 layers; `_add_blocks` runs those of a knapsack's sets of
-    buffers as one). A layer gives the minima only, one pass down a row per option; the option taken at a bucket is
-    found again, from the table the layer was given, for the few buckets a solution is rebuilt from (`choice`). Its
-    argument at every bucket, then the minimum at it, took twice as long (an argmin along each bucket's few options).
+    block added (a 70B search on 8x8 H100s adds 300,000 layers). A layer gives the minima only, one pass down a
+    row per option; the option taken at a bucket is found again, from the table the layer was given, for the few
+    buckets a solution is rebuilt from (`choice`). Its argument at every bucket, then the minimum at it, took
+    twice as long (an argmin along each bucket's few options).
     """
 
     def __init__(self, items: list[tuple[float, float, int]], w: list[int], buckets: int):
@@ -83,9 +83,10 @@ class _Layer:
         self.src = np.maximum(src, 0)
         # out-of-range sources cost infinity: added as a penalty to the item times
         self.t = np.where(src >= 0, np.array([it[1] for it in items])[:, None], INF)
+        self._work = np.empty(self.src.shape)  # every call's candidates, in one buffer
 
     def __call__(self, f: np.ndarray) -> np.ndarray:
-        cand = f.take(self.src)
+        cand = f.take(self.src, out=self._work)
         cand += self.t
         return np.minimum.reduce(cand, axis=0)  # ndarray.min's Python wrapper costs a tenth of the call
 
@@ -103,7 +104,6 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], needs: list[frozenset[
     the knapsack is solved once per set of them (reserved up front, options needing others left out).
     """
     best, sols = [INF] * (n_max + 1), [None] * (n_max + 1)
-    runs = []  # per set of buffers worth reserving: (items, block layer, table before the first block, root solution)
     # each option's (bytes, seconds, index), priced once for every set of buffers below
     priced = [(b.mem(resident, m), b.time(m), i) for i, b in enumerate(blocks)]
     rpriced = [(r.mem(resident, m), r.time(m), i) for i, r in enumerate(root or [])]
@@ -129,42 +129,16 @@ def knapsack(root: list[Cost] | None, blocks: list[Cost], needs: list[frozenset[
         if root is not None:
             root_layer = _Layer(ritems, [math.ceil(x / unit) for x, _, _ in ritems], buckets)
             f, root_sol = root_layer(f), (root_layer, ritems)
-        runs.append((items, _Layer(items, w, buckets), f, root_sol))
-    _add_blocks(runs, n_max, buckets, best, sols)
+        entering, layer = [], _Layer(items, w, buckets)  # the table each block layer was given: its solution's
+        for n in range(1, n_max + 1):
+            entering.append(f)
+            f = layer(f)
+            top = float(f[buckets])
+            if not math.isfinite(top):
+                break
+            if top < best[n]:  # the n-block solution reads entering[:n], which later layers only extend
+                best[n], sols[n] = top, (items, layer, entering, root_sol)
     return Table(best, sols, blocks, root, buckets)
-
-
-def _add_blocks(runs: list[tuple], n_max: int, buckets: int, best: list[float], sols: list) -> None:
-    """Adds blocks 1..n_max to each run's table (knapsack's), keeping in best/sols each block count's fastest, the
-    earlier run's on a tie. The runs' tables are the rows of one array and their layers one gather, one add and one
-    minimum per block: numpy's cost per call, not per element, is most of a layer's (options x buckets is small;
-    70B on 8x8 H100s: two or four runs a knapsack).
-    A run stops where its table has no finite entry left (nothing more fits)."""
-    if not runs:
-        return
-    width, most = buckets + 1, max(len(layer.w) for _, layer, _, _ in runs)
-    # (run, option, bucket), each run's options padded to the most with an option that never fits
-    src, t = np.zeros((len(runs), most, width), dtype=np.intp), np.full((len(runs), most, width), INF)
-    for row, (_, layer, _, _) in enumerate(runs):
-        src[row, :len(layer.w)], t[row, :len(layer.w)] = layer.src + row * width, layer.t
-    work = np.empty(src.shape)  # every layer's candidates, in one buffer
-    f = np.stack([f0 for _, _, f0, _ in runs])
-    entering = [[] for _ in runs]  # the table each block layer was given, per run: its solution's
-    alive = range(len(runs))
-    for n in range(1, n_max + 1):
-        for r in alive:
-            entering[r].append(f[r])
-        cand = f.take(src, out=work)
-        cand += t
-        f = np.minimum.reduce(cand, axis=1)
-        tops = f[:, buckets].tolist()
-        alive = [r for r in alive if math.isfinite(tops[r])]
-        if not alive:
-            return
-        for r in alive:
-            if tops[r] < best[n]:  # the n-block solution reads entering[:n], which later layers only extend
-                items, layer, _, root_sol = runs[r]
-                best[n], sols[n] = tops[r], (items, layer, entering[r], root_sol)
 
 
 def split(best: list[list[float]], n: int, v: int) -> list[int] | None:
