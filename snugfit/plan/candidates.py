@@ -126,6 +126,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
         to_host = any(o.placement.states_on_host for o in options) and \
             4 * trainable / (pp * tp) > cluster.gpu_of(0).memory_bytes / 2
         mbss = [c.micro_batch] if c.micro_batch else [d for d in divisors(gb // dp) if d <= MAX_MICRO_BATCH]
+        eps = ep_degrees(prof, dp * cp, c)  # the model's facts read once, not per micro-batch and schedule
         for mbs in mbss:
             m = gb // (dp * mbs)
             if gb % (dp * mbs) or (c.num_microbatches and m != c.num_microbatches):
@@ -137,7 +138,7 @@ def outer_candidates(prof: ModelProfile, cluster: Cluster, global_batch: int, c:
                 if sched.problem(pp, v, m) or n < pp * v:
                     continue
                 for g, ep in [(g, ep) for g in grad_reduce_modes(dp, m, c, in_backward, to_host)
-                              for ep in ep_degrees(prof, dp * cp, c)]:
+                              for ep in eps]:
                     shape = Shape(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=sched.name, virtual_stages=v, micro_batch_size=mbs,
                                   num_microbatches=m, grad_reduce=g, compile=prof.compiled,
                                   evict_bound=c.evict_bound if sched.evicts else None)

@@ -183,13 +183,18 @@ class CostModel:
         return self._options[key]
 
     def lower_bound(self, cand: Candidate) -> float:
-        """Every block at its fastest option, perfectly balanced over the fastest GPU kind."""
-        best = INF
+        """Every block at its fastest option, perfectly balanced over the fastest GPU kind (each kind of stage
+        once: stages on alike nodes share their costs)."""
+        best, bubble, seen = INF, self.bubble(cand), set()
         for s in {self.cluster.node_of(cand.shape.layout.rank(s)): s for s in range(cand.pp)}.values():
+            st = self.costs(cand, s)
+            if id(st) in seen:
+                continue
+            seen.add(id(st))
             block, root, block_mb = self._fastest(cand, s)
-            pipe = cpu_stage_time(self.costs(cand, s).node) * cand.virtual_stages if cand.pp > 1 else 0.0
+            pipe = cpu_stage_time(st.node) * cand.virtual_stages if cand.pp > 1 else 0.0
             best = min(best, (self.n_blocks * block + root) / cand.pp + cand.num_microbatches * pipe
-                       + self.bubble(cand) * (self.n_blocks * block_mb / cand.pp + pipe))
+                       + bubble * (self.n_blocks * block_mb / cand.pp + pipe))
         return best
 
     def floor(self, cand: Candidate) -> float:

@@ -237,27 +237,36 @@ def rank_footprint(plan: Plan, prof: ModelProfile, pp_rank: int, sim: SimResult,
 
     grads_resident = False  # gradients exist from the rank's first backward on
     last_backward_held = 0
+    # snapshots alike in what they hold share its dicts (simulate), and one alike to an earlier one in those and in
+    # its walk is no busier than it (the earliest wins a tie): 1F1B at 256 microbatches repeats a few all step
+    held_of: dict[int, int] = {}  # by the id of a snapshot's resident counts
+    seen: set[tuple] = set()
     for at, snap in enumerate(sim.snapshots[pp_rank]):
         ev = snap.event
         g = accum if grads_resident else 0
         syncs = plan.grad_reduce == "microbatch" or ev.mb == plan.num_microbatches - 1
         makes_grads = ev.kind in ("B", "W")  # a split backward's I makes only the input's gradient
         kind = "forward" if ev.kind == "F" else "sync" if makes_grads and syncs else "backward"
-        walk = walks[kind, ev.stage, grads_resident]
-        held = sum(per_mb[s] * n for s, n in snap.resident.items() if n)
-        pending = sum(awaiting_w[s] * n for s, n in (snap.awaiting_weight or {}).items() if n)
-        name = "forward" if kind == "forward" else "backward"
-        activations = held + pending + walk.saved + window
-        total = activations + walk.working + g + walk.gradients + gathered - walk.released + walk.buffers
-        if busier(name, total):
-            best[name], first_at[name] = Moment({
-                "gradients": g + walk.gradients, "activations": activations,
-                "comm_buffers": gathered - walk.released, "reduce_buffers": walk.buffers,
-                "logits_loss" if walk.piece == "head" else "working": walk.working}, walk.piece), at
-        saved, copy = tracked_of[ev.stage]
-        if held + saved + copies + copy + g > tracked_total:
-            tracked_total = held + saved + copies + copy + g
-            tracked_pass = {"activations": held + saved, "comm_buffers": copies + copy, "gradients": g}
+        held = held_of.get(id(snap.resident))
+        if held is None:
+            held = held_of[id(snap.resident)] = sum(per_mb[s] * n for s, n in snap.resident.items() if n)
+        alike = (kind, ev.stage, grads_resident, id(snap.resident), id(snap.awaiting_weight))
+        if alike not in seen:
+            seen.add(alike)
+            walk = walks[kind, ev.stage, grads_resident]
+            pending = sum(awaiting_w[s] * n for s, n in (snap.awaiting_weight or {}).items() if n)
+            name = "forward" if kind == "forward" else "backward"
+            activations = held + pending + walk.saved + window
+            total = activations + walk.working + g + walk.gradients + gathered - walk.released + walk.buffers
+            if busier(name, total):
+                best[name], first_at[name] = Moment({
+                    "gradients": g + walk.gradients, "activations": activations,
+                    "comm_buffers": gathered - walk.released, "reduce_buffers": walk.buffers,
+                    "logits_loss" if walk.piece == "head" else "working": walk.working}, walk.piece), at
+            saved, copy = tracked_of[ev.stage]
+            if held + saved + copies + copy + g > tracked_total:
+                tracked_total = held + saved + copies + copy + g
+                tracked_pass = {"activations": held + saved, "comm_buffers": copies + copy, "gradients": g}
         grads_resident = grads_resident or makes_grads
         last_backward_held = held if makes_grads else last_backward_held
     # the copies of reduce: FSDP2 reshards a unit before reducing it, and has prefetched (a unit of) the next

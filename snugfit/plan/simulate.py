@@ -88,56 +88,39 @@ def simulate(
     p2p[k]: seconds to send stage k's output to stage k+1 (and its gradient back);
     move[k]: seconds to evict (or load back) one microbatch of stage k's activations (BPipe);
     split[k]: (input, weight) backward seconds of stage k where the schedule splits it (default: halves of bwd).
+    Snapshots of one schedule share their dicts (`_order`): read them, never change them.
     """
     sched = SCHEDULES[schedule]
     n_stages = pp * v
-    p2p = p2p or [0.0] * n_stages
+    lag = [*(p2p or [0.0] * n_stages), 0.0]  # by the waits' p2p stage; -1 (same rank): none
     move = move or [0.0] * n_stages
     split = split or [(b / 2, b / 2) for b in bwd]
     seconds = {"F": fwd, "B": bwd, "I": [s[0] for s in split], "W": [s[1] for s in split]}
-    rank_of = [sched.rank_of(k, pp) for k in range(n_stages)]
-    steps = [_steps(prog) for prog in programs(schedule, pp, v, m, bound)]
+    order = _order(schedule, pp, m, v, bound)
+    steps, waits, owned, neighbours = order.steps, order.waits, order.owned, order.neighbours
+    lengths = [len(s) for s in steps]
+    # the ranks whose snapshots add what their partner holds for them (BPipe)
+    lends = [sched.evicts and partner(pp, r) != r for r in range(pp)]
     pos = [0] * pp
     free = [0.0] * pp
-    # ("F" | "G" (input gradient ready) | "W" | "R" (activations released), stage, mb) -> when
-    done: dict[tuple[str, int, int], float] = {}
-    owned = [[k for k in range(n_stages) if rank_of[k] == r] for r in range(pp)]
-    counts = [dict.fromkeys(owned[r], 0) for r in range(pp)]  # (stage, mb) held on r, by stage (r's own)
+    ends = [[0.0] * len(s) for s in steps]  # each rank's steps' end times, those before pos[r] set
     evicted_counts = [dict.fromkeys(owned[r], 0) for r in range(pp)]  # r's own held by its partner, by stage
-    awaiting = [dict.fromkeys(owned[r], 0) for r in range(pp)] if sched.splits_backward else None
     res = SimResult(snapshots={r: [] for r in range(pp)}, busy=[0.0] * pp)
-    remaining = sum(len(s) for s in steps)
-
-    def inputs(r: int, kind: str, k: int, j: int) -> tuple[tuple[tuple[str, int, int], float], ...]:
-        """The actions this one waits for, each with its transfer delay to rank r."""
-        if kind == "F":
-            return ((("F", k - 1, j), 0.0 if rank_of[k - 1] == r else p2p[k - 1]),) if k > 0 else ()
-        if kind == "W":
-            return ((("G", k, j), 0.0),)
-        own = (("F", k, j), 0.0)
-        return (own, (("G", k + 1, j), 0.0 if rank_of[k + 1] == r else p2p[k])) if k < n_stages - 1 else (own,)
-
-    def loads(r: int, moves) -> tuple[tuple[tuple[str, int, int], float], ...]:
-        """A load waits for the partner to release that microbatch (its backward, or W, of it done)."""
-        return tuple((("R", s, mv.mb), 0.0) for mv in moves if mv.kind == "LOAD" for s in owned[partner(pp, r)])
-
-    waits = [[inputs(r, a.kind, a.stage, a.mb) + loads(r, moves) for moves, a in steps[r]] for r in range(pp)]
+    snapshots, busy, add_event = [res.snapshots[r] for r in range(pp)], res.busy, res.events.append
+    remaining = sum(lengths)
 
     def ready_at(r: int) -> float:
         """When rank r's next compute action could start, or inf while its inputs are missing."""
         t = free[r]
-        for d, delay in waits[r][pos[r]]:
-            end = done.get(d)
-            if end is None:
+        for q, i, d in waits[r][pos[r]]:
+            if pos[q] <= i:
                 return math.inf
-            t = max(t, end + delay)
+            t = max(t, ends[q][i] + lag[d])
         return t
 
     # When each rank's next action could start: an action changes only its own rank's and its waiting
     # neighbours' (the ranks it sends to and receives from), so only those are recomputed.
     starts = [ready_at(r) if steps[r] else math.inf for r in range(pp)]
-    neighbours = [sorted({rank_of[k + d] for k in owned[r] for d in (-1, 1) if 0 <= k + d < n_stages}
-                         | ({partner(pp, r)} if sched.evicts else set()) - {r}) for r in range(pp)]
 
     def run_moves(r: int, moves, t_free: float) -> float:
         """The EVICTs and LOAD before a compute action; returns when the action may start for them."""
@@ -145,14 +128,12 @@ def simulate(
         for mv in moves:
             k, j = mv.stage, mv.mb
             if mv.kind == "EVICT":
-                counts[r][k] -= 1
                 evicted_counts[r][k] += 1
                 res.events.append(Event(r, k, "evict", j, t_free, t_free + move[k]))
                 sent = max(sent, res.events[-1].end)
             else:  # the partner hands it back once its own backward of that microbatch is done
-                start = max([sent] + [done[("R", s, j)] for s in owned[partner(pp, r)]])
+                start = max([sent] + [ends[q][i] for q, i in (order.made["R", s, j] for s in owned[partner(pp, r)])])
                 evicted_counts[r][k] -= 1
-                counts[r][k] += 1
                 res.events.append(Event(r, k, "load", j, start, start + move[k]))
                 ready = max(ready, start + move[k])
         return ready
@@ -163,45 +144,109 @@ def simulate(
         if ready == math.inf:
             raise RuntimeError(f"schedule {schedule} deadlocked (pp={pp}, v={v}, m={m})")
         r = starts.index(ready)
-        moves, a = steps[r][pos[r]]
+        at = pos[r]
+        moves, a = steps[r][at]
         kind, k, j = a
         if moves:
             ready = max(ready, run_moves(r, moves, free[r]))
         dur = seconds[kind][k]
         ev = Event(r, k, kind, j, ready, ready + dur)
-        resident = dict(counts[r])
-        if kind != "F":
-            resident[k] -= 1
-        if sched.evicts and partner(pp, r) != r:
-            resident.update(evicted_counts[partner(pp, r)])  # the partner's stages: other keys
-        wait_w = None
-        if awaiting is not None:
-            wait_w = dict(awaiting[r])
-            if kind == "W":
-                wait_w[k] -= 1
-        res.snapshots[r].append(Snapshot(ev, resident, wait_w))
-        res.events.append(ev)
-        res.busy[r] += dur
-        free[r] = ev.end
-        done[("F" if kind == "F" else "W" if kind == "W" else "G", k, j)] = ev.end
-        if kind in ("B", "W"):
-            done[("R", k, j)] = ev.end  # released: the partner may hand back what it holds of j
+        resident = order.resident[r][at]
+        if lends[r]:
+            resident = {**resident, **evicted_counts[partner(pp, r)]}  # the partner's stages: other keys
+        snapshots[r].append(Snapshot(ev, resident, order.awaiting[r][at]))
+        add_event(ev)
+        busy[r] += dur
+        free[r] = ends[r][at] = ev.end
         pos[r] += 1
         remaining -= 1
-        starts[r] = ready_at(r) if pos[r] < len(steps[r]) else math.inf
+        starts[r] = ready_at(r) if pos[r] < lengths[r] else math.inf
         for q in neighbours[r]:  # a neighbour already ready has all its inputs: unchanged
-            if starts[q] == math.inf and pos[q] < len(steps[q]):
+            if starts[q] == math.inf and pos[q] < lengths[q]:
                 starts[q] = ready_at(q)
-        if kind == "F":
-            counts[r][k] += 1
-        elif kind == "I":
-            awaiting[r][k] += 1
-        else:
-            counts[r][k] -= 1
-            if kind == "W":
-                awaiting[r][k] -= 1
     res.makespan = max(e.end for e in res.events)
     return res
+
+
+@dataclass(frozen=True)
+class _Order:
+    """What simulate() takes of a schedule whatever the durations: each rank's steps, the earlier steps each waits
+    for, and what the rank holds of its own stages as each starts (its own program decides that). Built once per
+    (schedule, pp, m, v, bound): the search's estimates simulate the same few with other durations (70B on 8x8
+    H100s: 13 of 7 kinds). Alike held counts are one dict (rank_footprint skips the repeats)."""
+
+    steps: list[list[tuple[tuple, object]]]  # rank -> (moves before it, compute action)
+    waits: list[list[tuple[tuple[int, int, int], ...]]]  # rank -> step -> (rank, step, p2p stage or -1) it waits for
+    made: dict[tuple[str, int, int], tuple[int, int]]  # (F | G | W | R, stage, mb) -> (rank, step) that makes it
+    owned: list[list[int]]  # rank -> its stages
+    neighbours: list[list[int]]  # rank -> the ranks that may wait for it
+    resident: list[list[dict[int, int]]]  # rank -> step -> own stage -> microbatches held (the step's own left out)
+    awaiting: list[list[dict[int, int] | None]]  # the same, of those between I and W (None: the backward is whole)
+
+
+NEVER = (0, math.inf)  # what a wait for something no action makes names: never done (simulate() deadlocks)
+
+
+@functools.lru_cache(maxsize=256)
+def _order(schedule: str, pp: int, m: int, v: int, bound: int | None) -> _Order:
+    sched = SCHEDULES[schedule]
+    n_stages = pp * v
+    rank_of = [sched.rank_of(k, pp) for k in range(n_stages)]
+    steps = [_steps(prog) for prog in programs(schedule, pp, v, m, bound)]
+    owned = [[k for k in range(n_stages) if rank_of[k] == r] for r in range(pp)]
+    # "G": the input gradient ready; "R": the activations released (the partner may hand back what it holds)
+    made: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for r, rank_steps in enumerate(steps):
+        for i, (_, (kind, k, j)) in enumerate(rank_steps):
+            made["F" if kind == "F" else "W" if kind == "W" else "G", k, j] = (r, i)
+            if kind in ("B", "W"):
+                made["R", k, j] = (r, i)
+
+    def inputs(r: int, kind: str, k: int, j: int) -> list[tuple[tuple[str, int, int], int]]:
+        """The actions this one waits for, each with the stage whose transfer delays it to rank r (-1: none)."""
+        if kind == "F":
+            return [(("F", k - 1, j), -1 if rank_of[k - 1] == r else k - 1)] if k > 0 else []
+        if kind == "W":
+            return [(("G", k, j), -1)]
+        own = (("F", k, j), -1)
+        return [own, (("G", k + 1, j), -1 if rank_of[k + 1] == r else k)] if k < n_stages - 1 else [own]
+
+    def loads(r: int, moves) -> list[tuple[tuple[str, int, int], int]]:
+        """A load waits for the partner to release that microbatch (its backward, or W, of it done)."""
+        return [(("R", s, mv.mb), -1) for mv in moves if mv.kind == "LOAD" for s in owned[partner(pp, r)]]
+
+    waits = [[tuple((*made.get(d, NEVER), lag) for d, lag in inputs(r, a.kind, a.stage, a.mb) + loads(r, moves))
+              for moves, a in steps[r]] for r in range(pp)]
+    neighbours = [sorted({rank_of[k + d] for k in owned[r] for d in (-1, 1) if 0 <= k + d < n_stages}
+                         | ({partner(pp, r)} if sched.evicts else set()) - {r}) for r in range(pp)]
+    resident, awaiting = [], []
+    for r in range(pp):
+        counts = dict.fromkeys(owned[r], 0)  # (stage, mb) held on r, by stage (r's own)
+        waiting = dict.fromkeys(owned[r], 0)
+        alike: dict[tuple, dict[int, int]] = {}
+        held_of, waiting_of = [], []
+        for moves, (kind, k, _) in steps[r]:
+            for mv in moves:
+                counts[mv.stage] += -1 if mv.kind == "EVICT" else 1
+            held = dict(counts)
+            if kind != "F":
+                held[k] -= 1
+            held_of.append(alike.setdefault(("held", *held.items()), held))
+            wait_w = dict(waiting)
+            if kind == "W":
+                wait_w[k] -= 1
+            waiting_of.append(alike.setdefault(("waiting", *wait_w.items()), wait_w))
+            if kind == "F":
+                counts[k] += 1
+            elif kind == "I":
+                waiting[k] += 1
+            else:
+                counts[k] -= 1
+                if kind == "W":
+                    waiting[k] -= 1
+        resident.append(held_of)
+        awaiting.append(waiting_of if sched.splits_backward else [None] * len(waiting_of))
+    return _Order(steps, waits, made, owned, neighbours, resident, awaiting)
 
 
 def _steps(program) -> list[tuple[tuple, object]]:

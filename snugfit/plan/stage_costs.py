@@ -252,12 +252,13 @@ class StageCosts:
                   measured_on=self.measured_on, wrapped=not unwrapped, busy=self.busy, tensor=self.tensor, context=self.context,
                   experts=self.experts,
                   computed=self.shared.computed, gathers=self.gathers)
-        one, two = stage_time(sps, **kw), stage_time(sps + sps, **kw)
+        one = stage_time(sps, **kw)
         # a block: what one more such unit adds (no first gather to expose); on CPU ranks nothing overlaps, so a unit
         # costs the same wherever it is. The root is one unit per stage, the first to gather: counted whole (the
         # difference dropped its FSDP2 overhead, so on one GPU a sharded root cost what a plain one did)
         passes = one.f_total + one.b_total
         if self.gpu.name != "cpu" and block:
+            two = stage_time(sps + sps, **kw)
             passes = two.f_total + two.b_total - passes
         # a block's host step hides behind its own backward, as estimate() hides the sum behind the whole one
         opt_dev, opt_host = optimizer_time(sps, gpu=self.gpu, host=self.node.host, dp=self.dp, dtype=self.dtype,
