@@ -36,14 +36,14 @@ def test_every_rank_reports_in_rank_order():
 
 
 def test_a_rank_that_exits_without_reporting_fails_the_call_at_once():
-    start = time.monotonic()
+    # named by its exit, not found silent at the deadline (which would say "still running")
     with pytest.raises(AssertionError, match="rank 1 exited with code 7 before reporting"):
         run_ranks(_rank_one_dies, 2, timeout_s=300)
-    assert time.monotonic() - start < 60  # not the 300 s deadline
 
 
 def test_a_rank_past_the_deadline_fails_the_call_with_its_stacks():
-    with pytest.raises(AssertionError, match="rank 0 still running after 3 s") as err:
-        run_ranks(_rank_zero_hangs, 2, timeout_s=3)
+    # 10 s: room for rank 1 to start and report on a busy machine, so only rank 0 is silent at the deadline
+    with pytest.raises(AssertionError, match="rank 0 still running after 10 s") as err:
+        run_ranks(_rank_zero_hangs, 2, timeout_s=10)
     assert "wait_here_forever" in str(err.value)  # faulthandler's dump of the hanging rank's threads
     assert "rank 1" not in str(err.value)  # rank 1 reported
